@@ -1,0 +1,29 @@
+# The two commands of README.md. Both create .venv on first use and install what they need.
+# torch==2.13.0 resolves to the CPU wheel on the development machines; on a GPU image use the
+# Dockerfile instead (NGC PyTorch brings CUDA torch, NCCL, Transformer Engine and apex).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SMOKE_ARGS ?=
+
+.PHONY: smoke test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+smoke: $(STAMP)
+	$(PY) -m launch.train --config configs/smoke.yaml $(SMOKE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,40 @@
+"""Typed configuration: dataclasses per section, loaded from YAML with command-line overrides."""
+
+from moe_pretrain.config.errors import ConfigError
+from moe_pretrain.config.loader import config_to_dict, load_config
+from moe_pretrain.config.model import (
+    AttnResConfig,
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    VisionConfig,
+)
+from moe_pretrain.config.run import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "AttnResConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "KDAConfig",
+    "LoggingConfig",
+    "MLAConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "VisionConfig",
+    "config_to_dict",
+    "load_config",
+]

@@ -1,0 +1,136 @@
+"""YAML files and `section.key=value` overrides mapped onto the typed config dataclasses.
+
+Every value is checked against its field's type hint before the dataclasses validate themselves, so
+an error always names the dotted key, the value and what was expected; an unknown key names the
+nearest valid one.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moe_pretrain.config.errors import ConfigError
+from moe_pretrain.config.run import Config
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file (or start from defaults when path is None) and apply `a.b.c=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        with path.open() as f:
+            loaded = yaml.safe_load(f)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+    return build(Config, raw, "")
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """Plain nested dict of a config, for saving the resolved config next to a run."""
+    return dataclasses.asdict(config)
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _all_keys(cls: type, prefix: str) -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        keys.append(dotted)
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys.extend(_all_keys(hint, dotted + "."))
+    return keys
+
+
+def _unknown_key_error(key: str) -> ConfigError:
+    valid = _all_keys(Config, "")
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
+    suggestion = same_leaf[0] if same_leaf else (close[0] if close else None)
+    hint = f"; did you mean {suggestion}?" if suggestion else ""
+    return ConfigError(f"unknown config key {key}{hint}")
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    """Instantiate dataclass cls from a mapping, checking keys and types recursively."""
+    where = prefix.rstrip(".") or "the config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise _unknown_key_error(f"{prefix}{key}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        dotted = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = build(hint, value, dotted + ".")
+        else:
+            kwargs[name] = _coerce(value, hint, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} must be one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"config field {key} has a type the loader does not know: {hint}")
+    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {hint.__name__}")

@@ -1,0 +1,158 @@
+"""Model configuration: one small dataclass per component (STYLE.md rule 7), each validating itself.
+
+Defaults are the full-size values of MODEL.md; configs/smoke.yaml shrinks them. Cross-field checks
+that span components live in ModelConfig.__post_init__ and name every key involved.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_pretrain.config.errors import require, require_positive
+
+
+@dataclass
+class KDAConfig:
+    """Kimi Delta Attention layers (MODEL.md, "KDA")."""
+
+    num_heads: int = 96
+    """Heads; each keeps a head_dim x head_dim state."""
+    head_dim: int = 128
+    """d_k = d_v per head."""
+    conv_size: int = 4
+    """Kernel of the depthwise causal short convolutions on q, k, v."""
+    gate: Literal["lower_bound", "softplus"] = "lower_bound"
+    """Decay form: lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), or fla's -exp(A_log) * softplus(f + dt_bias)."""
+    lower_bound: float = -5.0
+    """Most negative log decay per step in the lower_bound form (alpha >= exp(-5) ~ 0.0067)."""
+    chunk_size: int = 64
+    """Chunk of the WY/UT chunked algorithm."""
+
+    def __post_init__(self) -> None:
+        require_positive("model.kda", num_heads=self.num_heads, head_dim=self.head_dim,
+                  conv_size=self.conv_size, chunk_size=self.chunk_size)
+        require(self.lower_bound < 0, f"model.kda.lower_bound={self.lower_bound} must be < 0 (a log decay)")
+
+
+@dataclass
+class MLAConfig:
+    """Gated Multi-head Latent Attention layers (MODEL.md, "Gated MLA")."""
+
+    num_heads: int = 96
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    position: Literal["nope", "rope"] = "nope"
+    """nope (full size: the rope dims are never rotated, position comes from KDA) or rope (ablations)."""
+    rope_theta: float = 10000.0
+    lora_norm_eps: float = 1e-6
+    """eps of the RMSNorms on the q and kv latents."""
+
+    def __post_init__(self) -> None:
+        require_positive("model.mla", num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
+                  kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                  v_head_dim=self.v_head_dim, rope_theta=self.rope_theta)
+        require(self.qk_rope_head_dim >= 0 and self.qk_rope_head_dim % 2 == 0,
+                 f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even and >= 0 (rotary pairs)")
+
+
+@dataclass
+class MoEConfig:
+    """Stable LatentMoE with SiTU-GLU experts and its balancing (MODEL.md)."""
+
+    num_experts: int = 896
+    top_k: int = 16
+    expert_intermediate: int = 3072
+    """SiTU-GLU intermediate width of each routed expert (which works in the latent dim)."""
+    latent_size: int = 3584
+    """l: routed experts read and write l-dim vectors (W_down: d -> l, W_up: l -> d)."""
+    num_shared_experts: int = 2
+    shared_intermediate: int = 3072
+    """Intermediate width of each shared expert (in full d)."""
+    routed_scaling: float = 1.0
+    balancing: Literal["qb", "aux_free", "aux_loss"] = "qb"
+    """qb: quantile balancing; aux_free: DeepSeek sign update; aux_loss: classic auxiliary loss."""
+    qb_rate: float = 1.0
+    aux_free_rate: float = 1e-3
+    aux_loss_coef: float = 1e-2
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+
+    def __post_init__(self) -> None:
+        require_positive("model.moe", num_experts=self.num_experts, top_k=self.top_k,
+                  expert_intermediate=self.expert_intermediate, latent_size=self.latent_size,
+                  situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta)
+        require(self.top_k < self.num_experts,
+                 f"model.moe.top_k={self.top_k} must be < model.moe.num_experts={self.num_experts}")
+        require(self.num_shared_experts >= 0, f"model.moe.num_shared_experts={self.num_shared_experts} must be >= 0")
+        require(self.num_shared_experts == 0 or self.shared_intermediate > 0,
+                 "model.moe.shared_intermediate must be > 0 when model.moe.num_shared_experts > 0")
+
+
+@dataclass
+class AttnResConfig:
+    """Attention Residuals, block variant (MODEL.md, "AttnRes")."""
+
+    block_size: int = 12
+    """Layers per block: each completed block becomes one bank entry."""
+
+    def __post_init__(self) -> None:
+        require(self.block_size >= 1, f"model.attn_res.block_size={self.block_size} must be >= 1")
+
+
+@dataclass
+class VisionConfig:
+    """Native image input: square patches, linearly projected to visual tokens."""
+
+    patch_size: int = 14
+    channels: int = 3
+
+    def __post_init__(self) -> None:
+        require_positive("model.vision", patch_size=self.patch_size, channels=self.channels)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.patch_size * self.patch_size * self.channels
+
+
+# The full-size stack: MLA at 1-based positions 4, 8, ..., 92 and 93 (MODEL.md).
+FULL_LAYER_PATTERN = "KKKM" * 23 + "M"
+
+
+@dataclass
+class ModelConfig:
+    """The whole model; layer i's mixer is layer_pattern[i] (K = KDA, M = gated MLA)."""
+
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_layers: int = 93
+    layer_pattern: str = FULL_LAYER_PATTERN
+    dense_layers: int = 1
+    """The first dense_layers layers use a dense SiTU-GLU MLP instead of the LatentMoE."""
+    dense_intermediate: int = 33792
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    kda: KDAConfig = field(default_factory=KDAConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    attn_res: AttnResConfig = field(default_factory=AttnResConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+
+    def __post_init__(self) -> None:
+        require_positive("model", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                  num_layers=self.num_layers, norm_eps=self.norm_eps, init_std=self.init_std)
+        require(len(self.layer_pattern) == self.num_layers,
+                 f"model.layer_pattern has {len(self.layer_pattern)} letters but model.num_layers={self.num_layers}")
+        bad = sorted(set(self.layer_pattern) - {"K", "M"})
+        require(not bad, f"model.layer_pattern may hold only K (KDA) and M (MLA), found {bad}")
+        require(0 <= self.dense_layers <= self.num_layers,
+                 f"model.dense_layers={self.dense_layers} must be in [0, model.num_layers={self.num_layers}]")
+        require(self.dense_layers == 0 or self.dense_intermediate > 0,
+                 "model.dense_intermediate must be > 0 when model.dense_layers > 0")
+
+    def layer_kind(self, index: int) -> Literal["kda", "mla"]:
+        return "kda" if self.layer_pattern[index] == "K" else "mla"
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.dense_layers

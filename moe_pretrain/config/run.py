@@ -1,0 +1,124 @@
+"""Run configuration sections other than the model: parallel, data, train, optim, checkpoint, logging."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from moe_pretrain.config.errors import ConfigError, require, require_positive
+from moe_pretrain.config.model import ModelConfig
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Only the single-process layout (all 1) runs until the parallelism issue lands."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        require_positive("parallel", tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, vpp=self.vpp)
+
+
+@dataclass
+class DataConfig:
+    """The embedded default corpus: Python stdlib source text plus procedural captioned images."""
+
+    seq_len: int = 256
+    batch_size: int = 8
+    """Global sequences per optimizer step (split over micro-batches and, later, data-parallel ranks)."""
+    micro_batches: int = 1
+    """Gradient-accumulation steps per optimizer step; batch_size must divide by it."""
+    image_fraction: float = 0.2
+    """Share of documents that are captioned images."""
+    image_size: int = 28
+    """Side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size,
+                  micro_batches=self.micro_batches, image_size=self.image_size)
+        require(self.batch_size % self.micro_batches == 0,
+                 f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
+        require(0.0 <= self.image_fraction <= 1.0, f"data.image_fraction={self.image_fraction} must be in [0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """Parameter and activation dtype; router and nonlinearities always run in >= fp32."""
+    run_dir: str = "runs/smoke"
+
+    def __post_init__(self) -> None:
+        require_positive("train", steps=self.steps)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """cosine: warmup then cosine to min_lr; wsd: warmup, stable at lr, then linear decay to min_lr."""
+    decay_fraction: float = 0.2
+    """wsd only: the share of steps spent decaying."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        require_positive("optim", lr=self.lr)
+        require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        require(0 < self.decay_fraction <= 1, f"optim.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing arrives with the checkpoint issue; until then a non-zero interval is refused."""
+
+    dir: str = "checkpoints"
+    interval: int = 0
+    """Save every `interval` steps; 0 = never."""
+
+    def __post_init__(self) -> None:
+        require(self.interval >= 0, f"checkpoint.interval={self.interval} must be >= 0")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    """Print a progress line every log_every steps (metrics.jsonl gets every step)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        require_positive("logging", log_every=self.log_every)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        patch = self.model.vision.patch_size
+        require(self.data.image_size % patch == 0,
+                 f"data.image_size={self.data.image_size} must be a multiple of model.vision.patch_size={patch}")
+        patches = (self.data.image_size // patch) ** 2
+        if self.data.image_fraction > 0 and patches + 8 > self.data.seq_len:
+            raise ConfigError(
+                f"an image takes {patches} patch tokens, which does not fit data.seq_len={self.data.seq_len}; "
+                "lower data.image_size or set data.image_fraction=0"
+            )

@@ -1,0 +1,6 @@
+"""The model: modules over the functional core in moe_pretrain.ops (no torch.distributed here)."""
+
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.transformer import DecoderLayer, MoETransformer
+
+__all__ = ["DecoderLayer", "DocumentLayout", "MoETransformer"]

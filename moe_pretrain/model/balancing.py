@@ -1,0 +1,73 @@
+"""Expert-load balancing strategies (MODEL.md): quantile balancing (default), aux-free, aux loss.
+
+A balancer watches every routing of a training step (all micro-batches), then proposes the next
+bias once the optimizer has stepped: statistics of one batch steer the routing of the next.
+Only the aux-loss strategy adds a term to the loss; the other two move the bias and nothing else.
+"""
+
+import torch
+
+from moe_pretrain.config import MoEConfig
+from moe_pretrain.ops import aux_free_update, load_balancing_loss, quantile_balance_update
+
+
+class Balancer:
+    """Base: observes routings, may add a loss, proposes a bias after each optimizer step."""
+
+    def __init__(self, cfg: MoEConfig):
+        self.cfg = cfg
+
+    def observe(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        """Record one forward's detached scores [m, n] and choices [m, k]."""
+
+    def loss(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor | None:
+        """A differentiable balancing loss for this forward, already weighted, or None."""
+        return None
+
+    def next_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """The bias for the next step; forgets what was observed."""
+        return bias
+
+
+class QuantileBalancer(Balancer):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self._scores: list[torch.Tensor] = []
+
+    def observe(self, scores, topk_idx):
+        self._scores.append(scores)
+
+    def next_bias(self, bias):
+        if not self._scores:
+            return bias
+        scores = torch.cat(self._scores)
+        self._scores.clear()
+        return quantile_balance_update(scores, bias, self.cfg.top_k, self.cfg.qb_rate)
+
+
+class AuxFreeBalancer(Balancer):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self._choices: list[torch.Tensor] = []
+
+    def observe(self, scores, topk_idx):
+        self._choices.append(topk_idx)
+
+    def next_bias(self, bias):
+        if not self._choices:
+            return bias
+        choices = torch.cat(self._choices)
+        self._choices.clear()
+        return aux_free_update(choices, bias, self.cfg.aux_free_rate)
+
+
+class AuxLossBalancer(Balancer):
+    def loss(self, scores, topk_idx):
+        return self.cfg.aux_loss_coef * load_balancing_loss(scores, topk_idx)
+
+
+BALANCERS = {"qb": QuantileBalancer, "aux_free": AuxFreeBalancer, "aux_loss": AuxLossBalancer}
+
+
+def make_balancer(cfg: MoEConfig) -> Balancer:
+    return BALANCERS[cfg.balancing](cfg)

@@ -1,0 +1,75 @@
+"""Kimi Delta Attention layer (MODEL.md, "KDA"), over ops.kda.
+
+Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
+q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
+low-rank f = W_fb W_fa x; beta = sigmoid(W_b x); y = W_o [sigmoid(W_g x) * RMSNorm_head(o)].
+The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_pretrain.config import KDAConfig
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.short_conv import ShortConvolution
+from moe_pretrain.ops import kda, l2_norm, rms_norm
+from moe_pretrain.ops.norms import compute_dtype
+from parallel.linear import LinearStyle, make_linear
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, dim: int, cfg: KDAConfig, *, norm_eps: float, init_std: float, out_std: float):
+        super().__init__()
+        self.cfg = cfg
+        self.norm_eps = norm_eps
+        H, K = cfg.num_heads, cfg.head_dim
+        inner = H * K
+        column = LinearStyle.COLUMN
+        self.q_proj = make_linear(dim, inner, style=column, init_std=init_std)
+        self.k_proj = make_linear(dim, inner, style=column, init_std=init_std)
+        self.v_proj = make_linear(dim, inner, style=column, init_std=init_std)
+        self.q_conv = ShortConvolution(inner, cfg.conv_size)
+        self.k_conv = ShortConvolution(inner, cfg.conv_size)
+        self.v_conv = ShortConvolution(inner, cfg.conv_size)
+        self.f_a_proj = make_linear(dim, K, style=LinearStyle.REPLICATED, init_std=init_std)
+        self.f_b_proj = make_linear(K, inner, style=column, init_std=init_std)
+        # A_log ~ log U(1, 16) per head; dt_bias 0 (MODEL.md). Neither takes weight decay.
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
+        self.dt_bias = nn.Parameter(torch.zeros(inner))
+        self.b_proj = make_linear(dim, H, style=column, init_std=init_std)
+        self.g_proj = make_linear(dim, inner, style=column, init_std=init_std)
+        self.o_norm_weight = nn.Parameter(torch.ones(K))
+        self.o_proj = make_linear(inner, dim, style=LinearStyle.ROW, init_std=out_std)
+
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""
+        dtype = compute_dtype(f.dtype)
+        x = f.to(dtype) + self.dt_bias.to(dtype).view(self.cfg.num_heads, self.cfg.head_dim)
+        rate = self.A_log.to(dtype).exp().view(-1, 1)
+        if self.cfg.gate == "lower_bound":
+            return self.cfg.lower_bound * torch.sigmoid(rate * x)
+        return -rate * F.softplus(x)
+
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.cfg.num_heads, self.cfg.head_dim
+        pos = layout.position_in_doc
+
+        def heads(t):
+            return t.reshape(B, T, H, K)
+
+        q = l2_norm(heads(F.silu(self.q_conv(self.q_proj(x), pos))))
+        k = l2_norm(heads(F.silu(self.k_conv(self.k_proj(x), pos))))
+        v = heads(F.silu(self.v_conv(self.v_proj(x), pos)))
+        g = self.decay(heads(self.f_b_proj(self.f_a_proj(x))))
+        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))
+
+        def flat(t):
+            return t.reshape(1, B * T, *t.shape[2:])
+
+        o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta),
+                   cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)
+        o = rms_norm(o.reshape(B, T, H, K), self.o_norm_weight, self.norm_eps).to(x.dtype)
+        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, K)
+        return self.o_proj((gate * o).reshape(B, T, H * K))

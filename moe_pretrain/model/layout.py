@@ -1,0 +1,46 @@
+"""Where documents start and end in a packed batch, computed once per forward and shared by all layers.
+
+Shape legend: B sequences, T positions. Packed sequences hold several documents; KDA resets its
+state, the short convolutions stop, and MLA masks attention at every document boundary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    doc_ids: torch.Tensor
+    """[B, T] document number of each position (non-decreasing along T)."""
+    position_in_doc: torch.Tensor
+    """[B, T] offset of each position from its document's start (RoPE positions, conv validity)."""
+    cu_seqlens: torch.Tensor
+    """[N + 1] int64 offsets of the N documents in the flattened [1, B*T] sequence (fla convention)."""
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocumentLayout":
+        if doc_ids.dim() != 2:
+            raise ValueError(f"doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
+        B, T = doc_ids.shape
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        flat_starts = torch.nonzero(starts.reshape(-1)).squeeze(-1)
+        cu_seqlens = torch.cat([flat_starts, flat_starts.new_tensor([B * T])])
+        positions = torch.arange(B * T, device=doc_ids.device)
+        start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
+        position_in_doc = (positions - start_of).reshape(B, T)
+        return cls(doc_ids, position_in_doc, cu_seqlens)
+
+    @classmethod
+    def single_documents(cls, batch: int, seq_len: int, device: torch.device) -> "DocumentLayout":
+        """Every row one document (no packing)."""
+        doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
+        return cls.from_doc_ids(doc_ids)
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, 1, T, T] bool: causal and within the same document."""
+        T = self.doc_ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_ids.device).tril()
+        same_doc = self.doc_ids.unsqueeze(2) == self.doc_ids.unsqueeze(1)
+        return (same_doc & causal).unsqueeze(1)

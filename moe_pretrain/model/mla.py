@@ -1,0 +1,66 @@
+"""Gated Multi-head Latent Attention (MODEL.md, "Gated MLA").
+
+Shape legend: B batch, T positions, D hidden, H heads, Dn nope dims, Dr rope dims, Dv value dims.
+c_Q = RMSNorm(W_DQ x); q = W_UQ c_Q -> [q_nope | q_rope]; [c_KV | k_rope] = W_DKV x;
+[k_nope | v] = W_UKV RMSNorm(c_KV); k = [k_nope | k_rope shared by all heads];
+out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document.
+With position = nope (full size) the rope dims are plain extra dims, never rotated.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_pretrain.config import MLAConfig
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.norm import RMSNorm
+from parallel.linear import LinearStyle, make_linear
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on the last dim of x [B, T, ..., R] (pairs (i, i + R/2)) at positions [B, T]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # [B, T, R/2]
+    while angles.dim() < x.dim():
+        angles = angles.unsqueeze(-2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, dim: int, cfg: MLAConfig, *, init_std: float, out_std: float):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.num_heads
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.scale = qk_dim**-0.5
+        rep, column = LinearStyle.REPLICATED, LinearStyle.COLUMN
+        self.q_down = make_linear(dim, cfg.q_lora_rank, style=rep, init_std=init_std)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.lora_norm_eps)
+        self.q_up = make_linear(cfg.q_lora_rank, H * qk_dim, style=column, init_std=init_std)
+        self.kv_down = make_linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, style=rep, init_std=init_std)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.lora_norm_eps)
+        self.kv_up = make_linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                 style=column, init_std=init_std)
+        self.g_proj = make_linear(dim, H * cfg.v_head_dim, style=column, init_std=init_std)
+        self.o_proj = make_linear(H * cfg.v_head_dim, dim, style=LinearStyle.ROW, init_std=out_std)
+
+    def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        B, T, _ = x.shape
+        cfg = self.cfg
+        H, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = self.q_up(self.q_norm(self.q_down(x))).reshape(B, T, H, Dn + Dr)
+        c_kv, k_rope = self.kv_down(x).split([cfg.kv_lora_rank, Dr], dim=-1)
+        k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
+        if cfg.position == "rope" and Dr > 0:
+            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, cfg.rope_theta)], dim=-1)
+            k_rope = rotate(k_rope, layout.position_in_doc, cfg.rope_theta)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=layout.attention_mask(), scale=self.scale,
+        ).transpose(1, 2)  # [B, T, H, Dv]
+        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
+        return self.o_proj((attn * gate).reshape(B, T, H * Dv))

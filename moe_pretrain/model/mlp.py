@@ -1,0 +1,26 @@
+"""Dense SiTU-GLU MLP: layer 0's MLP and the LatentMoE's shared experts (MODEL.md).
+
+y = W_down SiTU-GLU(W_gate x, W_up x). Several shared experts summed equal one MLP whose intermediate
+is their concatenation, so the shared experts are built as one MLP of num_shared * intermediate
+(same parameters, same function, one GEMM instead of several).
+"""
+
+import torch
+from torch import nn
+
+from moe_pretrain.ops import situ_glu
+from parallel.linear import LinearStyle, make_linear
+
+
+class SiTUGLUMLP(nn.Module):
+    def __init__(self, dim: int, intermediate: int, *, beta: float, linear_beta: float,
+                 init_std: float, out_std: float):
+        super().__init__()
+        self.beta, self.linear_beta = beta, linear_beta
+        self.gate_proj = make_linear(dim, intermediate, style=LinearStyle.COLUMN, init_std=init_std)
+        self.up_proj = make_linear(dim, intermediate, style=LinearStyle.COLUMN, init_std=init_std)
+        self.down_proj = make_linear(intermediate, dim, style=LinearStyle.ROW, init_std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+        return self.down_proj(h)

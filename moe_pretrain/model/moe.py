@@ -1,0 +1,51 @@
+"""Stable LatentMoE (MODEL.md): route in d, compute routed experts in the latent l, return to d.
+
+x -> router (top-k of sigmoid scores + bias) ; z = W_down x (d -> l) ; routed experts on z ;
+weighted sum -> RMSNorm(l) -> W_up (l -> d) ; + shared SiTU-GLU experts on x (full d).
+Expert parallelism therefore moves l-dim rows, half the bytes of d-dim ones at full size.
+"""
+
+import torch
+from torch import nn
+
+from moe_pretrain.config import MoEConfig
+from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.model.mlp import SiTUGLUMLP
+from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.router import Router
+from parallel.dispatch import LocalTokenDispatcher
+from parallel.linear import LinearStyle, make_linear
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig, *, norm_eps: float, init_std: float, out_std: float):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(dim, cfg, init_std)
+        self.latent_down = make_linear(dim, cfg.latent_size, style=LinearStyle.REPLICATED, init_std=init_std)
+        self.experts = GroupedExperts(
+            cfg.num_experts, cfg.latent_size, cfg.expert_intermediate, beta=cfg.situ_beta,
+            linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std,
+        )
+        self.latent_norm = RMSNorm(cfg.latent_size, norm_eps)
+        self.latent_up = make_linear(cfg.latent_size, dim, style=LinearStyle.REPLICATED, init_std=out_std)
+        self.shared = None
+        if cfg.num_shared_experts > 0:
+            self.shared = SiTUGLUMLP(
+                dim, cfg.num_shared_experts * cfg.shared_intermediate, beta=cfg.situ_beta,
+                linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std,
+            )
+        self.dispatcher = LocalTokenDispatcher(cfg.num_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T, D] -> (y [B, T, D], balancing loss or None)."""
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        topk_idx, topk_weight, balance_loss = self.router(x_TD)
+        z_TL = self.latent_down(x_TD)
+        grouped, counts, meta = self.dispatcher.dispatch(z_TL, topk_idx, topk_weight)
+        routed_TL = self.dispatcher.combine(self.experts(grouped, counts), meta)
+        y_TD = self.latent_up(self.latent_norm(routed_TL))
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        return y_TD.reshape(shape), balance_loss

@@ -1,0 +1,57 @@
+"""The LatentMoE router: sigmoid scores in full d, top-k by score + bias (MODEL.md).
+
+The router always runs in >= fp32, outside any autocast, so routing never depends on the training
+dtype. expert_bias is a persistent buffer (saved with the model, no gradient).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_pretrain.config import MoEConfig
+from moe_pretrain.model.balancing import make_balancer
+from moe_pretrain.ops import expert_load, route, router_scores
+from moe_pretrain.ops.norms import compute_dtype
+from parallel.linear import LinearStyle, make_linear
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig, init_std: float):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = make_linear(dim, cfg.num_experts, style=LinearStyle.REPLICATED, init_std=init_std)
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        self.register_buffer("load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        self.balancer = make_balancer(cfg)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """-> (topk_idx [T, k], topk_weight [T, k] fp32+, balancing loss or None)."""
+        dtype = compute_dtype(self.gate.weight.dtype)
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+            topk_idx, topk_weight = route(logits, self.expert_bias, self.cfg.top_k, self.cfg.routed_scaling)
+            if not self.training:
+                return topk_idx, topk_weight, None
+            scores = router_scores(logits)
+            self.balancer.observe(scores.detach(), topk_idx)
+            self.load += expert_load(topk_idx, self.cfg.num_experts)
+            return topk_idx, topk_weight, self.balancer.loss(scores, topk_idx)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Apply the balancer's update (after the optimizer step)."""
+        self.expert_bias.copy_(self.balancer.next_bias(self.expert_bias))
+
+    @torch.no_grad()
+    def pop_stats(self) -> dict[str, float]:
+        """Load and bias health since the last call (MODEL.md health metrics), then reset the load."""
+        load = self.load.to(torch.float64)
+        stats = {
+            "load_max": float(load.max()),
+            "load_mean": float(load.mean()),
+            "load_max_over_mean": float(load.max() / load.mean()) if load.sum() > 0 else 0.0,
+            "bias_min": float(self.expert_bias.min()),
+            "bias_max": float(self.expert_bias.max()),
+        }
+        self.load.zero_()
+        return stats

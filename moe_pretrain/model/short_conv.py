@@ -1,0 +1,25 @@
+"""Depthwise causal short convolution (kernel 4, no bias) on KDA's q, k and v (MODEL.md).
+
+Written as a sum over the few taps rather than conv1d so that a tap never reaches back across a
+document boundary of a packed sequence: tap j contributes only where position_in_doc >= j.
+"""
+
+import torch
+from torch import nn
+
+
+class ShortConvolution(nn.Module):
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        bound = kernel_size**-0.5  # conv1d's default fan-in scale for a depthwise kernel
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size).uniform_(-bound, bound))
+
+    def forward(self, x_BTC: torch.Tensor, position_in_doc: torch.Tensor) -> torch.Tensor:
+        """x [B, T, C], position_in_doc [B, T] -> [B, T, C]; weight[:, -1] multiplies the current token."""
+        out = x_BTC * self.weight[:, -1]
+        for lag in range(1, self.kernel_size):
+            shifted = torch.nn.functional.pad(x_BTC[:, :-lag], (0, 0, lag, 0))
+            valid = (position_in_doc >= lag).unsqueeze(-1).to(x_BTC.dtype)
+            out = out + shifted * valid * self.weight[:, -1 - lag]
+        return out

@@ -1,0 +1,115 @@
+"""The full model: embedding (+ visual tokens) -> hybrid KDA / gated-MLA layers with AttnRes -> head.
+
+Shape legend: B batch, T positions, D hidden, V vocab.
+
+AttnRes bookkeeping (MODEL.md): the bank holds b_0 = the embedding output and one summed entry per
+completed block of `block_size` layers; `partial` is the running sum of sublayer outputs inside the
+current block (None right after a block closes). Each sublayer reads a mix of bank + partial instead
+of the residual stream; a final mix feeds the last norm. Layers live in a ModuleDict keyed by global
+index, so a pipeline stage can keep a subset and keep the global parameter names.
+"""
+
+import torch
+from torch import nn
+
+from moe_pretrain.config import ModelConfig
+from moe_pretrain.model.attn_res import AttnResMix
+from moe_pretrain.model.kda import KimiDeltaAttention
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.mlp import SiTUGLUMLP
+from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.router import Router
+from moe_pretrain.model.vision import PatchEmbedding
+from parallel.linear import LinearStyle, make_linear
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        d, std = cfg.hidden_size, cfg.init_std
+        out_std = std / (2 * cfg.num_layers) ** 0.5
+        self.attn_mix = AttnResMix(d, cfg.norm_eps)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps)
+        if cfg.layer_kind(index) == "kda":
+            self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std)
+        else:
+            self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std)
+        self.mlp_mix = AttnResMix(d, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        moe = cfg.moe
+        if cfg.is_moe_layer(index):
+            self.mlp = LatentMoE(d, moe, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std)
+        else:
+            self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate, beta=moe.situ_beta,
+                                  linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std)
+
+    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (new partial block sum, balancing loss or None)."""
+        visible = bank if partial is None else [*bank, partial]
+        out = self.mixer(self.attn_norm(self.attn_mix(visible)), layout)
+        partial = out if partial is None else partial + out
+        mlp_out = self.mlp(self.mlp_norm(self.mlp_mix([*bank, partial])))
+        balance_loss = None
+        if isinstance(mlp_out, tuple):
+            mlp_out, balance_loss = mlp_out
+        return partial + mlp_out, balance_loss
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embedding = nn.Embedding(cfg.vocab_size, d)
+        nn.init.normal_(self.embedding.weight, 0.0, cfg.init_std)
+        self.patch_embedding = PatchEmbedding(cfg.vision.patch_dim, d, cfg.init_std)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
+        self.final_mix = AttnResMix(d, cfg.norm_eps)
+        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        self.head = make_linear(d, cfg.vocab_size, style=LinearStyle.COLUMN, init_std=cfg.init_std)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        patches: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T]; doc_ids [B, T] (packed documents, default one per row);
+        patches [P, patch_dim] placed, in order, where image_mask [B, T] is True.
+        -> (logits [B, T, V], summed balancing loss (0 unless moe.balancing = aux_loss))."""
+        B, T = tokens.shape
+        if doc_ids is None:
+            layout = DocumentLayout.single_documents(B, T, tokens.device)
+        else:
+            layout = DocumentLayout.from_doc_ids(doc_ids)
+        x = self.embedding(tokens)
+        if patches is not None:
+            if image_mask is None or int(image_mask.sum()) != patches.shape[0]:
+                raise ValueError("forward: image_mask must mark exactly one position per patch")
+            visual = self.patch_embedding(patches.to(self.patch_embedding.proj.weight.dtype))
+            x = x.masked_scatter(image_mask.unsqueeze(-1), visual.to(x.dtype))
+        bank, partial = [x], None
+        balance_loss = x.new_zeros((), dtype=torch.float32)
+        block = self.cfg.attn_res.block_size
+        for name, layer in self.layers.items():
+            partial, layer_loss = layer(bank, partial, layout)
+            if layer_loss is not None:
+                balance_loss = balance_loss + layer_loss
+            if (int(name) + 1) % block == 0:
+                bank, partial = [*bank, partial], None
+        h = self.final_mix(bank if partial is None else [*bank, partial])
+        return self.head(self.final_norm(h)), balance_loss
+
+    def routers(self) -> dict[int, Router]:
+        """The router of every MoE layer, by global layer index."""
+        return {int(name): layer.mlp.router for name, layer in self.layers.items()
+                if isinstance(layer.mlp, LatentMoE)}
+
+    def update_balancing(self) -> None:
+        """Move every router's bias by its balancer (call after each optimizer step)."""
+        for router in self.routers().values():
+            router.update_bias()

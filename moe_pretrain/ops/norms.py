@@ -1,0 +1,27 @@
+"""Normalisations used across the model (MODEL.md: RMSNorm eps 1e-5, 1e-6 inside MLA, L2 eps 1e-6).
+
+Computed in at least fp32 whatever the activation dtype, then cast back, so bf16 training keeps
+the same statistics as the fp32 reference.
+"""
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype numerically sensitive math runs in: fp32, or fp64 when the model itself is fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight."""
+    xf = x.to(compute_dtype(x.dtype))
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """L2-normalise the last dimension (KDA's q and k): x / sqrt(sum(x^2) + eps)."""
+    xf = x.to(compute_dtype(x.dtype))
+    return (xf * torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
