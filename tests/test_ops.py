@@ -105,7 +105,7 @@ def test_quantile_balance_update_follows_the_rule(m, n, k, rate):
     assert np.allclose(got.numpy(), want, rtol=0, atol=1e-15)
 
 
-def test_quantile_balance_exactly_q_margins_above_threshold():
+def test_quantile_balance_threshold_is_the_column_quantile():
     gen = torch.Generator().manual_seed(7)
     scores = torch.rand(96, 8, generator=gen, dtype=F64)
     bias = torch.zeros(8, dtype=F64)
@@ -114,7 +114,11 @@ def test_quantile_balance_exactly_q_margins_above_threshold():
     alpha = torch.topk(scores + bias, 3, dim=1).values[:, 2:]
     margins = scores + bias - alpha
     threshold = bias - new  # c_j
-    assert (margins > threshold).sum(0).tolist() == [96 * 2 // 8] * 8
+    q = 96 * 2 // 8
+    # c_j is the (q+1)-th largest margin: at most q margins lie strictly above it, at least q+1 at or above.
+    # (Ties occur: a token whose (k+1)-th choice is j has margin exactly 0 in column j.)
+    assert ((margins > threshold).sum(0) <= q).all()
+    assert ((margins >= threshold).sum(0) >= q + 1).all()
 
 
 def test_quantile_balance_cuts_skew_by_half():
