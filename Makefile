@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# Each smoke run gets its own run directory: earlier runs' metrics are never overwritten.
 smoke: $(STAMP)
-	$(PY) -m launch.train --config configs/smoke.yaml $(SMOKE_ARGS)
+	$(PY) -m launch.train --config configs/smoke.yaml --require-loss-drop 2.0 \
+		train.run_dir=runs/smoke-$$(date +%Y%m%d-%H%M%S) $(SMOKE_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

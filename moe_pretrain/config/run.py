@@ -30,15 +30,19 @@ class DataConfig:
     """Global sequences per optimizer step (split over micro-batches and, later, data-parallel ranks)."""
     micro_batches: int = 1
     """Gradient-accumulation steps per optimizer step; batch_size must divide by it."""
-    image_fraction: float = 0.2
-    """Share of documents that are captioned images."""
+    image_fraction: float = 0.1
+    """Share of tokens that come from captioned-image documents (the rest is stdlib text)."""
+    text_doc_bytes: int = 2048
+    """Stdlib files are cut (at line breaks) into documents of at most this many bytes, so the
+    text / image mix is even at the scale of one batch rather than one file."""
     image_size: int = 28
     """Side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
     seed: int = 1234
 
     def __post_init__(self) -> None:
         require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size,
-                  micro_batches=self.micro_batches, image_size=self.image_size)
+                  micro_batches=self.micro_batches, image_size=self.image_size,
+                         text_doc_bytes=self.text_doc_bytes)
         require(self.batch_size % self.micro_batches == 0,
                  f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
         require(0.0 <= self.image_fraction <= 1.0, f"data.image_fraction={self.image_fraction} must be in [0, 1]")

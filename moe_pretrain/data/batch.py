@@ -1,0 +1,69 @@
+"""Training batches: packed rows turned into model inputs, labels and masks.
+
+Shape legend: B rows, T = seq_len, P patches in the batch. Labels are -100 (ignored) where the
+target is not text (padding, BOS, image tokens) or belongs to another document than the input.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_pretrain.config import DataConfig, VisionConfig
+from moe_pretrain.data import tokenizer as tok
+from moe_pretrain.data.documents import document_stream
+from moe_pretrain.data.packing import PackedRow, SequencePacker
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor
+    """[B, T] int64 input ids."""
+    labels: torch.Tensor
+    """[B, T] int64 next-token targets, IGNORE_INDEX where no loss is taken."""
+    doc_ids: torch.Tensor
+    """[B, T] int64 document number within each row."""
+    image_mask: torch.Tensor
+    """[B, T] bool, True at IMAGE_PATCH inputs."""
+    patches: torch.Tensor
+    """[P, patch_dim] float32, one per True in image_mask, in row-major order."""
+
+    @property
+    def loss_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.doc_ids, self.image_mask,
+                                                self.patches)))
+
+
+def rows_to_batch(rows: list[PackedRow], patch_dim: int) -> Batch:
+    tokens = np.stack([r.tokens for r in rows])
+    doc_ids = np.stack([r.doc_ids for r in rows])
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    text_target = np.isin(targets, [*range(256), tok.EOS])
+    same_doc = doc_ids[:, 1:] == doc_ids[:, :-1]
+    labels = np.where(text_target & same_doc, targets, IGNORE_INDEX)
+    image_mask = inputs == tok.IMAGE_PATCH
+    patches = []
+    for row, mask in zip(rows, image_mask):
+        patches.extend(row.patches[: int(mask.sum())])  # a patch at the row's last position is label-only
+    patch_array = np.stack(patches).astype(np.float32) if patches else np.zeros((0, patch_dim), np.float32)
+    return Batch(
+        torch.from_numpy(inputs.copy()), torch.from_numpy(labels), torch.from_numpy(doc_ids[:, :-1].copy()),
+        torch.from_numpy(image_mask), torch.from_numpy(patch_array),
+    )
+
+
+class PretrainingData:
+    """The default data pipeline: document stream -> packer -> batches of `rows` rows."""
+
+    def __init__(self, cfg: DataConfig, vision: VisionConfig):
+        self.cfg = cfg
+        self.patch_dim = vision.patch_dim
+        self.packer = SequencePacker(document_stream(cfg, vision), cfg.seq_len)
+
+    def next_batch(self, rows: int) -> Batch:
+        return rows_to_batch([self.packer.next_row() for _ in range(rows)], self.patch_dim)

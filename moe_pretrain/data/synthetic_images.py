@@ -1,0 +1,53 @@
+"""Procedurally generated images with matching captions: the default multimodal data.
+
+Each image is a dark noisy canvas split into a 2 x 2 grid of cells; one or two cells hold a coloured
+shape. The caption names colour, shape and cell ("a red circle in the top left"), so the caption is
+predictable only by looking at the patches. Deterministic from (seed, index).
+"""
+
+import numpy as np
+
+COLOURS = {
+    "red": (1.0, 0.1, 0.1), "green": (0.1, 0.9, 0.2), "blue": (0.2, 0.3, 1.0), "yellow": (1.0, 0.9, 0.1),
+    "magenta": (0.9, 0.1, 0.9), "cyan": (0.1, 0.9, 0.9), "white": (1.0, 1.0, 1.0),
+}
+SHAPES = ("square", "circle", "triangle", "cross")
+CELLS = ("top left", "top right", "bottom left", "bottom right")
+
+
+def _shape_mask(shape: str, size: int) -> np.ndarray:
+    """Boolean [size, size] mask of a shape filling most of a cell."""
+    y, x = np.mgrid[0:size, 0:size] + 0.5
+    c, r = size / 2, size * 0.38
+    if shape == "square":
+        return (abs(x - c) <= r) & (abs(y - c) <= r)
+    if shape == "circle":
+        return (x - c) ** 2 + (y - c) ** 2 <= r**2
+    if shape == "triangle":
+        top, bottom = c - r, c + r
+        half_width = (y - top) / (bottom - top) * r
+        return (y >= top) & (y <= bottom) & (abs(x - c) <= half_width)
+    arm = max(size * 0.1, 1.0)
+    return ((abs(x - c) <= arm) & (abs(y - c) <= r)) | ((abs(y - c) <= arm) & (abs(x - c) <= r))
+
+
+def make_image(seed: int, index: int, size: int, channels: int = 3) -> tuple[np.ndarray, str]:
+    """-> (image [channels, size, size] float32 in [-1, 1], caption)."""
+    if channels != 3:
+        raise ValueError(f"synthetic images are RGB: model.vision.channels must be 3, got {channels}")
+    rng = np.random.default_rng([seed, index])
+    canvas = rng.uniform(0.0, 0.15, size=(3, size, size)).astype(np.float32)
+    cell = size // 2
+    count = 1 + int(rng.random() < 0.4)
+    cells = rng.choice(len(CELLS), size=count, replace=False)
+    phrases = []
+    for cell_index in sorted(cells):
+        colour = list(COLOURS)[rng.integers(len(COLOURS))]
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        row, col = divmod(int(cell_index), 2)
+        mask = _shape_mask(shape, cell)
+        region = canvas[:, row * cell:(row + 1) * cell, col * cell:(col + 1) * cell]
+        for ch, value in enumerate(COLOURS[colour]):
+            region[ch][mask] = value
+        phrases.append(f"a {colour} {shape} in the {CELLS[cell_index]}")
+    return canvas * 2.0 - 1.0, " and ".join(phrases) + "."

@@ -1,0 +1,144 @@
+"""Parameter and FLOP counter from the model's own formulas: `python -m moe_pretrain.sizing CONFIG --json`.
+
+Counts mirror the modules in moe_pretrain/model one for one (tests check total == sum(p.numel()) on
+instantiated models), so the full-size figures (MODEL.md: ~2.8T total, ~104B active) come from the
+same definitions the code trains.
+
+active_params: parameters touched per token = total minus the routed experts a token does not visit
+(num_experts - top_k per MoE layer); embedding and head are counted, as in published MoE figures.
+flops_per_token (training, forward + backward = 3 x forward): 6 per active parameter that multiplies
+activations (all but the input embedding lookup and the image patch projection; norm and bias
+vectors are counted too, which is < 0.01%), plus sequence mixing at the configured sequence length:
+gated MLA, causal attention over T/2 keys on average, 3 * 2 * H * (d_qk + d_v) * T/2;
+KDA, the chunked algorithm per head, 3 * (2 C K + C (K + V) + C V + 6 K V) for chunk C.
+"""
+
+import argparse
+import json
+import sys
+
+from moe_pretrain.config import ConfigError, KDAConfig, MLAConfig, ModelConfig, MoEConfig, load_config
+
+
+def kda_params(d: int, c: KDAConfig) -> int:
+    H, K = c.num_heads, c.head_dim
+    inner = H * K
+    return (
+        3 * d * inner            # q, k, v projections
+        + 3 * inner * c.conv_size  # short convolutions
+        + d * K + K * inner      # low-rank decay logits W_fa, W_fb
+        + H + inner              # A_log, dt_bias
+        + d * H                  # beta
+        + d * inner              # output gate
+        + K                      # per-head output RMSNorm weight (shared by heads)
+        + inner * d              # output projection
+    )
+
+
+def mla_params(d: int, c: MLAConfig) -> int:
+    H = c.num_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    return (
+        d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * qk
+        + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
+        + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
+        + d * H * c.v_head_dim   # output gate
+        + H * c.v_head_dim * d   # output projection
+    )
+
+
+def situ_glu_params(d: int, intermediate: int) -> int:
+    return 3 * d * intermediate
+
+
+def routed_expert_params(c: MoEConfig) -> int:
+    """One routed expert: SiTU-GLU in the latent dim."""
+    return situ_glu_params(c.latent_size, c.expert_intermediate)
+
+
+def moe_params(d: int, c: MoEConfig) -> dict[str, int]:
+    return {
+        "router": d * c.num_experts,
+        "latent_projections": d * c.latent_size + c.latent_size + c.latent_size * d,
+        "routed_experts": c.num_experts * routed_expert_params(c),
+        "shared_experts": situ_glu_params(d, c.num_shared_experts * c.shared_intermediate),
+    }
+
+
+def count(cfg: ModelConfig, seq_len: int) -> dict:
+    d = cfg.hidden_size
+    per_layer_vectors = 3 * 2 * d  # two AttnRes mixes (query + norm weight) and two pre-norms
+    breakdown = {
+        "embedding": cfg.vocab_size * d,
+        "patch_embedding": cfg.vision.patch_dim * d + d,
+        "head": d * cfg.vocab_size,
+        "final_mix_and_norm": 3 * d,
+        "layer_norms_and_mixes": cfg.num_layers * per_layer_vectors,
+        "kda": 0, "mla": 0, "dense_mlp": 0,
+        "router": 0, "latent_projections": 0, "routed_experts": 0, "shared_experts": 0,
+    }
+    moe_layers = 0
+    for i in range(cfg.num_layers):
+        if cfg.layer_kind(i) == "kda":
+            breakdown["kda"] += kda_params(d, cfg.kda)
+        else:
+            breakdown["mla"] += mla_params(d, cfg.mla)
+        if cfg.is_moe_layer(i):
+            moe_layers += 1
+            for key, value in moe_params(d, cfg.moe).items():
+                breakdown[key] += value
+        else:
+            breakdown["dense_mlp"] += situ_glu_params(d, cfg.dense_intermediate)
+    total = sum(breakdown.values())
+    idle_experts = moe_layers * (cfg.moe.num_experts - cfg.moe.top_k) * routed_expert_params(cfg.moe)
+    active = total - idle_experts
+
+    kda_layers = cfg.layer_pattern.count("K")
+    mla_layers = cfg.num_layers - kda_layers
+    m = cfg.mla
+    mla_flops = 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len / 2
+    k = cfg.kda
+    C, K, V = k.chunk_size, k.head_dim, k.head_dim
+    kda_flops = 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
+    matmul_active = active - breakdown["embedding"] - breakdown["patch_embedding"]
+    flops = 6 * matmul_active + mla_layers * mla_flops + kda_layers * kda_flops
+    return {
+        "total_params": total,
+        "active_params": active,
+        "flops_per_token": flops,
+        "seq_len": seq_len,
+        "moe_layers": moe_layers,
+        "breakdown": breakdown,
+        "flops_breakdown": {
+            "dense_matmuls": 6 * matmul_active,
+            "mla_attention": mla_layers * mla_flops,
+            "kda_mixing": kda_layers * kda_flops,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="YAML config (e.g. configs/full.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    result = count(cfg.model, cfg.data.seq_len)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"total params   {result['total_params']:.4e}")
+        print(f"active params  {result['active_params']:.4e}")
+        print(f"train FLOPs/token at T={result['seq_len']}  {result['flops_per_token']:.4e}")
+        for key, value in result["breakdown"].items():
+            print(f"  {key:22s} {value:.4e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
