@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moe_pretrain.config.errors import ConfigError, require, require_positive
+from moe_pretrain.config.errors import require, require_positive
 from moe_pretrain.config.model import ModelConfig
 
 
@@ -120,9 +120,3 @@ class Config:
         patch = self.model.vision.patch_size
         require(self.data.image_size % patch == 0,
                  f"data.image_size={self.data.image_size} must be a multiple of model.vision.patch_size={patch}")
-        patches = (self.data.image_size // patch) ** 2
-        if self.data.image_fraction > 0 and patches + 8 > self.data.seq_len:
-            raise ConfigError(
-                f"an image takes {patches} patch tokens, which does not fit data.seq_len={self.data.seq_len}; "
-                "lower data.image_size or set data.image_fraction=0"
-            )

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_pretrain.config import DataConfig, VisionConfig
+from moe_pretrain.config import ConfigError, DataConfig, VisionConfig
 from moe_pretrain.data import tokenizer as tok
-from moe_pretrain.data.documents import document_stream
+from moe_pretrain.data.documents import document_stream, longest_image_document
 from moe_pretrain.data.packing import PackedRow, SequencePacker
 
 IGNORE_INDEX = -100
@@ -61,6 +61,13 @@ class PretrainingData:
     """The default data pipeline: document stream -> packer -> batches of `rows` rows."""
 
     def __init__(self, cfg: DataConfig, vision: VisionConfig):
+        longest = longest_image_document(cfg.image_size, vision)
+        if cfg.image_fraction > 0 and longest > cfg.seq_len + 1:
+            raise ConfigError(
+                f"an image document takes up to {longest} tokens (data.image_size={cfg.image_size}, "
+                f"model.vision.patch_size={vision.patch_size}), more than data.seq_len={cfg.seq_len} + 1; "
+                "raise data.seq_len, lower data.image_size, or set data.image_fraction=0"
+            )
         self.cfg = cfg
         self.patch_dim = vision.patch_dim
         self.packer = SequencePacker(document_stream(cfg, vision), cfg.seq_len)

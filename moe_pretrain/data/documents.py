@@ -14,7 +14,7 @@ from moe_pretrain.config import DataConfig, VisionConfig
 from moe_pretrain.data import tokenizer as tok
 from moe_pretrain.data.patches import patchify
 from moe_pretrain.data.stdlib_corpus import read_document, stdlib_source_files
-from moe_pretrain.data.synthetic_images import make_image
+from moe_pretrain.data.synthetic_images import longest_caption_bytes, make_image
 
 
 @dataclass
@@ -49,6 +49,15 @@ def text_documents(seed: int, max_bytes: int) -> Iterator[Document]:
             for piece in split_text(read_document(files[i]), max_bytes):
                 yield Document([tok.BOS, *tok.encode(piece), tok.EOS])
         epoch += 1
+
+
+IMAGE_DOC_OVERHEAD = 4
+"""BOS, IMAGE_START, IMAGE_END and EOS around an image document's patches and caption."""
+
+
+def longest_image_document(image_size: int, vision: VisionConfig) -> int:
+    """Tokens of the longest image document: it must fit one packed row, since images are never cut."""
+    return (image_size // vision.patch_size) ** 2 + longest_caption_bytes() + IMAGE_DOC_OVERHEAD
 
 
 def image_documents(seed: int, image_size: int, vision: VisionConfig) -> Iterator[Document]:

@@ -14,6 +14,14 @@ COLOURS = {
 SHAPES = ("square", "circle", "triangle", "cross")
 CELLS = ("top left", "top right", "bottom left", "bottom right")
 
+MAX_SHAPES = 2
+
+
+def longest_caption_bytes() -> int:
+    """Bytes of the longest caption make_image can write (two of the longest phrases)."""
+    phrase = len(f"a {max(COLOURS, key=len)} {max(SHAPES, key=len)} in the {max(CELLS, key=len)}")
+    return MAX_SHAPES * phrase + len(" and ") * (MAX_SHAPES - 1) + len(".")
+
 
 def _shape_mask(shape: str, size: int) -> np.ndarray:
     """Boolean [size, size] mask of a shape filling most of a cell."""
@@ -38,7 +46,7 @@ def make_image(seed: int, index: int, size: int, channels: int = 3) -> tuple[np.
     rng = np.random.default_rng([seed, index])
     canvas = rng.uniform(0.0, 0.15, size=(3, size, size)).astype(np.float32)
     cell = size // 2
-    count = 1 + int(rng.random() < 0.4)
+    count = 1 + int(rng.random() < 0.4)  # at most MAX_SHAPES
     cells = rng.choice(len(CELLS), size=count, replace=False)
     phrases = []
     for cell_index in sorted(cells):

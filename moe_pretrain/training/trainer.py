@@ -18,6 +18,7 @@ from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data.tokenizer import VOCAB_SIZE
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
 from moe_pretrain.training.optim import build_optimizer, learning_rate
 
@@ -84,7 +85,7 @@ class Trainer:
         for batch in batches:
             with self.autocast():
                 logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            ce_sum = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(),
+            ce_sum = F.cross_entropy(logits.to(compute_dtype(logits.dtype)).flatten(0, 1), batch.labels.flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
             loss = ce_sum / max(loss_tokens, 1) + balance_loss / cfg.data.micro_batches
             loss.backward()

@@ -1,0 +1,110 @@
+"""Tokenizer, embedded corpus, synthetic images, packing and label masking."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from moe_pretrain.config import ConfigError
+from moe_pretrain.data import IGNORE_INDEX, PretrainingData
+from moe_pretrain.data import tokenizer as tok
+from moe_pretrain.data.documents import Document, document_stream, longest_image_document, split_text
+from moe_pretrain.data.packing import SequencePacker
+from moe_pretrain.data.patches import patchify
+from moe_pretrain.data.stdlib_corpus import stdlib_source_files
+from moe_pretrain.data.synthetic_images import make_image
+from tests.models import tiny_config
+
+
+def test_tokenizer_round_trip_and_specials():
+    text = "def f(x):\n    return 'héllo' ✓\n"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == text
+    assert tok.decode([tok.BOS, *tok.encode("a"), tok.EOS]) == "<bos>a<eos>"
+    assert tok.VOCAB_SIZE == 262 and tok.is_text_target(tok.EOS) and not tok.is_text_target(tok.IMAGE_PATCH)
+
+
+def test_stdlib_corpus_is_found_and_excludes_site_packages():
+    files = stdlib_source_files()
+    assert len(files) > 500
+    assert any(f.name == "os.py" for f in files)
+    assert not any("site-packages" in f.parts for f in files)
+
+
+def test_split_text_cuts_at_line_breaks():
+    data = b"".join(f"line {i}\n".encode() for i in range(100))
+    pieces = split_text(data, 50)
+    assert b"".join(pieces) == data
+    assert all(len(p) <= 50 and p.endswith(b"\n") for p in pieces)
+    assert split_text(b"x" * 120, 50) == [b"x" * 50, b"x" * 50, b"x" * 20]
+
+
+def test_images_are_deterministic_and_captioned():
+    a, caption_a = make_image(3, 7, 28)
+    b, caption_b = make_image(3, 7, 28)
+    c, _ = make_image(3, 8, 28)
+    assert np.array_equal(a, b) and caption_a == caption_b and not np.array_equal(a, c)
+    assert a.shape == (3, 28, 28) and a.min() >= -1 and a.max() <= 1
+    assert caption_a.startswith("a ") and caption_a.endswith(".")
+    patches = patchify(a, 14)
+    assert patches.shape == (4, 588)
+    assert np.array_equal(patches[1].reshape(3, 14, 14), a[:, :14, 14:])  # top-right patch
+
+
+def test_packer_keeps_boundaries_and_never_cuts_images():
+    image = Document([tok.BOS, tok.IMAGE_START, tok.IMAGE_PATCH, tok.IMAGE_END, 65, tok.EOS],
+                     np.ones((1, 3), np.float32))
+    text = Document([tok.BOS, *range(97, 97 + 8), tok.EOS])
+    packer = SequencePacker(itertools.cycle([text, image]), seq_len=14)
+    row1, row2 = packer.next_row(), packer.next_row()
+    # Row 1: text (10 tokens), then the 6-token image does not fit the 5 left: padding.
+    assert row1.tokens.tolist() == [*text.tokens, *[tok.PAD] * 5]
+    assert row1.doc_ids.tolist() == [0] * 10 + [1] * 5 and row1.patches == []
+    # Row 2: the image, then the text cut after 9 of its 10 tokens.
+    assert row2.tokens.tolist() == [*image.tokens, *text.tokens[:9]]
+    assert row2.doc_ids.tolist() == [0] * 6 + [1] * 9 and len(row2.patches) == 1
+    row3 = packer.next_row()
+    assert row3.tokens[0] == text.tokens[9]  # the cut text continues as a new segment
+
+
+def test_batches_mask_non_text_and_cross_document_targets():
+    cfg = tiny_config("data.image_fraction=0.3", "data.seq_len=128")
+    data = PretrainingData(cfg.data, cfg.model.vision)
+    batch = data.next_batch(8)
+    assert batch.tokens.shape == batch.labels.shape == batch.doc_ids.shape == (8, 128)
+    assert batch.patches.shape == (int(batch.image_mask.sum()), 48)
+    assert int(batch.image_mask.sum()) > 0
+    kept = batch.labels[batch.labels != IGNORE_INDEX]
+    assert ((kept < 256) | (kept == tok.EOS)).all()
+    # A target is never taken across a document boundary.
+    crossing = batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1]
+    assert (batch.labels[:, :-1][crossing] == IGNORE_INDEX).all()
+    assert (batch.tokens[batch.image_mask] == tok.IMAGE_PATCH).all()
+
+
+def test_image_token_share_follows_config():
+    cfg = tiny_config("data.image_fraction=0.25")
+    stream = document_stream(cfg.data, cfg.model.vision)
+    docs = [next(stream) for _ in range(400)]
+    image_tokens = sum(len(d.tokens) for d in docs if d.is_image)
+    share = image_tokens / sum(len(d.tokens) for d in docs)
+    assert abs(share - 0.25) < 0.02, share  # the mixer tracks the share to within one text document
+
+
+def test_image_documents_that_cannot_fit_a_row_are_refused():
+    cfg = tiny_config("data.seq_len=64")
+    with pytest.raises(ConfigError, match=r"more than data.seq_len=64 \+ 1"):
+        PretrainingData(cfg.data, cfg.model.vision)
+    longest = max(len(make_image(0, i, 8)[1]) for i in range(2000)) + 4 + 4  # caption + patches + markers
+    assert longest <= longest_image_document(8, cfg.model.vision)
+
+
+def test_batches_are_deterministic():
+    cfg = tiny_config("data.image_fraction=0.25", "data.seq_len=128")
+    first = PretrainingData(cfg.data, cfg.model.vision)
+    second = PretrainingData(cfg.data, cfg.model.vision)
+    for _ in range(5):
+        a, b = first.next_batch(8), second.next_batch(8)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.patches, b.patches)

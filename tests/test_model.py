@@ -1,0 +1,140 @@
+"""Whole-model behaviour: AttnRes bank bookkeeping, document isolation, images, dtypes."""
+
+import pytest
+import torch
+
+from moe_pretrain.model import DocumentLayout, MoETransformer
+from moe_pretrain.model.kda import KimiDeltaAttention
+from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.ops import rms_norm
+from tests.helpers import rel_rms
+from tests.models import tiny_config
+
+F64 = torch.float64
+
+
+def build(*overrides, seed=0, dtype=F64):
+    torch.manual_seed(seed)
+    cfg = tiny_config(*overrides)
+    model = MoETransformer(cfg.model).to(dtype)
+    # Non-zero pseudo-queries so the mixes are real softmaxes, not plain averages.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "pseudo_query" in name:
+                p.normal_(0, 0.5)
+    return model, cfg
+
+
+def reference_forward(model: MoETransformer, tokens: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    """MODEL.md's AttnRes written with explicit lists: completed blocks + the current block's outputs."""
+    cfg = model.cfg
+
+    def mix(module, entries):
+        if len(entries) == 1:
+            return entries[0]
+        stacked = torch.stack(entries)
+        scores = (rms_norm(stacked, module.norm_weight, module.eps) @ module.pseudo_query.weight[0])
+        return (torch.softmax(scores, 0).unsqueeze(-1) * stacked).sum(0)
+
+    blocks = [model.embedding(tokens)]
+    current: list[torch.Tensor] = []
+    for i in range(cfg.num_layers):
+        layer = model.layers[str(i)]
+        visible = blocks + ([sum(current)] if current else [])
+        current.append(layer.mixer(layer.attn_norm(mix(layer.attn_mix, visible)), layout))
+        out = layer.mlp(layer.mlp_norm(mix(layer.mlp_mix, [*blocks, sum(current)])))
+        current.append(out[0] if isinstance(out, tuple) else out)
+        if (i + 1) % cfg.attn_res.block_size == 0:
+            blocks.append(sum(current))
+            current = []
+    h = mix(model.final_mix, blocks + ([sum(current)] if current else []))
+    return model.head(model.final_norm(h))
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 6])
+def test_attn_res_bank_matches_reference(block_size):
+    model, _ = build(f"model.attn_res.block_size={block_size}")
+    model.eval()
+    tokens = torch.randint(0, 256, (2, 20))
+    layout = DocumentLayout.single_documents(2, 20, tokens.device)
+    logits, _ = model(tokens)
+    assert rel_rms(logits, reference_forward(model, tokens, layout)) < 1e-12
+
+
+def test_packed_documents_do_not_see_each_other():
+    """KDA state, short convolutions and MLA masks all stop at a document boundary."""
+    model, _ = build()
+    model.eval()
+    a, b = torch.randint(0, 256, (1, 13)), torch.randint(0, 256, (1, 19))
+    packed = torch.cat([a, b], dim=1)
+    doc_ids = torch.tensor([[0] * 13 + [1] * 19])
+    logits, _ = model(packed, doc_ids)
+    alone_a, _ = model(a)
+    alone_b, _ = model(b)
+    assert rel_rms(logits[:, :13], alone_a) < 1e-12
+    assert rel_rms(logits[:, 13:], alone_b) < 1e-12
+
+
+def test_short_convolution_respects_document_starts():
+    torch.manual_seed(0)
+    cfg = tiny_config().model
+    layer = KimiDeltaAttention(32, cfg.kda, norm_eps=1e-5, init_std=0.3, out_std=0.3).to(F64)
+    x = torch.randn(1, 10, 32, dtype=F64)
+    layout = DocumentLayout.from_doc_ids(torch.tensor([[0] * 3 + [1] * 7]))
+    got = layer(x, layout)
+    alone = layer(x[:, 3:], DocumentLayout.single_documents(1, 7, x.device))
+    assert rel_rms(got[:, 3:], alone) < 1e-12
+
+
+def test_images_enter_at_their_positions_and_influence_later_text():
+    model, cfg = build()
+    model.eval()
+    tokens = torch.randint(0, 256, (1, 12))
+    image_mask = torch.zeros(1, 12, dtype=torch.bool)
+    image_mask[0, 2:6] = True
+    patches = torch.randn(4, cfg.model.vision.patch_dim, dtype=F64)
+    with_image, _ = model(tokens, None, patches, image_mask)
+    other_image, _ = model(tokens, None, patches + 1.0, image_mask)
+    # Causal: earlier positions unaffected. Not bitwise: later tokens change expert group sizes and
+    # with them the GEMM blocking, so 1e-13 allows round-off only.
+    assert rel_rms(with_image[:, :2], other_image[:, :2]) < 1e-13
+    assert not torch.allclose(with_image[:, 6:], other_image[:, 6:])
+    with pytest.raises(ValueError, match="one position per patch"):
+        model(tokens, None, patches[:3], image_mask)
+
+
+def test_dense_first_layer_and_moe_elsewhere():
+    model, cfg = build("model.dense_layers=2")
+    kinds = [isinstance(model.layers[str(i)].mlp, LatentMoE) for i in range(cfg.model.num_layers)]
+    assert kinds == [False, False, True, True, True, True]
+    assert sorted(model.routers()) == [2, 3, 4, 5]
+
+
+def test_router_stays_fp32_under_bf16_autocast():
+    model, _ = build(dtype=torch.float32)
+    router = model.routers()[1]
+    seen = {}
+    original = router.balancer.observe
+
+    def spy(scores, topk_idx):
+        seen["dtype"] = scores.dtype
+        original(scores, topk_idx)
+
+    router.balancer.observe = spy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(torch.randint(0, 256, (2, 16)))
+    assert logits.dtype == torch.bfloat16
+    assert seen["dtype"] == torch.float32
+
+
+def test_bias_update_changes_routing_bias_only_in_training():
+    model, _ = build()
+    tokens = torch.randint(0, 256, (2, 16))
+    model.eval()
+    model(tokens)
+    model.update_balancing()
+    assert all(torch.equal(r.expert_bias, torch.zeros_like(r.expert_bias)) for r in model.routers().values())
+    model.train()
+    model(tokens)
+    model.update_balancing()
+    assert all(r.expert_bias.abs().sum() > 0 for r in model.routers().values())

@@ -1,0 +1,77 @@
+"""The parameter / FLOP counter: exact against instantiated models, and the full-size figures."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_pretrain.config import load_config
+from moe_pretrain.model import MoETransformer
+from moe_pretrain.sizing import count
+from tests.models import tiny_config
+
+
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("model.mla.position=rope", "model.kda.gate=softplus"),
+    ("model.dense_layers=0", "model.moe.num_shared_experts=0"),
+    ("model.dense_layers=6", "model.layer_pattern=MMMMMM"),
+    ("model.moe.num_experts=5", "model.moe.top_k=4", "model.kda.conv_size=2", "model.vocab_size=300"),
+])
+def test_counted_total_equals_numel(overrides):
+    cfg = tiny_config(*overrides)
+    model = MoETransformer(cfg.model)
+    numel = sum(p.numel() for p in model.parameters())
+    assert count(cfg.model, cfg.data.seq_len)["total_params"] == numel
+
+
+def test_smoke_config_count_equals_numel():
+    cfg = load_config("configs/smoke.yaml")
+    assert count(cfg.model, 256)["total_params"] == sum(p.numel() for p in MoETransformer(cfg.model).parameters())
+
+
+def test_active_params_count_only_visited_experts():
+    cfg = tiny_config()
+    result = count(cfg.model, 64)
+    moe = cfg.model.moe
+    per_expert = 3 * moe.latent_size * moe.expert_intermediate
+    idle = result["moe_layers"] * (moe.num_experts - moe.top_k) * per_expert
+    assert result["active_params"] == result["total_params"] - idle
+
+
+def test_full_size_figures():
+    cfg = load_config("configs/full.yaml")
+    result = count(cfg.model, cfg.data.seq_len)
+    assert result["total_params"] == pytest.approx(2.8e12, rel=0.02)
+    assert result["active_params"] == pytest.approx(1.04e11, rel=0.03)
+    # 6 x active is the bulk of the training FLOPs; attention adds a few percent at 8K.
+    assert 6 * result["active_params"] < result["flops_per_token"] < 7 * result["active_params"]
+
+
+def test_flops_grow_with_sequence_length():
+    cfg = load_config("configs/full.yaml")
+    short, long = count(cfg.model, 8192), count(cfg.model, 1 << 20)
+    assert long["flops_breakdown"]["mla_attention"] == pytest.approx(128 * short["flops_breakdown"]["mla_attention"])
+    assert long["flops_breakdown"]["kda_mixing"] == short["flops_breakdown"]["kda_mixing"]  # linear attention
+
+
+@pytest.mark.timeout(60)
+def test_cli_prints_json():
+    out = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "--json"],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    assert {"total_params", "active_params", "flops_per_token", "breakdown"} <= result.keys()
+    bad = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "model.moe.top_k=0"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "model.moe.top_k=0 must be > 0" in bad.stderr
+
+
+def test_numel_counts_stacked_experts():
+    cfg = tiny_config()
+    model = MoETransformer(cfg.model)
+    router = model.routers()[1]
+    assert router.expert_bias.requires_grad is False
+    experts = model.layers["1"].mlp.experts
+    assert experts.w_gate.shape == (8, 16, 16) and isinstance(experts.w_gate, torch.nn.Parameter)
