@@ -12,56 +12,48 @@ from moe_pretrain.ops import aux_free_update, load_balancing_loss, quantile_bala
 
 
 class Balancer:
-    """Base: observes routings, may add a loss, proposes a bias after each optimizer step."""
+    """Collects the step's detached scores [m, n] and choices [m, k]; subclasses turn them into a bias."""
 
     def __init__(self, cfg: MoEConfig):
         self.cfg = cfg
+        self._scores: list[torch.Tensor] = []
+        self._choices: list[torch.Tensor] = []
 
     def observe(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> None:
-        """Record one forward's detached scores [m, n] and choices [m, k]."""
+        self._scores.append(scores)
+        self._choices.append(topk_idx)
 
     def loss(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor | None:
         """A differentiable balancing loss for this forward, already weighted, or None."""
         return None
 
     def next_bias(self, bias: torch.Tensor) -> torch.Tensor:
-        """The bias for the next step; forgets what was observed."""
+        """The bias for the next step from everything observed since the last call; then forget it."""
+        if not self._scores:
+            return bias
+        scores, choices = torch.cat(self._scores), torch.cat(self._choices)
+        self._scores.clear()
+        self._choices.clear()
+        return self.rule(scores, choices, bias)
+
+    def rule(self, scores: torch.Tensor, choices: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return bias
 
 
 class QuantileBalancer(Balancer):
-    def __init__(self, cfg: MoEConfig):
-        super().__init__(cfg)
-        self._scores: list[torch.Tensor] = []
-
-    def observe(self, scores, topk_idx):
-        self._scores.append(scores)
-
-    def next_bias(self, bias):
-        if not self._scores:
-            return bias
-        scores = torch.cat(self._scores)
-        self._scores.clear()
+    def rule(self, scores, choices, bias):
         return quantile_balance_update(scores, bias, self.cfg.top_k, self.cfg.qb_rate)
 
 
 class AuxFreeBalancer(Balancer):
-    def __init__(self, cfg: MoEConfig):
-        super().__init__(cfg)
-        self._choices: list[torch.Tensor] = []
-
-    def observe(self, scores, topk_idx):
-        self._choices.append(topk_idx)
-
-    def next_bias(self, bias):
-        if not self._choices:
-            return bias
-        choices = torch.cat(self._choices)
-        self._choices.clear()
+    def rule(self, scores, choices, bias):
         return aux_free_update(choices, bias, self.cfg.aux_free_rate)
 
 
 class AuxLossBalancer(Balancer):
+    def observe(self, scores, topk_idx):
+        """Nothing to keep: the loss acts through the gradient, the bias stays at 0."""
+
     def loss(self, scores, topk_idx):
         return self.cfg.aux_loss_coef * load_balancing_loss(scores, topk_idx)
 
