@@ -1,0 +1,1 @@
+"""Launchers: the torchrun / single-process training entry point (launch.train). SLURM comes later."""

@@ -27,7 +27,8 @@ def run(cfg, tmp_path, name="run"):
 def test_smoke_config_loss_drops_in_30_steps(tmp_path):
     cfg = load_config("configs/smoke.yaml", ["train.steps=30"])
     _, history = run(cfg, tmp_path)
-    first, last = history[0]["loss"], history[-1]["loss"]
+    first = history[0]["loss"]
+    last = sum(h["loss"] for h in history[-5:]) / 5
     assert first == pytest.approx(math.log(264), abs=0.1)  # near-uniform prediction at initialisation
     assert first - last >= 2.0, (first, last)
 

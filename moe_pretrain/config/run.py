@@ -35,6 +35,8 @@ class DataConfig:
     text_doc_bytes: int = 2048
     """Stdlib files are cut (at line breaks) into documents of at most this many bytes, so the
     text / image mix is even at the scale of one batch rather than one file."""
+    shuffle_buffer: int = 256
+    """Text documents pass through a seeded shuffle buffer of this many documents (1 = file order)."""
     image_size: int = 28
     """Side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
     seed: int = 1234
@@ -42,7 +44,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size,
                   micro_batches=self.micro_batches, image_size=self.image_size,
-                         text_doc_bytes=self.text_doc_bytes)
+                         text_doc_bytes=self.text_doc_bytes, shuffle_buffer=self.shuffle_buffer)
         require(self.batch_size % self.micro_batches == 0,
                  f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
         require(0.0 <= self.image_fraction <= 1.0, f"data.image_fraction={self.image_fraction} must be in [0, 1]")

@@ -51,6 +51,19 @@ def text_documents(seed: int, max_bytes: int) -> Iterator[Document]:
         epoch += 1
 
 
+def shuffled(documents: Iterator[Document], buffer_size: int, seed: int) -> Iterator[Document]:
+    """A seeded shuffle buffer: consecutive pieces of one file are spread over many batches."""
+    rng = np.random.default_rng([seed, 2])
+    buffer: list[Document] = []
+    for doc in documents:
+        if len(buffer) < buffer_size:
+            buffer.append(doc)
+            continue
+        i = int(rng.integers(buffer_size))
+        yield buffer[i]
+        buffer[i] = doc
+
+
 IMAGE_DOC_OVERHEAD = 4
 """BOS, IMAGE_START, IMAGE_END and EOS around an image document's patches and caption."""
 
@@ -76,7 +89,7 @@ def document_stream(cfg: DataConfig, vision: VisionConfig) -> Iterator[Document]
 
     Mixing by token share, not document count: one stdlib file is worth hundreds of captioned images.
     """
-    texts = text_documents(cfg.seed, cfg.text_doc_bytes)
+    texts = shuffled(text_documents(cfg.seed, cfg.text_doc_bytes), cfg.shuffle_buffer, cfg.seed)
     images = image_documents(cfg.seed, cfg.image_size, vision)
     image_tokens = total_tokens = 0
     while True:
