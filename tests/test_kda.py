@@ -107,3 +107,9 @@ def test_bad_shapes_raise():
         kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="rise strictly"):
         kda(*(x[:1] for x in (q, k, v, g, beta)), cu_seqlens=torch.tensor([0, 5, 5, 8]))
+
+
+def test_initial_state_shape_is_checked():
+    q, k, v, g, beta = make_inputs(2, 8, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"initial_state must be \[2, 2, 4, 3\]"):
+        kda(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 3, 4, dtype=F64))

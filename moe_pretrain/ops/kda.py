@@ -43,11 +43,9 @@ def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
         bounds = cu_seqlens.tolist()
         if bounds[0] != 0 or bounds[-1] != T or any(b >= e for b, e in itertools.pairwise(bounds)):
             raise ValueError(f"kda: cu_seqlens must rise strictly from 0 to T={T}, got {bounds}")
-    n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape != (n_states, H, K := q.shape[-1], v.shape[-1]):
-        raise ValueError(
-            f"kda: initial_state must be [{n_states}, {H}, {K}, {v.shape[-1]}], got {tuple(initial_state.shape)}"
-        )
+    state_shape = (B if cu_seqlens is None else cu_seqlens.numel() - 1, H, q.shape[-1], v.shape[-1])
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"kda: initial_state must be {list(state_shape)}, got {list(initial_state.shape)}")
 
 
 def kda(

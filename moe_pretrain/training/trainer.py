@@ -105,7 +105,7 @@ class Trainer:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def metrics(self, result: StepResult) -> dict:
-        record = {
+        return {
             "step": self.step,
             "loss": result.loss,
             "lr": result.lr,
@@ -116,7 +116,6 @@ class Trainer:
             "step_time_s": result.seconds,
             "moe": {str(i): r.pop_stats() for i, r in self.model.routers().items()},
         }
-        return record
 
     def run(self) -> list[dict]:
         """Train train.steps steps, writing run_dir/config.yaml and run_dir/metrics.jsonl."""
