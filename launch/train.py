@@ -1,10 +1,19 @@
-"""Pretraining entry point: `python -m launch.train --config configs/smoke.yaml [section.key=value ...]`."""
+"""Pretraining entry point, one process or many:
+
+    python -m launch.train --config configs/smoke.yaml [section.key=value ...]
+    torchrun --nproc-per-node 4 -m launch.train --config configs/smoke.yaml parallel.ep=2
+
+Under torchrun every rank validates the layout before any collective, so a bad layout fails on
+every rank with the same message (exit 2).
+"""
 
 import argparse
+import os
 import sys
 
 from moe_pretrain.config import ConfigError, load_config
 from moe_pretrain.training import Trainer
+from parallel.state import destroy_parallel, init_parallel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,26 +23,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS",
                         help="exit 1 unless the mean loss of the last 10 steps is at least NATS below the first step's")
     args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
     try:
         cfg = load_config(args.config, args.overrides)
-        trainer = Trainer(cfg)
-        print(f"moe-pretrain: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
-              f"{cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens, "
-              f"dtype {cfg.train.dtype}, run dir {cfg.train.run_dir}", flush=True)
+        ctx = init_parallel(cfg)
+    except ConfigError as err:
+        print(f"config error (rank {rank}): {err}", file=sys.stderr)
+        return 2
+    try:
+        trainer = Trainer(cfg, ctx)
+        if ctx.is_logging_rank:
+            print(f"moe-pretrain: {sum(p.numel() for p in trainer.model.parameters()):,} parameters on rank 0, "
+                  f"{ctx.layout.describe()}, {cfg.train.steps} steps of {cfg.data.batch_size} x "
+                  f"{cfg.data.seq_len} tokens, dtype {cfg.train.dtype}, run dir {cfg.train.run_dir}", flush=True)
         history = trainer.run()
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        print(f"config error (rank {rank}): {err}", file=sys.stderr)
         return 2
+    finally:
+        destroy_parallel()
     # One batch's loss swings with its content (stdlib files differ wildly in entropy): compare the
     # first step with the mean of the last ten.
     first = history[0]["loss"]
     tail = [h["loss"] for h in history[-10:]]
     last = sum(tail) / len(tail)
-    print(f"first loss {first:.4f}  last loss {last:.4f} (mean of the last {len(tail)} steps; final step "
-          f"{tail[-1]:.4f})  drop {first - last:.4f} nats")
+    if ctx.is_logging_rank:
+        print(f"first loss {first:.4f}  last loss {last:.4f} (mean of the last {len(tail)} steps; final step "
+              f"{tail[-1]:.4f})  drop {first - last:.4f} nats")
     if args.require_loss_drop is not None and first - last < args.require_loss_drop:
-        print(f"FAILED: loss fell {first - last:.4f} nats, less than the required {args.require_loss_drop}",
-              file=sys.stderr)
+        print(f"FAILED (rank {rank}): loss fell {first - last:.4f} nats, less than the required "
+              f"{args.require_loss_drop}", file=sys.stderr)
         return 1
     return 0
 

@@ -29,6 +29,8 @@ class LocalTokenDispatcher:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+        self.num_local_experts = num_experts
+        self.first_local_expert = 0
 
     def dispatch(
         self, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor

@@ -142,7 +142,7 @@ def test_quantile_balance_cuts_skew_by_half():
 
 def test_aux_free_update_moves_toward_mean_load():
     idx = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 3]])  # loads 4, 2, 1, 1 (mean 2)
-    new = aux_free_update(idx, torch.zeros(4, dtype=F64), rate=0.01)
+    new = aux_free_update(expert_load(idx, 4), torch.zeros(4, dtype=F64), rate=0.01)
     assert new.tolist() == [-0.01, 0.0, 0.01, 0.01]
 
 

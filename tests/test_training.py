@@ -99,7 +99,9 @@ def test_existing_run_dir_is_never_overwritten(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("parallel.tp=2", "parallel.tp=2: this build trains the single-process layout only"),
+    ("parallel.tp=2", "invalid parallel layout: world size 1 is not divisible by parallel.tp x parallel.pp x "
+                      "parallel.cp = 2 x 1 x 1"),
+    ("parallel.ep=2", "parallel.ep=2 must divide the 1 ranks of a pipeline stage"),
     ("checkpoint.interval=10", "checkpoint.interval=10: checkpoint saving is not implemented yet"),
     ("model.vocab_size=200", "model.vocab_size=200 is smaller than the byte tokenizer's 262 ids"),
 ])

@@ -9,16 +9,26 @@ from moe_pretrain.config.model import ModelConfig
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. Only the single-process layout (all 1) runs until the parallelism issue lands."""
+    """Parallel layout; the data-parallel size is what the world size leaves: world / (tp * pp * cp)."""
 
     tp: int = 1
+    """Tensor (+ sequence) parallel size (not implemented yet)."""
     pp: int = 1
+    """Pipeline stages (not implemented yet)."""
     ep: int = 1
+    """Expert-parallel size: experts are split over ep ranks, folded onto data-parallel ranks."""
     cp: int = 1
+    """Context-parallel size (long-context work)."""
     vpp: int = 1
+    """Virtual pipeline stages per rank (not implemented yet)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on CUDA machines, gloo elsewhere."""
+    bucket_mb: float = 25.0
+    """Gradient reduce-scatter bucket size in MiB."""
 
     def __post_init__(self) -> None:
-        require_positive("parallel", tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, vpp=self.vpp)
+        require_positive("parallel", tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, vpp=self.vpp,
+                         bucket_mb=self.bucket_mb)
 
 
 @dataclass

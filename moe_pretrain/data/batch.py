@@ -72,5 +72,14 @@ class PretrainingData:
         self.patch_dim = vision.patch_dim
         self.packer = SequencePacker(document_stream(cfg, vision), cfg.seq_len)
 
-    def next_batch(self, rows: int) -> Batch:
-        return rows_to_batch([self.packer.next_row() for _ in range(rows)], self.patch_dim)
+    def next_batch(self, rows: int, shard: int = 0, num_shards: int = 1) -> Batch:
+        """The next `rows` rows of the global stream, or data-parallel shard `shard` of them.
+
+        Every rank packs the same global rows and keeps its contiguous slice, so the global batch,
+        and with it the training, is the same for any data-parallel size.
+        """
+        if rows % num_shards:
+            raise ValueError(f"{rows} rows cannot be split into {num_shards} data-parallel shards")
+        packed = [self.packer.next_row() for _ in range(rows)]
+        per_shard = rows // num_shards
+        return rows_to_batch(packed[shard * per_shard:(shard + 1) * per_shard], self.patch_dim)

@@ -3,12 +3,16 @@
 A balancer watches every routing of a training step (all micro-batches), then proposes the next
 bias once the optimizer has stepped: statistics of one batch steer the routing of the next.
 Only the aux-loss strategy adds a term to the loss; the other two move the bias and nothing else.
+Statistics are those of the global batch: `stats` sums and ranks over every token of the step, on one
+process (LocalStatistics) or over the data-parallel group (set by the parallel set-up), so every
+rank computes the same bias.
 """
 
 import torch
 
 from moe_pretrain.config import MoEConfig
-from moe_pretrain.ops import aux_free_update, load_balancing_loss, quantile_balance_update
+from moe_pretrain.ops import aux_free_update, expert_load, load_balancing_loss, quantile_balance_margins
+from parallel.statistics import LocalStatistics
 
 
 class Balancer:
@@ -16,6 +20,7 @@ class Balancer:
 
     def __init__(self, cfg: MoEConfig):
         self.cfg = cfg
+        self.stats = LocalStatistics()
         self._scores: list[torch.Tensor] = []
         self._choices: list[torch.Tensor] = []
 
@@ -41,13 +46,22 @@ class Balancer:
 
 
 class QuantileBalancer(Balancer):
+    """ops.quantile_balance_update, with m and the column quantiles taken over the global batch."""
+
     def rule(self, scores, choices, bias):
-        return quantile_balance_update(scores, bias, self.cfg.top_k, self.cfg.qb_rate)
+        k, n = self.cfg.top_k, scores.shape[1]
+        margins = quantile_balance_margins(scores, bias, k)
+        m = int(self.stats.total(torch.tensor(scores.shape[0])))
+        c = self.stats.column_kth_largest(margins, (m * k) // n + 1)
+        return (bias.to(margins.dtype) - self.cfg.qb_rate * c).to(bias.dtype)
 
 
 class AuxFreeBalancer(Balancer):
+    """ops.aux_free_update on the global batch's expert loads."""
+
     def rule(self, scores, choices, bias):
-        return aux_free_update(choices, bias, self.cfg.aux_free_rate)
+        load = self.stats.total(expert_load(choices, bias.numel()))
+        return aux_free_update(load, bias, self.cfg.aux_free_rate)
 
 
 class AuxLossBalancer(Balancer):

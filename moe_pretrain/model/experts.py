@@ -18,6 +18,22 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, latent).normal_(0, init_std))
         self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, latent).normal_(0, init_std))
         self.w_down = nn.Parameter(torch.empty(num_experts, latent, intermediate).normal_(0, out_std))
+        self.first_expert = 0
+        """Global index of this module's first expert (non-zero when experts are split over ranks)."""
+        self._mark_expert_parameters()
+
+    def _mark_expert_parameters(self) -> None:
+        # Expert parameters reduce over the expert-data-parallel group, not the data-parallel one.
+        for p in self.parameters():
+            p.is_expert = True
+
+    def keep_experts(self, first: int, count: int) -> None:
+        """Keep only experts [first, first + count) (expert parallelism); global indices are preserved."""
+        for name in ("w_gate", "w_up", "w_down"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(full.detach()[first:first + count].clone()))
+        self.first_expert = first
+        self._mark_expert_parameters()
 
     def forward(self, x_RL: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_RL: rows grouped by expert; counts [E] rows per expert (summing to R) -> [R, L].

@@ -44,8 +44,8 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def pop_stats(self) -> dict[str, float]:
-        """Load and bias health since the last call (MODEL.md health metrics), then reset the load."""
-        load = self.load.to(torch.float64)
+        """Global-batch load and bias health since the last call (MODEL.md health metrics); resets the load."""
+        load = self.balancer.stats.total(self.load).to(torch.float64)
         stats = {
             "load_max": float(load.max()),
             "load_mean": float(load.mean()),

@@ -38,6 +38,19 @@ def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
 
 
+def quantile_balance_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """M_ij = s_ij + b_j - alpha_i, alpha_i = (k+1)-th largest biased score of token i ([m, n], >= fp32)."""
+    n = scores.shape[1]
+    if not 1 <= k < n:
+        raise ValueError(f"quantile balancing: k={k} must be in [1, {n - 1}] for {n} experts")
+    if bias.shape != (n,):
+        raise ValueError(f"quantile balancing: bias must be [{n}], got {tuple(bias.shape)}")
+    dtype = compute_dtype(scores.dtype)
+    biased = scores.to(dtype) + bias.to(dtype)
+    alpha = torch.topk(biased, k + 1, dim=1).values[:, k]
+    return biased - alpha[:, None]
+
+
 def quantile_balance_update(
     scores: torch.Tensor, bias: torch.Tensor, k: int, rate: float = 1.0
 ) -> torch.Tensor:
@@ -45,26 +58,19 @@ def quantile_balance_update(
 
     alpha_i = (k+1)-th largest biased score of token i; margin M_ij = s_ij + b_j - alpha_i;
     q = floor(m * k / n); c_j = (q+1)-th largest margin of column j; b_j <- b_j - rate * c_j.
-    After the update exactly q tokens of column j have s_ij + b_j > alpha_i (relative to the old
-    thresholds), which is the load every expert would have under perfect balance.
+    After the update q tokens of column j have s_ij + b_j > alpha_i (relative to the old thresholds,
+    ties aside), which is the load every expert would have under perfect balance.
     """
+    margins = quantile_balance_margins(scores, bias, k)
     m, n = scores.shape
-    if not 1 <= k < n:
-        raise ValueError(f"quantile_balance_update: k={k} must be in [1, {n - 1}] for {n} experts")
-    if bias.shape != (n,):
-        raise ValueError(f"quantile_balance_update: bias must be [{n}], got {tuple(bias.shape)}")
-    dtype = compute_dtype(scores.dtype)
-    biased = scores.to(dtype) + bias.to(dtype)
-    alpha = torch.topk(biased, k + 1, dim=1).values[:, k]  # [m]
-    margins = biased - alpha[:, None]
     q = (m * k) // n
-    c = torch.topk(margins, q + 1, dim=0).values[q]  # [n]
-    return (bias.to(dtype) - rate * c).to(bias.dtype)
+    c = torch.topk(margins, q + 1, dim=0).values[q]
+    return (bias.to(margins.dtype) - rate * c).to(bias.dtype)
 
 
-def aux_free_update(topk_idx: torch.Tensor, bias: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
-    """DeepSeek's auxiliary-loss-free rule: b_j += rate * sign(mean_load - load_j)."""
-    load = expert_load(topk_idx, bias.numel()).to(bias.dtype)
+def aux_free_update(load: torch.Tensor, bias: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
+    """DeepSeek's auxiliary-loss-free rule from expert loads [n]: b_j += rate * sign(mean_load - load_j)."""
+    load = load.to(bias.dtype)
     return bias + rate * torch.sign(load.mean() - load)
 
 

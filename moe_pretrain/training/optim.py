@@ -1,27 +1,33 @@
-"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules.
+"""The optimizer (ZeRO-1 sharded AdamW) and the learning-rate schedules.
 
 Vectors (norm weights, biases, A_log, dt_bias, AttnRes norm weights) take no weight decay: decaying
-them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias.
+them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias. Dense
+parameters reduce over the data-parallel group, expert parameters over the expert-data-parallel one.
 """
 
 import math
 
-import torch
+import torch.distributed as dist
 from torch import nn
 
-from moe_pretrain.config import OptimConfig
+from moe_pretrain.config import Config, OptimConfig
+from moe_pretrain.training.parallelize import is_expert_parameter
+from parallel.optimizer import ParamGroupSpec, ShardedAdamW
+from parallel.state import ParallelContext
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ShardedAdamW:
+    specs = []
+    for expert in (False, True):
+        group = ctx.edp_group if expert else ctx.dp_group
+        for decay in (True, False):
+            params = [p for p in model.parameters() if p.requires_grad
+                      and is_expert_parameter(p) == expert and (p.dim() >= 2) == decay]
+            specs.append(ParamGroupSpec(params, group, cfg.optim.weight_decay if decay else 0.0))
+    o = cfg.optim
+    return ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                        bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),
+                        norm_group=dist.group.WORLD if ctx.distributed else None)
 
 
 def learning_rate(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -1,8 +1,10 @@
-"""Single-process pretraining: the step, its loss accounting, balancing updates and metrics.
+"""Pretraining on one process or many: the step, its loss accounting, balancing updates and metrics.
 
-One optimizer step = data.micro_batches forward/backward passes whose losses are normalised by the
-step's total count of loss tokens (so the step's gradient is that of the token-mean loss over the
-whole global batch), then clipping, AdamW, the LR schedule, and the routers' bias updates.
+One optimizer step = data.micro_batches forward/backward passes over the global batch. Each
+data-parallel rank takes its slice of every global micro-batch; every loss is divided by the step's
+global count of loss tokens, so summing gradients over ranks and micro-batches gives exactly the
+gradient of the token-mean loss of the whole global batch, whatever the layout. Then the sharded
+optimizer reduces, clips, steps and gathers, and the routers move their biases on global statistics.
 """
 
 import contextlib
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
@@ -21,6 +24,9 @@ from moe_pretrain.model import MoETransformer
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
 from moe_pretrain.training.optim import build_optimizer, learning_rate
+from moe_pretrain.training.parallelize import parallelize_model
+from parallel.collectives import all_reduce_sum
+from parallel.state import ParallelContext, resolve_layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -34,12 +40,9 @@ class StepResult:
     seconds: float
 
 
-def check_supported(cfg: Config) -> None:
+def check_supported(cfg: Config, world_size: int) -> None:
     """Refuse settings whose machinery has not landed yet, rather than silently ignoring them."""
-    for key in ("tp", "pp", "ep", "cp", "vpp"):
-        if getattr(cfg.parallel, key) != 1:
-            raise ConfigError(f"parallel.{key}={getattr(cfg.parallel, key)}: this build trains the "
-                              "single-process layout only; set every parallel.* to 1")
+    resolve_layout(cfg, world_size)
     if cfg.checkpoint.interval:
         raise ConfigError(f"checkpoint.interval={cfg.checkpoint.interval}: checkpoint saving is not "
                           "implemented yet; set checkpoint.interval=0")
@@ -49,18 +52,20 @@ def check_supported(cfg: Config) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
-        check_supported(cfg)
+    def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
+        self.ctx = ctx or ParallelContext.single()
+        check_supported(cfg, self.ctx.layout.world_size)
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = self.ctx.device
         self.dtype = DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
         model = MoETransformer(cfg.model)
         # bf16 keeps fp32 master weights and runs the matmuls under autocast (Megatron's recipe);
         # fp32 and fp64 run the whole model in that dtype.
         param_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
-        self.model = model.to(device=self.device, dtype=param_dtype)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        model = model.to(device=self.device, dtype=param_dtype)
+        self.model = parallelize_model(model, self.ctx)
+        self.optimizer = build_optimizer(self.model, cfg, self.ctx)
         self.data = PretrainingData(cfg.data, cfg.model.vision)
         self.step = 0
         self.tokens_seen = 0
@@ -70,41 +75,42 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _next_micro_batches(self):
+        cfg, ctx = self.cfg, self.ctx
+        rows = cfg.data.batch_size // cfg.data.micro_batches
+        return [self.data.next_batch(rows, shard=ctx.dp_rank, num_shards=ctx.layout.dp).to(self.device)
+                for _ in range(cfg.data.micro_batches)]
+
     def train_step(self) -> StepResult:
-        cfg = self.cfg
+        cfg, ctx = self.cfg, self.ctx
         start = time.perf_counter()
         self.model.train()
-        rows = cfg.data.batch_size // cfg.data.micro_batches
-        batches = [self.data.next_batch(rows).to(self.device) for _ in range(cfg.data.micro_batches)]
-        loss_tokens = sum(b.loss_tokens for b in batches)
+        batches = self._next_micro_batches()
+        local_tokens = torch.tensor(sum(b.loss_tokens for b in batches), dtype=torch.int64)
+        loss_tokens = max(int(all_reduce_sum(local_tokens, ctx.dp_group)), 1)
         lr = learning_rate(self.step, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss = 0.0
+        self.optimizer.zero_grad()
+        ce_total = torch.zeros((), dtype=torch.float64)
         for batch in batches:
             with self.autocast():
                 logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
             ce_sum = F.cross_entropy(logits.to(compute_dtype(logits.dtype)).flatten(0, 1), batch.labels.flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
-            loss = ce_sum / max(loss_tokens, 1) + balance_loss / cfg.data.micro_batches
+            loss = ce_sum / loss_tokens + balance_loss / cfg.data.micro_batches
             loss.backward()
-            total_loss += float(ce_sum.detach())
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
+            ce_total += ce_sum.detach().to(torch.float64).cpu()
+        grad_norm = self.optimizer.step(cfg.optim.grad_clip)
         self.model.update_balancing()
         self.step += 1
-        step_tokens = sum(b.tokens.numel() for b in batches)
+        step_tokens = cfg.data.batch_size * cfg.data.seq_len
         self.tokens_seen += step_tokens
-        return StepResult(total_loss / max(loss_tokens, 1), grad_norm, lr, step_tokens,
-                          time.perf_counter() - start)
-
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        loss_value = float(all_reduce_sum(ce_total, ctx.dp_group)) / loss_tokens
+        return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start)
 
     def metrics(self, result: StepResult) -> dict:
+        """The step's record; collective (global expert loads), so every rank calls it."""
         return {
             "step": self.step,
             "loss": result.loss,
@@ -118,24 +124,30 @@ class Trainer:
         }
 
     def run(self) -> list[dict]:
-        """Train train.steps steps, writing run_dir/config.yaml and run_dir/metrics.jsonl."""
-        cfg = self.cfg
+        """Train train.steps steps; rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl."""
+        cfg, ctx = self.cfg, self.ctx
         run_dir = Path(cfg.train.run_dir)
         if (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run; "
                               "choose another train.run_dir (nothing was overwritten)")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        writer = MetricsWriter(run_dir / "metrics.jsonl")
-        bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress)
+        if ctx.distributed:
+            dist.barrier()  # every rank has checked before rank 0 creates anything
+        writer = None
+        if ctx.is_logging_rank:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            writer = MetricsWriter(run_dir / "metrics.jsonl")
+        bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []
         try:
             while self.step < cfg.train.steps:
                 result = self.train_step()
                 record = self.metrics(result)
-                writer.write(record)
+                if writer is not None:
+                    writer.write(record)
                 history.append(record)
                 bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
         finally:
-            writer.close()
+            if writer is not None:
+                writer.close()
         return history

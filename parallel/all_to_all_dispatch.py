@@ -1,0 +1,77 @@
+"""Expert-parallel token dispatch over an all-to-all, dropless (STYLE.md rule 3).
+
+Shape legend: T local tokens, k experts per token, L latent width, E experts, ep ranks with
+E_local = E / ep contiguous experts each (rank r owns experts [r * E_local, (r + 1) * E_local)).
+
+dispatch: sort the T * k routed copies by global expert (which is also by destination rank) ->
+exchange the per-expert counts -> all_to_all_single the latent rows with uneven splits -> regroup the
+received blocks from (source rank, local expert) order into local-expert order.
+combine: undo the regrouping -> reverse all-to-all -> weighted sum per token (the local reference).
+Only latent-width rows travel, and ranks or experts that receive nothing simply get empty blocks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import all_to_all_counts, all_to_all_rows
+from parallel.dispatch import DispatchMetadata, LocalTokenDispatcher
+
+
+@dataclass(frozen=True)
+class AllToAllMetadata:
+    local: DispatchMetadata
+    """The sort of this rank's copies by global expert (undone last, as on one process)."""
+    send_splits: list[int]
+    """Rows sent to each rank."""
+    receive_splits: list[int]
+    """Rows received from each rank."""
+    regroup: torch.Tensor
+    """[R] received-row index of each row in local-expert order."""
+
+
+def _block_regroup(counts_SE: torch.Tensor) -> torch.Tensor:
+    """Rows arrive in (source, expert) blocks of counts_SE[s, e]; return the order that lists them by
+    (expert, source) instead, as indices into the arrival order."""
+    flat = counts_SE.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).reshape(counts_SE.shape)
+    starts_by_expert = starts.T.reshape(-1)
+    counts_by_expert = counts_SE.T.reshape(-1)
+    total = int(flat.sum())
+    block_start = torch.repeat_interleave(starts_by_expert, counts_by_expert)
+    block_offset = torch.arange(total, device=counts_SE.device) - torch.repeat_interleave(
+        torch.cumsum(counts_by_expert, 0) - counts_by_expert, counts_by_expert)
+    return block_start + block_offset
+
+
+class AllToAllTokenDispatcher(LocalTokenDispatcher):
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int):
+        super().__init__(num_experts)
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = rank
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts cannot be split over {self.size} expert-parallel ranks")
+        self.num_local_experts = num_experts // self.size
+        self.first_local_expert = rank * self.num_local_experts
+        self.bytes_sent = 0
+        """Latent-row bytes this rank sent to other ranks in dispatch (for bench/dispatch.py)."""
+
+    def dispatch(self, x_TL, topk_idx, topk_weight):
+        sorted_rows, counts_E, local_meta = super().dispatch(x_TL, topk_idx, topk_weight)
+        send_counts = counts_E.reshape(self.size, self.num_local_experts)
+        receive_counts = all_to_all_counts(send_counts, self.group)  # [source rank, local expert]
+        send_splits = send_counts.sum(1).tolist()
+        receive_splits = receive_counts.sum(1).tolist()
+        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * x_TL.shape[1] * x_TL.element_size()
+        received = all_to_all_rows(sorted_rows, receive_splits, send_splits, self.group)
+        regroup = _block_regroup(receive_counts)
+        meta = AllToAllMetadata(local_meta, send_splits, receive_splits, regroup)
+        return received[regroup], receive_counts.sum(0), meta
+
+    def combine(self, y_grouped, meta):
+        arrival_order = torch.empty_like(meta.regroup)
+        arrival_order[meta.regroup] = torch.arange(meta.regroup.numel(), device=meta.regroup.device)
+        returned = all_to_all_rows(y_grouped[arrival_order], meta.send_splits, meta.receive_splits, self.group)
+        return super().combine(returned, meta.local)

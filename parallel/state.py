@@ -1,0 +1,151 @@
+"""The parallel layout and its process groups (megatron-core parallel_state is the source of groups).
+
+A layout is validated from the config and the world size alone, on every rank, before any collective,
+so an invalid one fails fast with the same message everywhere. Expert parallelism uses MoE parallel
+folding with expert tensor parallel 1: the expert-parallel group spans data-parallel ranks, and
+expert parameters are reduced over the expert-data-parallel group.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_pretrain.config import Config, ConfigError
+
+IMPLEMENTED = ("dp", "ep")
+"""Dimensions that train today; tp, pp, cp and vpp are validated but refused until they land."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    vpp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: ranks holding the same experts (expert tensor parallel = 1)."""
+        return self.world_size // (self.pp * self.ep)
+
+    def describe(self) -> str:
+        return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
+
+
+def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
+    """Check the config's parallel section against the world size and the model; no collectives."""
+    p, m = cfg.parallel, cfg.model
+    layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp)
+    problems = []
+    model_parallel = p.tp * p.pp * p.cp
+    if world_size % model_parallel:
+        problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp "
+                        f"= {p.tp} x {p.pp} x {p.cp}")
+    elif (world_size // p.pp) % p.ep:
+        problems.append(f"parallel.ep={p.ep} must divide the {world_size // p.pp} ranks of a pipeline stage "
+                        f"(world size {world_size} / parallel.pp={p.pp})")
+    if m.moe.num_experts % p.ep:
+        problems.append(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
+    if m.kda.num_heads % p.tp:
+        problems.append(f"model.kda.num_heads={m.kda.num_heads} is not divisible by parallel.tp={p.tp}")
+    if m.mla.num_heads % p.tp:
+        problems.append(f"model.mla.num_heads={m.mla.num_heads} is not divisible by parallel.tp={p.tp}")
+    if p.pp * p.vpp > m.num_layers:
+        problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
+    if not problems:
+        dp = layout.dp
+        rows = cfg.data.batch_size
+        if rows % (dp * cfg.data.micro_batches):
+            problems.append(f"data.batch_size={rows} must be divisible by data-parallel size {dp} x "
+                            f"data.micro_batches={cfg.data.micro_batches}")
+    if problems:
+        raise ConfigError("invalid parallel layout: " + "; ".join(problems))
+    for key in ("tp", "pp", "cp", "vpp"):
+        if getattr(p, key) != 1:
+            raise ConfigError(f"parallel.{key}={getattr(p, key)}: not implemented yet (this build trains data "
+                              "and expert parallelism); set parallel.tp, pp, cp and vpp to 1")
+    return layout
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the layout and the groups it talks over (None on a single process)."""
+
+    layout: ParallelLayout
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
+    dp_rank: int = 0
+    ep_rank: int = 0
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
+        return cls(ParallelLayout(world_size=1), device=torch.device(device))
+
+    @property
+    def distributed(self) -> bool:
+        return self.layout.world_size > 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
+    """Join the torchrun world (RANK / WORLD_SIZE / MASTER_ADDR in the environment) and build the groups.
+
+    With no WORLD_SIZE (or 1) this is the single-process context and creates no process group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = resolve_layout(cfg, world_size)
+    if world_size == 1:
+        return ParallelContext.single()
+    backend = backend or (cfg.parallel.backend if cfg.parallel.backend != "auto" else default_backend())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=1,
+        create_gloo_process_groups=False,
+    )
+    return ParallelContext(
+        layout=layout,
+        rank=dist.get_rank(),
+        device=device,
+        dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        ep_group=ps.get_expert_model_parallel_group(),
+        edp_group=ps.get_expert_data_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+    )
+
+
+def destroy_parallel() -> None:
+    if dist.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
