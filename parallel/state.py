@@ -7,6 +7,7 @@ expert parameters are reduced over the expert-data-parallel group.
 """
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +122,8 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend)
+    # megatron-core warns at import that Transformer Engine and apex are absent; on CPU that is expected.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(

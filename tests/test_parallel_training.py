@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from launch.local import run_distributed
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.parallelize import gather_full_state
 from parallel.state import destroy_parallel, init_parallel
-from tests.distributed import run_distributed
 from tests.helpers import rel_rms
 from tests.models import tiny_config
 

@@ -1,11 +1,12 @@
-"""Running a function on N gloo processes from a test, with a free port and a hard timeout.
+"""Running a function on N local gloo processes (tests, benches), with a free port and a hard timeout.
 
 Each worker gets (rank, world_size, *args); what rank 0's function returns comes back to the test
 (through torch.save to a file: tensors cannot outlive their process in a queue). A worker that raises
-fails the test with its traceback; a hang is killed at the timeout.
+fails the call with every rank's traceback; a hang is killed at the timeout.
 """
 
 import os
+import queue
 import socket
 import tempfile
 import traceback
@@ -21,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, result_file):
+def _worker(rank, world_size, port, fn, args, reports, result_file):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -29,36 +30,41 @@ def _worker(rank, world_size, port, fn, args, queue, result_file):
         result = fn(rank, world_size, *args)
         if rank == 0:
             torch.save(result, result_file)
-        queue.put((rank, "ok", None))
+        reports.put((rank, "ok", None))
     except BaseException:  # report everything, including assertion errors, to the test process
-        queue.put((rank, "error", traceback.format_exc()))
+        reports.put((rank, "error", traceback.format_exc()))
         raise
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     """Run fn on world_size processes; return rank 0's result. fn must be importable (module level)."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    reports = ctx.Queue()
     port = free_port()
     result_file = Path(tempfile.mkdtemp()) / "rank0.pt"
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, result_file))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, reports, result_file))
              for r in range(world_size)]
     for p in procs:
         p.start()
     errors = []
     try:
         for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+            # After a first failure, give the other ranks a moment to report theirs.
+            rank, status, payload = reports.get(timeout=5 if errors else timeout)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
-                break
+    except queue.Empty:
+        if not errors:
+            raise
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("a worker failed:\n" + "\n".join(errors))
+        # A crashed peer makes the others fail with "Connection closed": list the root cause first.
+        errors.sort(key=lambda e: "Connection closed" in e)
+        raise AssertionError("worker(s) failed:\n" + "\n".join(errors))
     result = torch.load(result_file, weights_only=True)
     result_file.unlink()
     result_file.parent.rmdir()

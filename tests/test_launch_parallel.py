@@ -1,0 +1,70 @@
+"""torchrun end to end, and invalid layouts failing on every rank before any collective."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch.local import free_port
+from moe_pretrain.config import ConfigError
+from parallel.state import resolve_layout
+from tests.models import tiny_config
+
+TINY = ["model.hidden_size=32", "model.num_layers=4", "model.layer_pattern=KKKM", "model.kda.num_heads=2",
+        "model.kda.head_dim=8", "model.mla.num_heads=2", "model.moe.num_experts=8", "model.moe.top_k=2",
+        "model.moe.expert_intermediate=16", "model.moe.latent_size=16", "data.seq_len=96",
+        "data.batch_size=4", "train.steps=3", "logging.progress=false"]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", "-m", "launch.train", "--config", "configs/smoke.yaml", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_expert_parallel_run_matches_single_process(tmp_path):
+    done = torchrun(2, *TINY, "parallel.ep=2", f"train.run_dir={tmp_path / 'ep2'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dp 2 x tp 1 x pp 1 x cp 1; ep 2" in done.stdout
+    single = subprocess.run([sys.executable, "-m", "launch.train", "--config", "configs/smoke.yaml", *TINY,
+                             f"train.run_dir={tmp_path / 'single'}"], capture_output=True, text=True, timeout=200)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    def losses(name):
+        return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses("ep2") == pytest.approx(losses("single"), rel=1e-4)  # fp32 across layouts
+
+
+@pytest.mark.timeout(120)
+def test_invalid_layout_fails_on_every_rank(tmp_path):
+    done = torchrun(2, *TINY, "parallel.ep=3", f"train.run_dir={tmp_path / 'bad'}", timeout=100)
+    assert done.returncode != 0
+    for rank in (0, 1):
+        assert f"config error (rank {rank}): invalid parallel layout:" in done.stderr
+    assert "model.moe.num_experts=8 is not divisible by parallel.ep=3" in done.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(("world", "overrides", "message"), [
+    (3, ["parallel.ep=2"], "parallel.ep=2 must divide the 3 ranks of a pipeline stage"),
+    (4, ["model.moe.num_experts=6", "model.moe.top_k=2", "parallel.ep=4"],
+     "model.moe.num_experts=6 is not divisible by parallel.ep=4"),
+    (6, ["parallel.tp=4"], "world size 6 is not divisible by parallel.tp x parallel.pp x parallel.cp = 4 x 1 x 1"),
+    (2, ["parallel.tp=2", "model.kda.num_heads=3"], "model.kda.num_heads=3 is not divisible by parallel.tp=2"),
+    (8, ["parallel.pp=8", "model.num_layers=6"], "parallel.pp x parallel.vpp = 8 stages for model.num_layers=6"),
+    (3, [], "data.batch_size=4 must be divisible by data-parallel size 3"),
+    (2, ["parallel.tp=2"], "parallel.tp=2: not implemented yet"),
+])
+def test_layout_errors_name_the_keys(world, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_layout(tiny_config(*overrides), world)
+
+
+def test_valid_folded_layout():
+    layout = resolve_layout(tiny_config("parallel.ep=2", "data.batch_size=8"), 4)
+    assert (layout.dp, layout.ep, layout.edp) == (4, 2, 2)
