@@ -1,0 +1,103 @@
+"""Expert dispatch: bytes on the wire against the minimum, and MoE layer time at ep 1, 2, 4.
+
+Run: .venv/bin/python bench/dispatch.py [--tokens 2048 --repeats 5]
+
+For each expert-parallel size, every rank routes its own tokens through one smoke-size LatentMoE
+(d=128, 16 experts, top-4, latent 64) and runs forward + backward. Printed per size:
+- bytes sent per token, measured from the splits handed to all_to_all_single, against the minimum
+  (tokens x top-k copies whose expert lives on another rank, x latent width x dtype bytes), as a
+  ratio (1.00 = nothing but off-rank latent rows travels), and against what hidden-width rows would
+  cost (the LatentMoE design's saving, l / d);
+- median forward + backward time, and its ratio to ep 1 measured in the same run (2-core machines:
+  more processes share the same cores, so this measures overhead, not speed-up).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from launch.local import run_distributed
+from moe_pretrain.config import MoEConfig
+from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.training.parallelize import parallelize_model
+
+D = 128
+MOE = MoEConfig(num_experts=16, top_k=4, expert_intermediate=64, latent_size=64, num_shared_experts=2,
+                shared_intermediate=64)
+
+
+class _Holder(torch.nn.Module):
+    """parallelize_model walks a model's modules and routers; give it one MoE layer."""
+
+    def __init__(self, moe: LatentMoE):
+        super().__init__()
+        self.moe = moe
+
+    def routers(self):
+        return {1: self.moe.router}
+
+
+def measure(rank: int, world_size: int, tokens: int, repeats: int) -> dict:
+    from parallel.state import ParallelContext, ParallelLayout
+
+    torch.manual_seed(0)
+    moe = LatentMoE(D, MOE, norm_eps=1e-5, init_std=0.02, out_std=0.02)
+    if world_size > 1:
+        dist.init_process_group("gloo")
+        group = dist.group.WORLD
+        ctx = ParallelContext(ParallelLayout(world_size, ep=world_size), rank=rank, dp_group=group,
+                              ep_group=group, edp_group=None, dp_rank=rank, ep_rank=rank)
+        parallelize_model(_Holder(moe), ctx)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(rank))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        y, _ = moe(x.unsqueeze(0))
+        y.pow(2).mean().backward()
+        times.append(time.perf_counter() - start)
+    dispatcher = moe.dispatcher
+    idx, _, _ = moe.router(x)  # the routing every repeat used (weights are not updated here)
+    owner = idx // (MOE.num_experts // world_size)
+    off_rank_copies = int((owner != rank).sum())
+    result = {
+        "time": statistics.median(times[1:]),
+        "sent_bytes": getattr(dispatcher, "bytes_sent", 0) / (repeats + 1),  # per forward
+        "minimum_bytes": off_rank_copies * MOE.latent_size * x.element_size(),
+        "hidden_bytes": off_rank_copies * D * x.element_size(),
+    }
+    if world_size > 1:
+        totals = torch.tensor([result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"]],
+                              dtype=torch.float64)
+        dist.all_reduce(totals)
+        result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"] = totals.tolist()
+        dist.destroy_process_group()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"LatentMoE d={D}, {MOE.num_experts} experts top-{MOE.top_k}, latent {MOE.latent_size}, "
+          f"{args.tokens} tokens per rank, fp32, forward + backward")
+    base = None
+    for ep in (1, 2, 4):
+        if ep == 1:
+            torch.set_num_threads(1)
+            r = measure(0, 1, args.tokens, args.repeats)
+        else:
+            r = run_distributed(measure, ep, args.tokens, args.repeats)
+        base = base or r["time"]
+        tokens = args.tokens * ep
+        wire = (f"sent {r['sent_bytes'] / tokens:7.1f} B/token, minimum {r['minimum_bytes'] / tokens:7.1f}, "
+                f"ratio {r['sent_bytes'] / r['minimum_bytes']:.2f}, hidden-width rows would be "
+                f"{r['hidden_bytes'] / r['sent_bytes']:.2f}x" if ep > 1 else "no exchange")
+        print(f"  ep {ep}: {r['time'] * 1e3:8.1f} ms per layer fwd+bwd ({r['time'] / base:.2f}x ep 1)  {wire}")
+
+
+if __name__ == "__main__":
+    main()
