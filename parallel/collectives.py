@@ -61,3 +61,84 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     out = x.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
+
+
+# Sequence-parallel mappings over dimension 1 of [B, T, ...] activations (megatron-core's
+# gather_from / reduce_scatter_to / scatter_to_sequence_parallel_region, device-agnostic).
+
+
+def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    x_T = x.transpose(0, 1).contiguous()
+    out = x_T.new_empty(x_T.shape[0] * size, *x_T.shape[1:])
+    dist.all_gather_single(out, x_T, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    x_T = x.transpose(0, 1).contiguous()
+    if x_T.shape[0] % size:
+        raise ValueError(f"sequence length {x_T.shape[0]} is not divisible by the {size} sequence-parallel ranks")
+    out = x_T.new_empty(x_T.shape[0] // size, *x_T.shape[1:])
+    dist.reduce_scatter_single(out, x_T, group=group)
+    return out.transpose(0, 1)
+
+
+def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[1] % size:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by the {size} sequence-parallel ranks")
+    chunk = x.shape[1] // size
+    return x[:, rank * chunk:(rank + 1) * chunk].contiguous()
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """Forward: all-gather the sequence shards. Backward: reduce-scatter (each rank's use was partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: sum partial results and keep this rank's sequence shard. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    """Forward: keep this rank's shard of a replicated sequence. Backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherFromSequenceParallel.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ScatterToSequenceParallel.apply(x, group)

@@ -15,9 +15,6 @@ import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
 
-IMPLEMENTED = ("dp", "ep")
-"""Dimensions that train today; tp, pp, cp and vpp are validated but refused until they land."""
-
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -55,6 +52,13 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
                         f"(world size {world_size} / parallel.pp={p.pp})")
     if m.moe.num_experts % p.ep:
         problems.append(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
+    tp_divisible = {"model.vocab_size": m.vocab_size, "model.dense_intermediate": m.dense_intermediate,
+                     "model.moe.num_shared_experts x model.moe.shared_intermediate":
+                         m.moe.num_shared_experts * m.moe.shared_intermediate,
+                     "data.seq_len": cfg.data.seq_len}
+    for key, value in tp_divisible.items():
+        if value % p.tp:
+            problems.append(f"{key}={value} is not divisible by parallel.tp={p.tp}")
     if m.kda.num_heads % p.tp:
         problems.append(f"model.kda.num_heads={m.kda.num_heads} is not divisible by parallel.tp={p.tp}")
     if m.mla.num_heads % p.tp:
@@ -69,10 +73,10 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
                             f"data.micro_batches={cfg.data.micro_batches}")
     if problems:
         raise ConfigError("invalid parallel layout: " + "; ".join(problems))
-    for key in ("tp", "pp", "cp", "vpp"):
+    for key in ("pp", "cp", "vpp"):
         if getattr(p, key) != 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)}: not implemented yet (this build trains data "
-                              "and expert parallelism); set parallel.tp, pp, cp and vpp to 1")
+            raise ConfigError(f"parallel.{key}={getattr(p, key)}: not implemented yet (this build trains data, "
+                              "tensor + sequence and expert parallelism); set parallel.pp, cp and vpp to 1")
     return layout
 
 
@@ -84,9 +88,14 @@ class ParallelContext:
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dp_group: dist.ProcessGroup | None = None
+    """Data parallel (x context parallel): ranks with different data; tensor-parallel weights reduce here."""
+    tp_group: dist.ProcessGroup | None = None
+    tp_dp_group: dist.ProcessGroup | None = None
+    """Tensor x data parallel: every token of the global batch; replicated weights reduce here."""
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
+    tp_rank: int = 0
     ep_rank: int = 0
 
     @classmethod
@@ -139,9 +148,12 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         rank=dist.get_rank(),
         device=device,
         dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_dp_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
         ep_group=ps.get_expert_model_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
     )
 

@@ -58,13 +58,19 @@ def test_invalid_layout_fails_on_every_rank(tmp_path):
     (2, ["parallel.tp=2", "model.kda.num_heads=3"], "model.kda.num_heads=3 is not divisible by parallel.tp=2"),
     (8, ["parallel.pp=8", "model.num_layers=6"], "parallel.pp x parallel.vpp = 8 stages for model.num_layers=6"),
     (3, [], "data.batch_size=4 must be divisible by data-parallel size 3"),
-    (2, ["parallel.tp=2"], "parallel.tp=2: not implemented yet"),
+    (2, ["parallel.tp=2", "model.vocab_size=265"], "model.vocab_size=265 is not divisible by parallel.tp=2"),
+    (2, ["parallel.tp=2", "model.dense_intermediate=47"],
+     "model.dense_intermediate=47 is not divisible by parallel.tp=2"),
+    (2, ["parallel.tp=2", "data.seq_len=97"], "data.seq_len=97 is not divisible by parallel.tp=2"),
+    (2, ["parallel.pp=2"], "parallel.pp=2: not implemented yet"),
 ])
 def test_layout_errors_name_the_keys(world, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_layout(tiny_config(*overrides), world)
 
 
-def test_valid_folded_layout():
+def test_valid_folded_layouts():
     layout = resolve_layout(tiny_config("parallel.ep=2", "data.batch_size=8"), 4)
     assert (layout.dp, layout.ep, layout.edp) == (4, 2, 2)
+    layout = resolve_layout(tiny_config("parallel.tp=2", "parallel.ep=2"), 2)  # experts over the tp ranks
+    assert (layout.dp, layout.tp, layout.ep, layout.edp) == (1, 2, 2, 1)

@@ -53,7 +53,9 @@ def single_process(tmp_path, dtype):
     (2, []),
     (4, ["parallel.ep=2"]),
     (2, ["parallel.ep=2", "data.micro_batches=2", "model.moe.balancing=aux_free"]),
-], ids=["ep2", "ep4", "dp2", "dp4xep2-folded", "ep2-microbatches-auxfree"])
+    (2, ["parallel.tp=2"]),
+    (4, ["parallel.tp=2", "parallel.ep=2"]),
+], ids=["ep2", "ep4", "dp2", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "tp2xep2"])
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))
@@ -69,10 +71,11 @@ def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
 
 
 @pytest.mark.timeout(300)
-def test_fp32_expert_parallel_layout_matches(tmp_path):
+@pytest.mark.parametrize("overrides", [["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"]], ids=["ep2", "tp2xep2"])
+def test_fp32_layout_matches(tmp_path, overrides):
     ref_losses, ref_state, _ = single_process(tmp_path, "float32")
     losses, state, identical, _ = run_distributed(
-        train_worker, 2, str(tmp_path / "parallel"), "float32", ["parallel.ep=2"])
+        train_worker, 2, str(tmp_path / "parallel"), "float32", overrides)
     assert losses == pytest.approx(ref_losses, rel=1e-4)
     for name, tensor in ref_state.items():
         assert rel_rms(state[name], tensor) < 1e-4, name

@@ -4,6 +4,8 @@ Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
 q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
 low-rank f = W_fb W_fa x; beta = sigmoid(W_b x); y = W_o [sigmoid(W_g x) * RMSNorm_head(o)].
 The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments.
+Under tensor parallelism the layer holds H / tp heads (shard_heads) and its column projections
+return the whole sequence, so head counts and T are read from the tensors, not the config.
 """
 
 import torch
@@ -42,22 +44,35 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = make_linear(inner, dim, style=LinearStyle.ROW, init_std=out_std)
 
+    def shard_heads(self, rank: int, size: int) -> None:
+        """Keep heads [rank * H/size, (rank + 1) * H/size) of the per-head parameters (tensor parallel);
+        the projections are sliced by the parallel set-up."""
+        heads = self.cfg.num_heads // size
+        channels = heads * self.cfg.head_dim
+        with torch.no_grad():
+            self.A_log = nn.Parameter(self.A_log[rank * heads:(rank + 1) * heads].clone())
+            self.dt_bias = nn.Parameter(self.dt_bias[rank * channels:(rank + 1) * channels].clone())
+            for conv in (self.q_conv, self.k_conv, self.v_conv):
+                conv.weight = nn.Parameter(conv.weight[rank * channels:(rank + 1) * channels].clone())
+        for p in (self.A_log, self.dt_bias, self.q_conv.weight, self.k_conv.weight, self.v_conv.weight):
+            p.tensor_parallel_dim = 0
+
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""
         dtype = compute_dtype(f.dtype)
-        x = f.to(dtype) + self.dt_bias.to(dtype).view(self.cfg.num_heads, self.cfg.head_dim)
+        x = f.to(dtype) + self.dt_bias.to(dtype).view(-1, self.cfg.head_dim)
         rate = self.A_log.to(dtype).exp().view(-1, 1)
         if self.cfg.gate == "lower_bound":
             return self.cfg.lower_bound * torch.sigmoid(rate * x)
         return -rate * F.softplus(x)
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        B, T, _ = x.shape
-        H, K = self.cfg.num_heads, self.cfg.head_dim
+        K = self.cfg.head_dim
         pos = layout.position_in_doc
+        B, T = pos.shape  # the whole sequence, whatever shard of it x holds
 
         def heads(t):
-            return t.reshape(B, T, H, K)
+            return t.reshape(B, T, -1, K)
 
         q = l2_norm(heads(F.silu(self.q_conv(self.q_proj(x), pos))))
         k = l2_norm(heads(F.silu(self.k_conv(self.k_proj(x), pos))))
@@ -70,6 +85,6 @@ class KimiDeltaAttention(nn.Module):
 
         o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta),
                    cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)
-        o = rms_norm(o.reshape(B, T, H, K), self.o_norm_weight, self.norm_eps).to(x.dtype)
-        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, K)
-        return self.o_proj((gate * o).reshape(B, T, H * K))
+        o = rms_norm(heads(o), self.o_norm_weight, self.norm_eps).to(x.dtype)
+        gate = torch.sigmoid(heads(self.g_proj(x)))
+        return self.o_proj((gate * o).flatten(2))

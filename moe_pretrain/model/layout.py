@@ -4,9 +4,11 @@ Shape legend: B sequences, T positions. Packed sequences hold several documents;
 state, the short convolutions stop, and MLA masks attention at every document boundary.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from parallel.sequence import NoSequenceParallel
 
 
 @dataclass(frozen=True)
@@ -17,9 +19,12 @@ class DocumentLayout:
     """[B, T] offset of each position from its document's start (RoPE positions, conv validity)."""
     cu_seqlens: torch.Tensor
     """[N + 1] int64 offsets of the N documents in the flattened [1, B*T] sequence (fla convention)."""
+    sequence: NoSequenceParallel = field(default_factory=NoSequenceParallel)
+    """How activations are split along T between tensor-parallel regions (identity on one rank).
+    The other fields always describe the whole sequence."""
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocumentLayout":
+    def from_doc_ids(cls, doc_ids: torch.Tensor, sequence: NoSequenceParallel | None = None) -> "DocumentLayout":
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         B, T = doc_ids.shape
@@ -30,13 +35,14 @@ class DocumentLayout:
         positions = torch.arange(B * T, device=doc_ids.device)
         start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
         position_in_doc = (positions - start_of).reshape(B, T)
-        return cls(doc_ids, position_in_doc, cu_seqlens)
+        return cls(doc_ids, position_in_doc, cu_seqlens, sequence or NoSequenceParallel())
 
     @classmethod
-    def single_documents(cls, batch: int, seq_len: int, device: torch.device) -> "DocumentLayout":
+    def single_documents(cls, batch: int, seq_len: int, device: torch.device,
+                         sequence: NoSequenceParallel | None = None) -> "DocumentLayout":
         """Every row one document (no packing)."""
         doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
-        return cls.from_doc_ids(doc_ids)
+        return cls.from_doc_ids(doc_ids, sequence)
 
     def attention_mask(self) -> torch.Tensor:
         """[B, 1, T, T] bool: causal and within the same document."""

@@ -5,6 +5,8 @@ c_Q = RMSNorm(W_DQ x); q = W_UQ c_Q -> [q_nope | q_rope]; [c_KV | k_rope] = W_DK
 [k_nope | v] = W_UKV RMSNorm(c_KV); k = [k_nope | k_rope shared by all heads];
 out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document.
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
+Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
+down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match.
 """
 
 import torch
@@ -48,11 +50,13 @@ class GatedMLA(nn.Module):
         self.o_proj = make_linear(H * cfg.v_head_dim, dim, style=LinearStyle.ROW, init_std=out_std)
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        B, T, _ = x.shape
         cfg = self.cfg
-        H, Dn, Dr, Dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q = self.q_up(self.q_norm(self.q_down(x))).reshape(B, T, H, Dn + Dr)
+        B, T = layout.position_in_doc.shape  # the whole sequence, whatever shard of it x holds
+        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = self.q_up(self.q_norm(self.q_down(x))).reshape(B, T, -1, Dn + Dr)
+        H = q.shape[2]  # heads on this rank
         c_kv, k_rope = self.kv_down(x).split([cfg.kv_lora_rank, Dr], dim=-1)
+        k_rope = layout.sequence.gather(k_rope)
         k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
         if cfg.position == "rope" and Dr > 0:
             q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, cfg.rope_theta)], dim=-1)

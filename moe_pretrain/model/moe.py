@@ -45,7 +45,7 @@ class LatentMoE(nn.Module):
         z_TL = self.latent_down(x_TD)
         grouped, counts, meta = self.dispatcher.dispatch(z_TL, topk_idx, topk_weight)
         routed_TL = self.dispatcher.combine(self.experts(grouped, counts), meta)
-        y_TD = self.latent_up(self.latent_norm(routed_TL))
+        y = self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
-        return y_TD.reshape(shape), balance_loss
+            y = y + self.shared(x)  # [B, T, D]: under sequence parallelism the shared MLP gathers along T
+        return y, balance_loss

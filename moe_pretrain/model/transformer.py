@@ -23,6 +23,7 @@ from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.vision import PatchEmbedding
 from parallel.linear import LinearStyle, make_linear
+from parallel.sequence import NoSequenceParallel
 
 
 class DecoderLayer(nn.Module):
@@ -70,6 +71,8 @@ class MoETransformer(nn.Module):
         self.final_mix = AttnResMix(d, cfg.norm_eps)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.head = make_linear(d, cfg.vocab_size, style=LinearStyle.COLUMN, init_std=cfg.init_std)
+        self.sequence = NoSequenceParallel()
+        """Set by the parallel set-up: activations between layers hold this rank's shard of T."""
 
     def forward(
         self,
@@ -80,18 +83,20 @@ class MoETransformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T]; doc_ids [B, T] (packed documents, default one per row);
         patches [P, patch_dim] placed, in order, where image_mask [B, T] is True.
-        -> (logits [B, T, V], summed balancing loss (0 unless moe.balancing = aux_loss))."""
+        -> (logits [B, T, V] (V / tp with tensor parallelism), summed balancing loss (0 unless
+        moe.balancing = aux_loss))."""
         B, T = tokens.shape
         if doc_ids is None:
-            layout = DocumentLayout.single_documents(B, T, tokens.device)
+            layout = DocumentLayout.single_documents(B, T, tokens.device, self.sequence)
         else:
-            layout = DocumentLayout.from_doc_ids(doc_ids)
-        x = self.embedding(tokens)
+            layout = DocumentLayout.from_doc_ids(doc_ids, self.sequence)
+        x = self.sequence.scatter(self.embedding(tokens))
         if patches is not None:
             if image_mask is None or int(image_mask.sum()) != patches.shape[0]:
                 raise ValueError("forward: image_mask must mark exactly one position per patch")
+            patches, local_mask = self.sequence.local_patches(patches, image_mask)
             visual = self.patch_embedding(patches.to(self.patch_embedding.proj.weight.dtype))
-            x = x.masked_scatter(image_mask.unsqueeze(-1), visual.to(x.dtype))
+            x = x.masked_scatter(local_mask.unsqueeze(-1), visual.to(x.dtype))
         bank, partial = [x], None
         balance_loss = x.new_zeros((), dtype=torch.float32)
         block = self.cfg.attn_res.block_size

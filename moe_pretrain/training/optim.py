@@ -1,8 +1,10 @@
 """The optimizer (ZeRO-1 sharded AdamW) and the learning-rate schedules.
 
 Vectors (norm weights, biases, A_log, dt_bias, AttnRes norm weights) take no weight decay: decaying
-them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias. Dense
-parameters reduce over the data-parallel group, expert parameters over the expert-data-parallel one.
+them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias.
+Reduction groups: expert parameters over expert-data parallel; tensor-parallel slices over data
+parallel; replicated parameters, whose gradients are partial over the sequence shards, over tensor x
+data parallel.
 """
 
 import math
@@ -11,18 +13,23 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.config import Config, OptimConfig
-from moe_pretrain.training.parallelize import is_expert_parameter
+from moe_pretrain.training.parallelize import is_expert_parameter, tensor_parallel_dim
 from parallel.optimizer import ParamGroupSpec, ShardedAdamW
 from parallel.state import ParallelContext
 
 
 def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ShardedAdamW:
+    def reduction(p):
+        if is_expert_parameter(p):
+            return "expert"
+        return "sharded" if tensor_parallel_dim(p) is not None else "replicated"
+
+    groups = {"expert": ctx.edp_group, "sharded": ctx.dp_group, "replicated": ctx.tp_dp_group}
     specs = []
-    for expert in (False, True):
-        group = ctx.edp_group if expert else ctx.dp_group
+    for kind, group in groups.items():
         for decay in (True, False):
-            params = [p for p in model.parameters() if p.requires_grad
-                      and is_expert_parameter(p) == expert and (p.dim() >= 2) == decay]
+            params = [p for p in model.parameters()
+                      if p.requires_grad and reduction(p) == kind and (p.dim() >= 2) == decay]
             specs.append(ParamGroupSpec(params, group, cfg.optim.weight_decay if decay else 0.0))
     o = cfg.optim
     return ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,

@@ -1,8 +1,12 @@
 """Apply the parallel layout to a model built whole, from outside its math (torchtitan's approach).
 
 Every rank builds the full model from the same seed, so the initial weights never depend on the
-layout; then each rank keeps its share: with expert parallelism, its contiguous block of experts and
-an all-to-all dispatcher; with data parallelism, balancing statistics over the data-parallel group.
+layout; then each rank keeps its share:
+- tensor + sequence parallel: column/row projections sliced by their declared style, KDA's per-head
+  parameters sliced by head, the vocab-parallel embedding, and activations split along T between
+  the tensor-parallel regions;
+- expert parallel: its contiguous block of experts and an all-to-all dispatcher;
+- balancing statistics over every token of the global batch (tensor x data parallel group).
 (At full size the whole model does not fit one host: building on the meta device with per-parameter
 seeded initialisation is the planned replacement; see README.)
 """
@@ -12,23 +16,43 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.model import MoETransformer
-from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
+from parallel.linear import LinearStyle
+from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
 from parallel.statistics import GroupStatistics
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_embedding
+
+TP_LAYERS = {LinearStyle.COLUMN: ColumnParallelLinear, LinearStyle.ROW: RowParallelLinear}
+
+
+def apply_tensor_parallel(model: MoETransformer, ctx: ParallelContext) -> None:
+    group = ctx.tp_group
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            style = getattr(child, "parallel_style", None)
+            if isinstance(child, nn.Linear) and style in TP_LAYERS:
+                setattr(parent, name, TP_LAYERS[style](child, group))
+        if isinstance(parent, KimiDeltaAttention):
+            parent.shard_heads(ctx.tp_rank, ctx.layout.tp)
+    model.embedding = vocab_parallel_embedding(model.embedding, group)
+    model.sequence = SequenceParallel(group)
 
 
 def parallelize_model(model: MoETransformer, ctx: ParallelContext) -> MoETransformer:
     if not ctx.distributed:
         return model
+    if ctx.layout.tp > 1:
+        apply_tensor_parallel(model, ctx)
     for module in model.modules():
         if isinstance(module, LatentMoE) and ctx.layout.ep > 1:
             dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)
             module.dispatcher = dispatcher
             module.experts.keep_experts(dispatcher.first_local_expert, dispatcher.num_local_experts)
     for router in model.routers().values():
-        router.balancer.stats = GroupStatistics(ctx.dp_group)
+        router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
     return model
 
 
@@ -36,16 +60,27 @@ def is_expert_parameter(param: nn.Parameter) -> bool:
     return getattr(param, "is_expert", False)
 
 
+def tensor_parallel_dim(param: nn.Parameter) -> int | None:
+    """The dimension a tensor-parallel parameter is sliced along, or None when it is replicated."""
+    return getattr(param, "tensor_parallel_dim", None)
+
+
+def _all_gather_cat(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 @torch.no_grad()
 def gather_full_state(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """The single-process state dict (global expert indices), assembled on every rank."""
+    """The single-process state dict (global expert indices, whole tensors), assembled on every rank."""
+    params = dict(model.named_parameters())
     state = {}
-    expert_names = {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, GroupedExperts)
-                    for p in ("w_gate", "w_up", "w_down")}
     for name, tensor in model.state_dict().items():
-        if name in expert_names and ctx.layout.ep > 1:
-            parts = [torch.empty_like(tensor) for _ in range(ctx.layout.ep)]
-            dist.all_gather(parts, tensor.contiguous(), group=ctx.ep_group)
-            tensor = torch.cat(parts)
+        param = params.get(name)
+        if param is not None and tensor_parallel_dim(param) is not None and ctx.layout.tp > 1:
+            tensor = _all_gather_cat(tensor, tensor_parallel_dim(param), ctx.tp_group)
+        if param is not None and is_expert_parameter(param) and ctx.layout.ep > 1:
+            tensor = _all_gather_cat(tensor, 0, ctx.ep_group)
         state[name] = tensor.clone()
     return state

@@ -27,6 +27,7 @@ from moe_pretrain.training.optim import build_optimizer, learning_rate
 from moe_pretrain.training.parallelize import parallelize_model
 from parallel.collectives import all_reduce_sum
 from parallel.state import ParallelContext, resolve_layout
+from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -96,8 +97,7 @@ class Trainer:
         for batch in batches:
             with self.autocast():
                 logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            ce_sum = F.cross_entropy(logits.to(compute_dtype(logits.dtype)).flatten(0, 1), batch.labels.flatten(),
-                                     ignore_index=IGNORE_INDEX, reduction="sum")
+            ce_sum = self._cross_entropy_sum(logits, batch.labels)
             loss = ce_sum / loss_tokens + balance_loss / cfg.data.micro_batches
             loss.backward()
             ce_total += ce_sum.detach().to(torch.float64).cpu()
@@ -108,6 +108,17 @@ class Trainer:
         self.tokens_seen += step_tokens
         loss_value = float(all_reduce_sum(ce_total, ctx.dp_group)) / loss_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start)
+
+    def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
+        vocabulary slice (parallel/vocab_parallel_loss.py combines them)."""
+        logits = logits.to(compute_dtype(logits.dtype))
+        if self.ctx.layout.tp == 1:
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        valid = labels != IGNORE_INDEX
+        per_token = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.ctx.tp_group)
+        return (per_token * valid).sum()
 
     def metrics(self, result: StepResult) -> dict:
         """The step's record; collective (global expert loads), so every rank calls it."""
