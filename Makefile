@@ -6,9 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SMOKE_ARGS ?=
-# The smoke run's layout: NPROC processes (gloo on CPU) with the experts split over EP ranks, folded
-# onto the data-parallel ranks. 2 x ep 2 fits 2 cores in about 2 minutes; 4 processes take about 4.
+# The smoke run's layout: NPROC processes (gloo on CPU), tensor + sequence parallel TP, experts split
+# over EP ranks (folded onto the tensor/data-parallel ranks). 2 processes, tp 2 x ep 2, fit 2 cores in
+# about 3 minutes.
 NPROC ?= 2
+TP ?= 2
 EP ?= 2
 
 .PHONY: smoke test lint clean
@@ -24,7 +26,7 @@ $(STAMP): pyproject.toml
 smoke: $(STAMP)
 	OMP_NUM_THREADS=$$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )) \
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m launch.train \
-		--config configs/smoke.yaml --require-loss-drop 2.0 parallel.ep=$(EP) \
+		--config configs/smoke.yaml --require-loss-drop 2.0 parallel.tp=$(TP) parallel.ep=$(EP) \
 		train.run_dir=runs/smoke-$$(date +%Y%m%d-%H%M%S) $(SMOKE_ARGS)
 
 test: $(STAMP)

@@ -6,7 +6,7 @@ Same global batch (8 x 256 tokens) for every layout; tokens/s is the median over
 the first, and each layout is printed as a ratio to the 1-process run measured in the same
 invocation. On a 2-core machine 4 processes oversubscribe the cores: the ratios there show the
 communication and scheduling overhead of the layout, not the speed-up a cluster would see.
-Tensor and pipeline parallelism are not implemented yet.
+Pipeline parallelism is not implemented yet.
 """
 
 import argparse
@@ -39,7 +39,9 @@ def main() -> None:
     args = parser.parse_args()
     cores = torch.get_num_threads()
     layouts = [("1 process", 1, []), ("dp 2", 2, []), ("dp 2, ep 2", 2, ["parallel.ep=2"]),
-               ("dp 4", 4, []), ("dp 4, ep 2", 4, ["parallel.ep=2"]), ("dp 4, ep 4", 4, ["parallel.ep=4"])]
+               ("tp 2", 2, ["parallel.tp=2"]), ("tp 2, ep 2", 2, ["parallel.tp=2", "parallel.ep=2"]),
+               ("dp 4", 4, []), ("dp 4, ep 4", 4, ["parallel.ep=4"]),
+               ("tp 2, dp 2, ep 2", 4, ["parallel.tp=2", "parallel.ep=2"])]
     print(f"smoke model, global batch 8 x 256 tokens, {args.steps} steps, {cores} cores")
     base = None
     for name, world, overrides in layouts:
@@ -48,7 +50,7 @@ def main() -> None:
         else:
             rate = run_distributed(throughput, world, args.steps, overrides, timeout=600)
         base = base or rate
-        print(f"  {name:12s} {rate:9,.0f} tokens/s  ({rate / base:.2f}x 1 process)")
+        print(f"  {name:17s} {rate:9,.0f} tokens/s  ({rate / base:.2f}x 1 process)")
 
 
 if __name__ == "__main__":
