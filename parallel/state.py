@@ -71,12 +71,23 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         if rows % (dp * cfg.data.micro_batches):
             problems.append(f"data.batch_size={rows} must be divisible by data-parallel size {dp} x "
                             f"data.micro_batches={cfg.data.micro_batches}")
+    stages = p.pp * p.vpp
+    if p.pipeline_layers and (len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers
+                              or min(p.pipeline_layers) < 1):
+        problems.append(f"parallel.pipeline_layers={p.pipeline_layers} must hold {stages} counts >= 1 "
+                        f"(parallel.pp x parallel.vpp) summing to model.num_layers={m.num_layers}")
+    if p.vpp > 1 and p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
+        problems.append(f"parallel.vpp={p.vpp} needs parallel.pipeline_schedule=interleaved_1f1b or zero_bubble, "
+                        f"not {p.pipeline_schedule}")
+    if p.pp > 1 and cfg.data.micro_batches % p.pp:
+        problems.append(f"data.micro_batches={cfg.data.micro_batches} must be a multiple of parallel.pp={p.pp} "
+                        "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
+    if p.pp > 1 and m.moe.balancing == "aux_loss":
+        problems.append("model.moe.balancing=aux_loss is not supported with parallel.pp > 1 (use qb or aux_free)")
     if problems:
         raise ConfigError("invalid parallel layout: " + "; ".join(problems))
-    for key in ("pp", "cp", "vpp"):
-        if getattr(p, key) != 1:
-            raise ConfigError(f"parallel.{key}={getattr(p, key)}: not implemented yet (this build trains data, "
-                              "tensor + sequence and expert parallelism); set parallel.pp, cp and vpp to 1")
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; set parallel.cp=1")
     return layout
 
 
@@ -94,9 +105,11 @@ class ParallelContext:
     """Tensor x data parallel: every token of the global batch; replicated weights reduce here."""
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
     tp_rank: int = 0
     ep_rank: int = 0
+    pp_rank: int = 0
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
@@ -139,6 +152,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
         create_gloo_process_groups=False,
@@ -152,9 +166,11 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         tp_dp_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
         ep_group=ps.get_expert_model_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
     )
 
 

@@ -31,9 +31,10 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
         trainer = Trainer(cfg, ctx)
         history = trainer.run()
         state = gather_full_state(trainer.model, ctx)
-        biases = torch.stack([r.expert_bias for r in trainer.model.routers().values()])
-        everyone = [torch.empty_like(biases) for _ in range(world_size)]
-        dist.all_gather(everyone, biases)
+        # Ranks holding the same routers (one pipeline stage's tensor x data group) must agree bitwise.
+        biases = torch.stack([r.expert_bias for r in trainer.model.routers().values()] or [torch.zeros(0)])
+        everyone = [torch.empty_like(biases) for _ in range(dist.get_world_size(ctx.tp_dp_group))]
+        dist.all_gather(everyone, biases, group=ctx.tp_dp_group)
         identical = all(torch.equal(b, everyone[0]) for b in everyone)
         losses = [(h["loss"], h["grad_norm"]) for h in history]
         return losses, state, identical, trainer.optimizer.state_bytes()
@@ -56,7 +57,13 @@ def single_process(tmp_path, dtype):
     (2, ["parallel.ep=2", "data.micro_batches=2", "model.moe.balancing=aux_free"]),
     (2, ["parallel.tp=2"]),
     (4, ["parallel.tp=2", "parallel.ep=2"]),
-], ids=["ep2", "ep4", "dp2", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "tp2xep2"])
+    (2, ["parallel.pp=2", "data.micro_batches=2"]),
+    (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=interleaved_1f1b", "data.micro_batches=4"]),
+    (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=zero_bubble", "data.micro_batches=2"]),
+    (2, ["parallel.pp=2", "parallel.pipeline_layers=[1,5]", "data.micro_batches=2"]),
+    (4, ["parallel.pp=2", "parallel.tp=2", "data.micro_batches=2"]),
+], ids=["ep2", "ep4", "dp2", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "tp2xep2", "pp2",
+        "pp2-vpp2-interleaved", "pp2-vpp2-zero-bubble", "pp2-dense-first-stage", "pp2xtp2"])
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))

@@ -21,6 +21,11 @@ class ParallelConfig:
     """Context-parallel size (long-context work)."""
     vpp: int = 1
     """Virtual pipeline stages per rank (not implemented yet)."""
+    pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"] = "1f1b"
+    """torch.distributed.pipelining schedule; interleaved_1f1b and zero_bubble (interleaved zero bubble)
+    run vpp > 1 virtual stages per rank."""
+    pipeline_layers: list[int] = field(default_factory=list)
+    """Layers per pipeline stage (pp x vpp entries, in stage order); empty = balanced automatically."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl on CUDA machines, gloo elsewhere."""
     bucket_mb: float = 25.0

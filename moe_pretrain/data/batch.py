@@ -34,6 +34,22 @@ class Batch:
     def loss_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
+    @staticmethod
+    def concatenate(batches: list["Batch"]) -> "Batch":
+        """Rows of several batches, in order (patches stay in row-major order)."""
+        return Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in
+                       ("tokens", "labels", "doc_ids", "image_mask", "patches")))
+
+    def patch_rows(self, width: int) -> torch.Tensor:
+        """Patches per row, [B, width, patch_dim] zero-padded: a form that splits along the batch
+        (pipeline micro-batches), unlike the flat [P, patch_dim]."""
+        counts = self.image_mask.sum(dim=1)
+        if counts.numel() and int(counts.max()) > width:
+            raise ValueError(f"a row holds {int(counts.max())} patches, more than the {width} allowed for")
+        rows = self.patches.new_zeros(self.tokens.shape[0], width, self.patches.shape[1])
+        rows[torch.arange(rows.shape[1]) < counts.unsqueeze(1)] = self.patches
+        return rows
+
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.doc_ids, self.image_mask,
                                                 self.patches)))

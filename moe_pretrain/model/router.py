@@ -30,7 +30,9 @@ class Router(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):
             logits = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
             topk_idx, topk_weight = route(logits, self.expert_bias, self.cfg.top_k, self.cfg.routed_scaling)
-            if not self.training:
+            # Statistics come only from forwards that train: not eval, and not the no-grad passes a
+            # pipeline schedule makes to infer shapes, which would count a micro-batch twice.
+            if not (self.training and torch.is_grad_enabled()):
                 return topk_idx, topk_weight, None
             scores = router_scores(logits)
             self.balancer.observe(scores.detach(), topk_idx)

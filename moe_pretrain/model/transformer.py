@@ -85,11 +85,20 @@ class MoETransformer(nn.Module):
         patches [P, patch_dim] placed, in order, where image_mask [B, T] is True.
         -> (logits [B, T, V] (V / tp with tensor parallelism), summed balancing loss (0 unless
         moe.balancing = aux_loss))."""
+        layout = self.layout(tokens, doc_ids)
+        x = self.embed(tokens, layout, patches, image_mask)
+        bank, partial, balance_loss = self.run_layers([x], None, layout)
+        return self.logits(bank, partial), balance_loss
+
+    def layout(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> DocumentLayout:
         B, T = tokens.shape
         if doc_ids is None:
-            layout = DocumentLayout.single_documents(B, T, tokens.device, self.sequence)
-        else:
-            layout = DocumentLayout.from_doc_ids(doc_ids, self.sequence)
+            return DocumentLayout.single_documents(B, T, tokens.device, self.sequence)
+        return DocumentLayout.from_doc_ids(doc_ids, self.sequence)
+
+    def embed(self, tokens: torch.Tensor, layout: DocumentLayout, patches: torch.Tensor | None = None,
+              image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with visual tokens in place: b_0, the first bank entry (this rank's T shard)."""
         x = self.sequence.scatter(self.embedding(tokens))
         if patches is not None:
             if image_mask is None or int(image_mask.sum()) != patches.shape[0]:
@@ -97,8 +106,12 @@ class MoETransformer(nn.Module):
             patches, local_mask = self.sequence.local_patches(patches, image_mask)
             visual = self.patch_embedding(patches.to(self.patch_embedding.proj.weight.dtype))
             x = x.masked_scatter(local_mask.unsqueeze(-1), visual.to(x.dtype))
-        bank, partial = [x], None
-        balance_loss = x.new_zeros((), dtype=torch.float32)
+        return x
+
+    def run_layers(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
+                   ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """Run the layers this module holds (all, or a pipeline stage's) over the AttnRes state."""
+        balance_loss = bank[0].new_zeros((), dtype=torch.float32)
         block = self.cfg.attn_res.block_size
         for name, layer in self.layers.items():
             partial, layer_loss = layer(bank, partial, layout)
@@ -106,8 +119,27 @@ class MoETransformer(nn.Module):
                 balance_loss = balance_loss + layer_loss
             if (int(name) + 1) % block == 0:
                 bank, partial = [*bank, partial], None
+        return bank, partial, balance_loss
+
+    def logits(self, bank: list[torch.Tensor], partial: torch.Tensor | None) -> torch.Tensor:
+        """Final AttnRes mix, norm and output head."""
         h = self.final_mix(bank if partial is None else [*bank, partial])
-        return self.head(self.final_norm(h)), balance_loss
+        return self.head(self.final_norm(h))
+
+    @classmethod
+    def stage_of(cls, full: "MoETransformer", layers: list[int], *, first: bool, last: bool) -> "MoETransformer":
+        """A pipeline stage's view of `full`: the given layers (global indices kept), the embeddings when
+        first, the final mix, norm and head when last. Modules are shared with `full`, not copied."""
+        stage = cls.__new__(cls)
+        nn.Module.__init__(stage)
+        stage.cfg = full.cfg
+        stage.sequence = full.sequence
+        stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
+        for name in ("embedding", "patch_embedding") if first else ():
+            setattr(stage, name, getattr(full, name))
+        for name in ("final_mix", "final_norm", "head") if last else ():
+            setattr(stage, name, getattr(full, name))
+        return stage
 
     def routers(self) -> dict[int, Router]:
         """The router of every MoE layer, by global layer index."""

@@ -83,4 +83,8 @@ def gather_full_state(model: nn.Module, ctx: ParallelContext) -> dict[str, torch
         if param is not None and is_expert_parameter(param) and ctx.layout.ep > 1:
             tensor = _all_gather_cat(tensor, 0, ctx.ep_group)
         state[name] = tensor.clone()
+    if ctx.layout.pp > 1:  # every stage holds other layers: merge them
+        stages: list[dict] = [{} for _ in range(ctx.layout.pp)]
+        dist.all_gather_object(stages, state, group=ctx.pp_group)
+        state = {k: v for stage in stages for k, v in stage.items()}
     return state

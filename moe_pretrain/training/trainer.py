@@ -18,13 +18,14 @@ import torch.nn.functional as F
 import yaml
 
 from moe_pretrain.config import Config, ConfigError, config_to_dict
-from moe_pretrain.data import IGNORE_INDEX, PretrainingData
+from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.tokenizer import VOCAB_SIZE
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
 from moe_pretrain.training.optim import build_optimizer, learning_rate
 from moe_pretrain.training.parallelize import parallelize_model
+from moe_pretrain.training.pipeline import build_pipeline, max_patches_per_row
 from parallel.collectives import all_reduce_sum
 from parallel.state import ParallelContext, resolve_layout
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -64,9 +65,16 @@ class Trainer:
         # bf16 keeps fp32 master weights and runs the matmuls under autocast (Megatron's recipe);
         # fp32 and fp64 run the whole model in that dtype.
         param_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
-        model = model.to(device=self.device, dtype=param_dtype)
-        self.model = parallelize_model(model, self.ctx)
+        model = parallelize_model(model.to(device=self.device, dtype=param_dtype), self.ctx)
+        self.schedule = None
+        if self.ctx.layout.pp > 1:
+            model, self.schedule, self.holds_first, self.holds_last = build_pipeline(
+                model, cfg, self.ctx, self._pipeline_loss)
+        self.boundary_dtype = param_dtype
+        self.model = model
+        """This rank's model: the whole model, or its pipeline chunks under their global names."""
         self.optimizer = build_optimizer(self.model, cfg, self.ctx)
+        self._loss_tokens = 1
         self.data = PretrainingData(cfg.data, cfg.model.vision)
         self.step = 0
         self.tokens_seen = 0
@@ -93,21 +101,51 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
-        ce_total = torch.zeros((), dtype=torch.float64)
-        for batch in batches:
-            with self.autocast():
-                logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            ce_sum = self._cross_entropy_sum(logits, batch.labels)
-            loss = ce_sum / loss_tokens + balance_loss / cfg.data.micro_batches
-            loss.backward()
-            ce_total += ce_sum.detach().to(torch.float64).cpu()
+        if self.schedule is None:
+            ce_total = self._forward_backward(batches, loss_tokens)
+            loss_value = float(all_reduce_sum(ce_total, ctx.dp_group)) / loss_tokens
+        else:
+            mean_share = self._pipeline_forward_backward(batches, loss_tokens)
+            loss_value = float(all_reduce_sum(mean_share, dist.group.WORLD))
         grad_norm = self.optimizer.step(cfg.optim.grad_clip)
         self.model.update_balancing()
         self.step += 1
         step_tokens = cfg.data.batch_size * cfg.data.seq_len
         self.tokens_seen += step_tokens
-        loss_value = float(all_reduce_sum(ce_total, ctx.dp_group)) / loss_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start)
+
+    def _forward_backward(self, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
+        """Micro-batches one after another on this rank; returns this rank's summed loss (float64)."""
+        ce_total = torch.zeros((), dtype=torch.float64)
+        for batch in batches:
+            with self.autocast():
+                logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+            ce_sum = self._cross_entropy_sum(logits, batch.labels)
+            loss = ce_sum / loss_tokens + balance_loss / self.cfg.data.micro_batches
+            loss.backward()
+            ce_total += ce_sum.detach().to(torch.float64).cpu()
+        return ce_total
+
+    def _pipeline_forward_backward(self, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
+        """The pipeline schedule over the same micro-batches (it splits their concatenation back along B).
+        Returns this rank's share of the global mean loss (non-zero on one tensor rank of the last stage)."""
+        self._loss_tokens = loss_tokens
+        step = Batch.concatenate(batches)
+        if self.holds_first:
+            patch_rows = step.patch_rows(max_patches_per_row(self.cfg)).to(self.boundary_dtype)
+            args = (step.tokens, step.doc_ids, step.image_mask, patch_rows)
+        else:
+            args = ()
+        target = step.labels if self.holds_last else None
+        losses: list[torch.Tensor] = []
+        with self.autocast():
+            self.schedule.step(*args, target=target, losses=losses)
+        if not self.holds_last or self.ctx.tp_rank != 0:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._cross_entropy_sum(logits, labels) / self._loss_tokens
 
     def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
@@ -131,8 +169,17 @@ class Trainer:
             "seq_len": self.cfg.data.seq_len,
             "tokens_per_s": result.tokens / result.seconds,
             "step_time_s": result.seconds,
-            "moe": {str(i): r.pop_stats() for i, r in self.model.routers().items()},
+            "moe": self._moe_stats(),
         }
+
+    def _moe_stats(self) -> dict[str, dict[str, float]]:
+        """Every MoE layer's health, gathered from all pipeline stages (collective)."""
+        stats = {str(i): r.pop_stats() for i, r in self.model.routers().items()}
+        if self.ctx.layout.pp > 1:
+            everyone: list[dict] = [{} for _ in range(self.ctx.layout.world_size)]
+            dist.all_gather_object(everyone, stats)
+            stats = {k: v for rank_stats in everyone for k, v in rank_stats.items()}
+        return dict(sorted(stats.items(), key=lambda kv: int(kv[0])))
 
     def run(self) -> list[dict]:
         """Train train.steps steps; rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl."""

@@ -1,0 +1,149 @@
+"""Pipeline parallelism over torch.distributed.pipelining (1F1B, interleaved 1F1B, zero bubble, GPipe).
+
+The layers are cut into pp x vpp contiguous chunks (parallel.pipeline_layers, or balanced); rank r
+holds chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
+boundary need not align with an AttnRes block: the bank stacked as [B, N, T, D], the running block
+sum (zeros when a block has just closed; the receiver knows this from its first layer index), and the
+document ids every stage needs for its masks. The first stage reads tokens, document ids, the image
+mask and the patches padded per row (so the library can split them into micro-batches along B).
+
+Stage boundaries are declared statically (input_args / output_args): the library's alternative,
+a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
+extra time and count a micro-batch twice in the balancing statistics.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from moe_pretrain.config import Config
+from moe_pretrain.data.documents import IMAGE_DOC_OVERHEAD
+from moe_pretrain.model import MoETransformer
+from parallel.state import ParallelContext
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble}
+MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
+
+
+def chunk_layers(cfg: Config) -> list[list[int]]:
+    """Global layer indices of each of the pp x vpp chunks, in pipeline order."""
+    chunks = cfg.parallel.pp * cfg.parallel.vpp
+    counts = cfg.parallel.pipeline_layers or [
+        cfg.model.num_layers // chunks + (1 if c < cfg.model.num_layers % chunks else 0) for c in range(chunks)]
+    starts = [sum(counts[:c]) for c in range(chunks)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def max_patches_per_row(cfg: Config) -> int:
+    """Most image patches one packed row can hold: images are never cut, and each takes its patches
+    plus its markers; the per-row patch padding has this fixed size so stage shapes are static."""
+    per_image = (cfg.data.image_size // cfg.model.vision.patch_size) ** 2
+    if cfg.data.image_fraction == 0:
+        return 0
+    return (cfg.data.seq_len + 1) // (per_image + IMAGE_DOC_OVERHEAD) * per_image
+
+
+def patches_from_rows(patch_rows: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
+    """[B, Pmax, dim] padded per row -> [P, dim] in row-major order of image_mask."""
+    counts = image_mask.sum(dim=1, keepdim=True)
+    return patch_rows[torch.arange(patch_rows.shape[1], device=patch_rows.device) < counts]
+
+
+class StageForward(nn.Module):
+    """The forward of one chunk, with the chunk's modules (and only those) as parameters."""
+
+    def __init__(self, chunk: MoETransformer, first_layer: int, first: bool, last: bool):
+        super().__init__()
+        self.chunk = chunk
+        self.first, self.last = first, last
+        # A block closed right before this chunk: the partial sum it receives is a placeholder.
+        self.starts_block = first_layer % chunk.cfg.attn_res.block_size == 0
+        self.boundary_dtype = next(chunk.parameters()).dtype
+        """Activations cross stages in the parameter dtype (fp32 under bf16 autocast): static shapes."""
+
+    def forward(self, *inputs: torch.Tensor):
+        chunk = self.chunk
+        if self.first:
+            tokens, doc_ids, image_mask, patch_rows = inputs
+            layout = chunk.layout(tokens, doc_ids)
+            patches = patches_from_rows(patch_rows, image_mask) if patch_rows.shape[1] else None
+            bank, partial = [chunk.embed(tokens, layout, patches, image_mask if patches is not None else None)], None
+        else:
+            bank_stack, partial, doc_ids = inputs
+            layout = chunk.layout(doc_ids, doc_ids)
+            bank = list(bank_stack.unbind(1))
+            partial = None if self.starts_block else partial
+        bank, partial, _ = chunk.run_layers(bank, partial, layout)  # aux_loss is refused with pp > 1
+        dtype = self.boundary_dtype
+        if self.last:
+            return chunk.logits(bank, partial).to(dtype)
+        partial = torch.zeros_like(bank[0]) if partial is None else partial
+        return torch.stack([b.to(dtype) for b in bank], dim=1), partial.to(dtype).contiguous(), doc_ids
+
+
+def stage_boundaries(cfg: Config, ctx: ParallelContext, layers: list[int], first: bool, last: bool,
+                     dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Example (meta) tensors of one micro-batch at a chunk's input and output."""
+    rows = cfg.data.batch_size // ctx.layout.dp // cfg.data.micro_batches
+    T, D = cfg.data.seq_len, cfg.model.hidden_size
+    block = cfg.model.attn_res.block_size
+
+    def meta(*shape, dtype=dtype):
+        # requires_grad tells the library which boundary tensors carry gradients back.
+        return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+    def boundary(bank_entries):
+        return (meta(rows, bank_entries, T // ctx.layout.tp, D), meta(rows, T // ctx.layout.tp, D),
+                meta(rows, T, dtype=torch.int64))
+
+    if first:
+        patch_rows = meta(rows, max_patches_per_row(cfg), cfg.model.vision.patch_dim).requires_grad_(False)
+        inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.int64),
+                  meta(rows, T, dtype=torch.bool), patch_rows)
+    else:
+        inputs = boundary(1 + layers[0] // block)
+    if last:
+        outputs = (meta(rows, T, cfg.model.vocab_size // ctx.layout.tp),)
+    else:
+        outputs = boundary(1 + (layers[-1] + 1) // block)
+    return inputs, outputs
+
+
+def _gradient_like(t: torch.Tensor) -> torch.Tensor | None:
+    """Gradients flow through float boundary tensors only (not the document ids)."""
+    return torch.empty_like(t) if t.is_floating_point() else None
+
+
+def build_pipeline(full: MoETransformer, cfg: Config, ctx: ParallelContext,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """-> (this rank's model: its chunks' modules under global names, the schedule, first, last)."""
+    layers = chunk_layers(cfg)
+    pp, vpp = ctx.layout.pp, ctx.layout.vpp
+    num_stages = pp * vpp
+    mine = [ctx.pp_rank + pp * v for v in range(vpp)]
+    stages = []
+    for index in mine:
+        first, last = index == 0, index == num_stages - 1
+        chunk = MoETransformer.stage_of(full, layers[index], first=first, last=last)
+        forward = StageForward(chunk, layers[index][0], first, last)
+        inputs, outputs = stage_boundaries(cfg, ctx, layers[index], first, last, forward.boundary_dtype)
+        stages.append(PipelineStage(
+            forward, index, num_stages, ctx.device, input_args=inputs, output_args=outputs,
+            input_grads=tuple(None if first else _gradient_like(t) for t in inputs),
+            output_grads=tuple(_gradient_like(t) for t in outputs), group=ctx.pp_group))
+    holds_first, holds_last = 0 in mine, num_stages - 1 in mine
+    rank_model = MoETransformer.stage_of(full, [i for index in mine for i in layers[index]],
+                                         first=holds_first, last=holds_last)
+    schedule_cls = SCHEDULES[cfg.parallel.pipeline_schedule]
+    target = stages if cfg.parallel.pipeline_schedule in MULTI_STAGE else stages[0]
+    schedule = schedule_cls(target, cfg.data.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    return rank_model, schedule, holds_first, holds_last
