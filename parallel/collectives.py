@@ -93,43 +93,29 @@ def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x[:, rank * chunk:(rank + 1) * chunk].contiguous()
 
 
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    """Forward: all-gather the sequence shards. Backward: reduce-scatter (each rank's use was partial)."""
+def _paired(name: str, forward, backward, doc: str) -> type[torch.autograd.Function]:
+    """An autograd function whose backward is the dual collective of its forward (same group)."""
 
-    @staticmethod
-    def forward(ctx, x, group):
+    def fwd(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """Forward: sum partial results and keep this rank's sequence shard. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                    "__doc__": doc})
 
 
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    """Forward: keep this rank's shard of a replicated sequence. Backward: all-gather the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+_GatherFromSequenceParallel = _paired(
+    "_GatherFromSequenceParallel", _gather_seq, _reduce_scatter_seq,
+    "Forward: all-gather the sequence shards. Backward: reduce-scatter (each rank's use was partial).")
+_ReduceScatterToSequenceParallel = _paired(
+    "_ReduceScatterToSequenceParallel", _reduce_scatter_seq, _gather_seq,
+    "Forward: sum partial results and keep this rank's sequence shard. Backward: all-gather.")
+_ScatterToSequenceParallel = _paired(
+    "_ScatterToSequenceParallel", _split_seq, _gather_seq,
+    "Forward: keep this rank's shard of a replicated sequence. Backward: all-gather the gradient.")
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
