@@ -6,7 +6,6 @@ Same global batch (8 x 256 tokens) for every layout; tokens/s is the median over
 the first, and each layout is printed as a ratio to the 1-process run measured in the same
 invocation. On a 2-core machine 4 processes oversubscribe the cores: the ratios there show the
 communication and scheduling overhead of the layout, not the speed-up a cluster would see.
-Pipeline parallelism is not implemented yet.
 """
 
 import argparse
@@ -40,8 +39,10 @@ def main() -> None:
     cores = torch.get_num_threads()
     layouts = [("1 process", 1, []), ("dp 2", 2, []), ("dp 2, ep 2", 2, ["parallel.ep=2"]),
                ("tp 2", 2, ["parallel.tp=2"]), ("tp 2, ep 2", 2, ["parallel.tp=2", "parallel.ep=2"]),
+               ("pp 2 (1F1B, 2 mb)", 2, ["parallel.pp=2", "data.micro_batches=2"]),
                ("dp 4", 4, []), ("dp 4, ep 4", 4, ["parallel.ep=4"]),
-               ("tp 2, dp 2, ep 2", 4, ["parallel.tp=2", "parallel.ep=2"])]
+               ("tp 2, dp 2, ep 2", 4, ["parallel.tp=2", "parallel.ep=2"]),
+               ("pp 2, tp 2, ep 2", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "data.micro_batches=2"])]
     print(f"smoke model, global batch 8 x 256 tokens, {args.steps} steps, {cores} cores")
     base = None
     for name, world, overrides in layouts:
@@ -50,7 +51,7 @@ def main() -> None:
         else:
             rate = run_distributed(throughput, world, args.steps, overrides, timeout=600)
         base = base or rate
-        print(f"  {name:17s} {rate:9,.0f} tokens/s  ({rate / base:.2f}x 1 process)")
+        print(f"  {name:18s} {rate:9,.0f} tokens/s  ({rate / base:.2f}x 1 process)")
 
 
 if __name__ == "__main__":
