@@ -39,13 +39,29 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.padded = -(-self.numel // self.size) * self.size
         self.shard_numel = self.padded // self.size
-        start = self.rank * self.shard_numel
-        flat = self._flat([p.detach() for p in params])
-        self.shard = nn.Parameter(flat[start:start + self.shard_numel].clone())
+        self.shard = nn.Parameter(self.my_slice(torch.cat([p.detach().reshape(-1) for p in params])).clone())
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         return torch.nn.functional.pad(flat, (0, self.padded - self.numel))
+
+    def my_slice(self, flat_unpadded: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a flat [numel] tensor laid out like the bucket."""
+        start = self.rank * self.shard_numel
+        return torch.nn.functional.pad(flat_unpadded, (0, self.padded - self.numel))[start:start + self.shard_numel]
+
+    @torch.no_grad()
+    def reload_from_parameters(self) -> None:
+        """Reset the master slice from the parameters (after they were loaded)."""
+        self.shard.copy_(self.my_slice(torch.cat([p.detach().reshape(-1) for p in self.params])))
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """All ranks' slices of a shard-shaped tensor, concatenated and unpadded: [numel]."""
+        if self.size == 1:
+            return shard[:self.numel]
+        full = shard.new_empty(self.padded)
+        dist.all_gather_single(full, shard.contiguous(), group=self.group)
+        return full[:self.numel]
 
     def reduce_scatter_gradient(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -59,11 +75,7 @@ class _Bucket:
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
-        if self.size == 1:
-            full = self.shard.detach()
-        else:
-            full = self.shard.new_empty(self.padded)
-            dist.all_gather_single(full, self.shard.detach(), group=self.group)
+        full = self.gather(self.shard.detach())
         offset = 0
         for p in self.params:
             p.copy_(full[offset:offset + p.numel()].view_as(p))

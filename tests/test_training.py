@@ -93,16 +93,20 @@ def test_metrics_and_resolved_config_are_written(tmp_path):
 def test_existing_run_dir_is_never_overwritten(tmp_path):
     run(tiny_config("train.steps=1"), tmp_path)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=re.escape("already holds metrics.jsonl")):
-        run(tiny_config("train.steps=1"), tmp_path)
+    refused = "already holds metrics.jsonl from an earlier run and no checkpoint"
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        run(tiny_config("train.steps=1", "train.resume=none"), tmp_path)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    # With resume=auto the finished run is found complete: nothing to train, nothing rewritten.
+    _, history = run(tiny_config("train.steps=1"), tmp_path)
+    assert history == [] and (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
 @pytest.mark.parametrize(("override", "message"), [
     ("parallel.tp=2", "invalid parallel layout: world size 1 is not divisible by parallel.tp x parallel.pp x "
                       "parallel.cp = 2 x 1 x 1"),
     ("parallel.ep=2", "parallel.ep=2 must divide the 1 ranks of a pipeline stage"),
-    ("checkpoint.interval=10", "checkpoint.interval=10: checkpoint saving is not implemented yet"),
+    ("checkpoint.async_save=true", "checkpoint.async_save=true: asynchronous saving is not implemented yet"),
     ("model.vocab_size=200", "model.vocab_size=200 is smaller than the byte tokenizer's 262 ids"),
 ])
 def test_unsupported_settings_are_refused(override, message):

@@ -72,9 +72,16 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Parameter and activation dtype; router and nonlinearities always run in >= fp32."""
     run_dir: str = "runs/smoke"
+    resume: str = "auto"
+    """auto: continue from the newest verified checkpoint in checkpoint.dir, if any; none: start fresh;
+    or the path of one checkpoint directory (fails clearly if it does not verify)."""
+    exit_at_step: int = 0
+    """Save and exit cleanly after this step (as if the job had been stopped there); 0 = run to the end."""
 
     def __post_init__(self) -> None:
         require_positive("train", steps=self.steps)
+        require(0 <= self.exit_at_step <= self.steps,
+                f"train.exit_at_step={self.exit_at_step} must be in [0, train.steps={self.steps}]")
 
 
 @dataclass
@@ -103,14 +110,23 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing arrives with the checkpoint issue; until then a non-zero interval is refused."""
+    """Sharded, reshardable checkpoints (moe_pretrain/checkpoint)."""
 
-    dir: str = "checkpoints"
-    interval: int = 0
-    """Save every `interval` steps; 0 = never."""
+    dir: str = ""
+    """Where step_<N>/ directories and `latest` live; empty = <train.run_dir>/checkpoints."""
+    every: int = 0
+    """Save every `every` steps; 0 = only at the end of the run and at train.exit_at_step."""
+    keep_last: int = 2
+    """Committed checkpoints kept (>= 2, so a damaged newest one always has a predecessor)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this; 0 = none."""
+    async_save: bool = False
+    """Save in the background (not implemented yet; true is refused)."""
 
     def __post_init__(self) -> None:
-        require(self.interval >= 0, f"checkpoint.interval={self.interval} must be >= 0")
+        require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
+        require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
+        require(self.keep_every >= 0, f"checkpoint.keep_every={self.keep_every} must be >= 0")
 
 
 @dataclass

@@ -87,6 +87,15 @@ class PretrainingData:
         self.cfg = cfg
         self.patch_dim = vision.patch_dim
         self.packer = SequencePacker(document_stream(cfg, vision), cfg.seq_len)
+        self.rows_consumed = 0
+        """Global rows packed so far: the layout-independent position of the stream."""
+
+    def skip(self, rows: int) -> None:
+        """Fast-forward to global row `rows` (resume): the stream is deterministic, so re-packing gets
+        exactly where an uninterrupted run was, whatever the layout."""
+        for _ in range(rows - self.rows_consumed):
+            self.packer.next_row()
+        self.rows_consumed = max(self.rows_consumed, rows)
 
     def next_batch(self, rows: int, shard: int = 0, num_shards: int = 1) -> Batch:
         """The next `rows` rows of the global stream, or data-parallel shard `shard` of them.
@@ -97,5 +106,6 @@ class PretrainingData:
         if rows % num_shards:
             raise ValueError(f"{rows} rows cannot be split into {num_shards} data-parallel shards")
         packed = [self.packer.next_row() for _ in range(rows)]
+        self.rows_consumed += rows
         per_shard = rows // num_shards
         return rows_to_batch(packed[shard * per_shard:(shard + 1) * per_shard], self.patch_dim)

@@ -7,9 +7,11 @@ from typing import Any, TextIO
 
 
 class MetricsWriter:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, resuming: bool = False):
         self.path = path
-        self._file = path.open("x")  # never append to or clobber another run's metrics
+        # A fresh run never clobbers another run's metrics; a resumed one appends (after a crash, steps
+        # between the checkpoint and the crash appear twice: the later line is the one that counts).
+        self._file = path.open("a" if resuming else "x")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.config import Config, OptimConfig
-from moe_pretrain.training.parallelize import is_expert_parameter, tensor_parallel_dim
 from parallel.optimizer import ParamGroupSpec, ShardedAdamW
+from parallel.params import is_expert_parameter, tensor_parallel_dim
 from parallel.state import ParallelContext
 
 

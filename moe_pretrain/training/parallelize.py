@@ -20,6 +20,7 @@ from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.linear import LinearStyle
+from parallel.params import is_expert_parameter, tensor_parallel_dim
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
 from parallel.statistics import GroupStatistics
@@ -54,15 +55,6 @@ def parallelize_model(model: MoETransformer, ctx: ParallelContext) -> MoETransfo
     for router in model.routers().values():
         router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
     return model
-
-
-def is_expert_parameter(param: nn.Parameter) -> bool:
-    return getattr(param, "is_expert", False)
-
-
-def tensor_parallel_dim(param: nn.Parameter) -> int | None:
-    """The dimension a tensor-parallel parameter is sliced along, or None when it is replicated."""
-    return getattr(param, "tensor_parallel_dim", None)
 
 
 def _all_gather_cat(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -8,6 +8,8 @@ optimizer reduces, clips, steps and gathers, and the routers move their biases o
 """
 
 import contextlib
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
+from moe_pretrain import checkpoint
+from moe_pretrain.checkpoint import GlobalState
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.tokenizer import VOCAB_SIZE
@@ -45,9 +49,8 @@ class StepResult:
 def check_supported(cfg: Config, world_size: int) -> None:
     """Refuse settings whose machinery has not landed yet, rather than silently ignoring them."""
     resolve_layout(cfg, world_size)
-    if cfg.checkpoint.interval:
-        raise ConfigError(f"checkpoint.interval={cfg.checkpoint.interval}: checkpoint saving is not "
-                          "implemented yet; set checkpoint.interval=0")
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.async_save=true: asynchronous saving is not implemented yet; set it to false")
     if cfg.model.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{VOCAB_SIZE} ids")
@@ -74,6 +77,8 @@ class Trainer:
         self.model = model
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
         self.optimizer = build_optimizer(self.model, cfg, self.ctx)
+        self.global_state = GlobalState(self.model, self.optimizer, self.ctx)
+        self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
         self._loss_tokens = 1
         self.data = PretrainingData(cfg.data, cfg.model.vision)
         self.step = 0
@@ -181,30 +186,70 @@ class Trainer:
             stats = {k: v for rank_stats in everyone for k, v in rank_stats.items()}
         return dict(sorted(stats.items(), key=lambda kv: int(kv[0])))
 
+    def save_checkpoint(self) -> Path:
+        layout = self.ctx.layout
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_rows": self.data.rows_consumed,
+                         "config": config_to_dict(self.cfg)}
+        info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
+        return checkpoint.save(self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
+                               self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+
+    def resume(self) -> Path | None:
+        """Load the checkpoint train.resume asks for (verified on rank 0, the same choice everywhere)."""
+        found: list = [None, []]
+        if self.ctx.is_logging_rank:
+            path, warnings = checkpoint.find(self.checkpoint_root, self.cfg.train.resume)
+            found = [str(path) if path else None, warnings]
+        if self.ctx.distributed:
+            dist.broadcast_object_list(found, src=0)
+        path, warnings = found
+        if self.ctx.is_logging_rank:
+            for warning in warnings:
+                print(f"checkpoint: {warning}", file=sys.stderr, flush=True)
+        if path is None:
+            return None
+        tensors = self.global_state.state_dict()
+        state = checkpoint.load(Path(path), tensors)
+        self.global_state.apply(tensors, state["step"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.data.skip(state["data_rows"])
+        if self.ctx.is_logging_rank:
+            print(f"checkpoint: resumed from {path} at step {self.step}", flush=True)
+        return Path(path)
+
     def run(self) -> list[dict]:
-        """Train train.steps steps; rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl."""
+        """Train to train.steps (or train.exit_at_step), resuming per train.resume and saving checkpoints;
+        rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl."""
         cfg, ctx = self.cfg, self.ctx
         run_dir = Path(cfg.train.run_dir)
-        if (run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run; "
-                              "choose another train.run_dir (nothing was overwritten)")
+        resumed = self.resume() is not None
+        if not resumed and (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run and no "
+                              "checkpoint to resume; choose another train.run_dir (nothing was overwritten)")
         if ctx.distributed:
             dist.barrier()  # every rank has checked before rank 0 creates anything
         writer = None
         if ctx.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            writer = MetricsWriter(run_dir / "metrics.jsonl")
+            writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed)
+        stop = cfg.train.exit_at_step or cfg.train.steps
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []
+        saved_at = self.step if resumed else -1
         try:
-            while self.step < cfg.train.steps:
+            while self.step < stop:
                 result = self.train_step()
                 record = self.metrics(result)
                 if writer is not None:
                     writer.write(record)
                 history.append(record)
                 bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+                    saved_at = self.step
+            if saved_at != self.step:
+                self.save_checkpoint()
         finally:
             if writer is not None:
                 writer.close()

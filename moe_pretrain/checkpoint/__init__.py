@@ -1,0 +1,7 @@
+"""The checkpoint library: reshardable DCP state with global keys, manifests, atomic commits."""
+
+from moe_pretrain.checkpoint.global_state import GlobalState
+from moe_pretrain.checkpoint.manifest import verify
+from moe_pretrain.checkpoint.store import CheckpointError, committed_checkpoints, find, load, save
+
+__all__ = ["CheckpointError", "GlobalState", "committed_checkpoints", "find", "load", "save", "verify"]

@@ -1,0 +1,129 @@
+"""Saving, finding and loading checkpoints: <dir>/step_<N>/, committed atomically, with <dir>/latest.
+
+Save: every rank writes its DCP shard files into step_<N>.tmp (never overwriting); success is voted
+over all ranks; only then rank 0 writes trainer_state.json and the manifest (sizes + SHA-256 of every
+file), renames the directory to step_<N>, and replaces `latest` durably. Any failure anywhere leaves
+`latest` untouched and raises on every rank. A .tmp directory is never a checkpoint.
+Load: resume=auto takes the newest directory whose manifest verifies, saying plainly why it skipped
+any newer one; tensors come back through DCP (no pickles), other state from JSON.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from moe_pretrain.checkpoint.manifest import fsync_dir, read_manifest, verify, write_durably, write_manifest
+
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file or rank."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of committed-looking checkpoint directories, newest first (verification not done)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _everyone_ok(ok: bool, error: str) -> list[str]:
+    """All ranks' failures ('rank r: ...'), the same list on every rank."""
+    if not dist.is_initialized():
+        return [] if ok else [f"rank 0: {error}"]
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if ok else error)
+    return [f"rank {r}: {e}" for r, e in enumerate(reports) if e is not None]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+         info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # the partial remains of an earlier, failed save of this step
+            shutil.rmtree(tmp)
+    _barrier()
+    ok, error = True, ""
+    try:
+        if final.exists():
+            raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False))
+    except Exception as err:
+        ok, error = False, f"{type(err).__name__}: {err}"
+    failures = _everyone_ok(ok, error)
+    if failures:
+        raise CheckpointError(f"checkpoint {final} not committed: " + "; ".join(failures))
+    if _rank() == 0:
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
+        write_manifest(tmp, {"step": step, **info})
+        tmp.rename(final)
+        fsync_dir(root)
+        write_durably(root / LATEST, final.name + "\n")
+        _apply_retention(root, keep_last, keep_every)
+    _barrier()
+    return final
+
+
+def _apply_retention(root: Path, keep_last: int, keep_every: int) -> None:
+    """Delete old checkpoints beyond keep_last, except multiples of keep_every and the one `latest` names."""
+    protected = (root / LATEST).read_text().strip()
+    checkpoints = committed_checkpoints(root)
+    for index, (step, path) in enumerate(checkpoints):
+        keep = index < keep_last or (keep_every and step % keep_every == 0) or path.name == protected
+        if not keep:
+            shutil.rmtree(path)
+
+
+def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (or None) and the warnings about newer ones that failed verification."""
+    if resume == "none":
+        return None, []
+    if resume != "auto":
+        path = Path(resume)
+        problems = verify(path) if path.is_dir() else [f"{path}: no such checkpoint directory"]
+        if problems:
+            raise CheckpointError(f"train.resume={resume} cannot be loaded: " + "; ".join(problems))
+        return path, []
+    warnings = []
+    for _, path in committed_checkpoints(root):
+        problems = verify(path)
+        if not problems:
+            return path, warnings
+        warnings.append(f"skipping {path}: " + "; ".join(problems))
+    return None, warnings
+
+
+def load(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Fill `tensors` in place from the checkpoint (resharding as needed); return the trainer state."""
+    dcp.load(tensors, storage_reader=FileSystemReader(path))
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def describe(path: Path) -> dict[str, Any]:
+    return read_manifest(path)

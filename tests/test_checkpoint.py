@@ -1,0 +1,138 @@
+"""Checkpoints: exact resume, verification and fallback, atomic commits, retention, resharding on load."""
+
+import json
+
+import pytest
+import torch
+
+from launch.local import run_distributed
+from moe_pretrain.checkpoint import CheckpointError, committed_checkpoints, verify
+from moe_pretrain.training import Trainer
+from moe_pretrain.training.parallelize import gather_full_state
+from parallel.state import destroy_parallel, init_parallel
+from tests.helpers import rel_rms
+from tests.models import tiny_config
+
+STEPS = 6
+
+
+def config(run_dir, *overrides):
+    return tiny_config(f"train.steps={STEPS}", "train.dtype=float64", "data.batch_size=8", "logging.progress=false",
+                       f"train.run_dir={run_dir}", *overrides)
+
+
+def losses_of(history):
+    return [h["loss"] for h in history]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer = Trainer(config(tmp_path_factory.mktemp("full") / "run", "train.resume=none"))
+    return losses_of(trainer.run()), trainer.model.state_dict()
+
+
+def test_resume_is_bitwise_exact_on_the_same_layout(tmp_path, uninterrupted):
+    first = losses_of(Trainer(config(tmp_path, "train.exit_at_step=3")).run())
+    resumed_trainer = Trainer(config(tmp_path))
+    resumed = losses_of(resumed_trainer.run())
+    assert first == uninterrupted[0][:3]
+    assert resumed == uninterrupted[0][3:]  # bitwise: same floats, same order of operations
+    for name, tensor in uninterrupted[1].items():
+        assert torch.equal(resumed_trainer.model.state_dict()[name], tensor), name
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_checkpoint_layout_on_disk(tmp_path):
+    Trainer(config(tmp_path, "train.exit_at_step=2", "checkpoint.every=1")).run()
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000002"
+    assert [p.name for _, p in committed_checkpoints(root)] == ["step_00000002", "step_00000001"]
+    manifest = json.loads((root / "step_00000002" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["layout"]["world_size"] == 1
+    assert ".metadata" in manifest["files"] and "trainer_state.json" in manifest["files"]
+    assert verify(root / "step_00000002") == []
+
+
+def damage(path, how):
+    if how == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[:-10])
+    else:
+        path.unlink()
+
+
+@pytest.mark.parametrize(("target", "how", "message"), [
+    ("__0_0.distcp", "flip", "sha256"),
+    ("__0_0.distcp", "truncate", "bytes, expected"),
+    (".metadata", "delete", ".metadata: missing"),
+    ("manifest.json", "delete", "manifest.json: missing (the save never committed)"),
+])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys, uninterrupted, target, how, message):
+    Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")).run()  # saves steps 2 and 3
+    newest = tmp_path / "checkpoints" / "step_00000003"
+    damage(newest / target, how)
+    problems = verify(newest)
+    assert problems and message in problems[0] and target in problems[0]
+    trainer = Trainer(config(tmp_path))
+    resumed = losses_of(trainer.run())
+    assert "skipping" in capsys.readouterr().err
+    assert trainer.step == STEPS and resumed == uninterrupted[0][2:]  # continued from step 2
+    assert newest.exists()  # nothing was deleted
+
+
+def test_partial_save_directory_is_ignored(tmp_path, uninterrupted):
+    Trainer(config(tmp_path, "train.exit_at_step=2")).run()
+    (tmp_path / "checkpoints" / "step_00000004.tmp").mkdir()  # a save that died before committing
+    resumed = losses_of(Trainer(config(tmp_path)).run())
+    assert resumed == uninterrupted[0][2:]
+
+
+def test_retention_keeps_last_and_multiples(tmp_path):
+    Trainer(config(tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.keep_every=3")).run()
+    kept = [step for step, _ in committed_checkpoints(tmp_path / "checkpoints")]
+    assert kept == [6, 5, 3]
+
+
+def test_resume_from_a_named_checkpoint_and_bad_paths(tmp_path):
+    Trainer(config(tmp_path / "a", "train.exit_at_step=2")).run()
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        Trainer(config(tmp_path / "b", f"train.resume={tmp_path / 'nowhere'}")).run()
+    trainer = Trainer(config(tmp_path / "c", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}"))
+    assert len(trainer.run()) == STEPS - 2
+
+
+def layout_worker(rank, world_size, run_dir, overrides):
+    cfg = config(run_dir, *overrides)
+    ctx = init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        history = trainer.run()
+        return losses_of(history), gather_full_state(trainer.model, ctx)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.timeout(300)
+def test_save_on_tp2_ep2_resume_on_one_process(tmp_path, uninterrupted):
+    first, _ = run_distributed(layout_worker, 2, str(tmp_path), ["parallel.tp=2", "parallel.ep=2",
+                                                                   "train.exit_at_step=3"])
+    trainer = Trainer(config(tmp_path))
+    resumed = losses_of(trainer.run())
+    assert first + resumed == pytest.approx(uninterrupted[0], rel=1e-9)
+    for name, tensor in uninterrupted[1].items():
+        assert rel_rms(trainer.model.state_dict()[name], tensor) < 1e-9, name
+
+
+@pytest.mark.timeout(300)
+def test_save_on_one_process_resume_on_pp2(tmp_path, uninterrupted):
+    first = losses_of(Trainer(config(tmp_path, "data.micro_batches=2", "train.exit_at_step=3")).run())
+    resumed, state = run_distributed(layout_worker, 2, str(tmp_path), ["parallel.pp=2", "data.micro_batches=2"])
+    reference = Trainer(config(tmp_path / "ref", "data.micro_batches=2", "train.resume=none"))
+    expected = losses_of(reference.run())
+    assert first + resumed == pytest.approx(expected, rel=1e-9)
+    for name, tensor in reference.model.state_dict().items():
+        assert rel_rms(state[name], tensor) < 1e-9, name
