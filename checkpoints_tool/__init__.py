@@ -1,1 +1,1 @@
-"""Checkpoint CLI (inspect, verify, reshard, export, prune). Empty until the checkpoint library lands."""
+"""Checkpoint CLI: `python -m checkpoints_tool inspect|verify|prune` (see __main__.py)."""

@@ -2,6 +2,6 @@
 
 from moe_pretrain.checkpoint.global_state import GlobalState
 from moe_pretrain.checkpoint.manifest import verify
-from moe_pretrain.checkpoint.store import CheckpointError, committed_checkpoints, find, load, save
+from moe_pretrain.checkpoint.store import CheckpointError, committed_checkpoints, find, load, prune, save
 
-__all__ = ["CheckpointError", "GlobalState", "committed_checkpoints", "find", "load", "save", "verify"]
+__all__ = ["CheckpointError", "GlobalState", "committed_checkpoints", "find", "load", "prune", "save", "verify"]

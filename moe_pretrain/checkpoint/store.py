@@ -85,19 +85,23 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state:
         tmp.rename(final)
         fsync_dir(root)
         write_durably(root / LATEST, final.name + "\n")
-        _apply_retention(root, keep_last, keep_every)
+        prune(root, keep_last, keep_every)
     _barrier()
     return final
 
 
-def _apply_retention(root: Path, keep_last: int, keep_every: int) -> None:
-    """Delete old checkpoints beyond keep_last, except multiples of keep_every and the one `latest` names."""
-    protected = (root / LATEST).read_text().strip()
-    checkpoints = committed_checkpoints(root)
-    for index, (step, path) in enumerate(checkpoints):
+def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete committed checkpoints beyond the newest keep_last, except multiples of keep_every and the
+    one `latest` names (never touched). Returns what was deleted."""
+    latest = root / LATEST
+    protected = latest.read_text().strip() if latest.is_file() else None
+    deleted = []
+    for index, (step, path) in enumerate(committed_checkpoints(root)):
         keep = index < keep_last or (keep_every and step % keep_every == 0) or path.name == protected
         if not keep:
             shutil.rmtree(path)
+            deleted.append(path)
+    return deleted
 
 
 def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:

@@ -1,0 +1,104 @@
+"""`python -m checkpoints_tool <command>`: look after checkpoints without building a model.
+
+  inspect DIR                      step, tokens, layout, parameter count, bytes per component, files
+  verify DIR                       completeness and every SHA-256; exit 0 only if all hold
+  prune DIR --keep-last N [--keep-every K]   never touches the checkpoint `latest` names
+
+DIR is a checkpoint (step_<N>) or a checkpoint root, in which case `latest` is used (verify checks
+every committed checkpoint of a root).
+"""
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moe_pretrain.checkpoint import committed_checkpoints, prune, verify
+from moe_pretrain.checkpoint.manifest import read_manifest
+from moe_pretrain.checkpoint.store import LATEST
+
+
+def resolve(path: Path) -> Path:
+    if (path / LATEST).is_file():
+        return path / (path / LATEST).read_text().strip()
+    return path
+
+
+def component(key: str) -> str:
+    """model.layers.3.mlp.experts.w_up -> model.layers.*.mlp.experts (bytes are summed per component)."""
+    key = re.sub(r"\.layers\.\d+\.", ".layers.*.", key)
+    return key.rsplit(".", 1)[0]
+
+
+def inspect(path: Path) -> int:
+    path = resolve(path)
+    manifest = read_manifest(path)
+    metadata = FileSystemReader(path).read_metadata()
+    params, per_component = 0, defaultdict(int)
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        numel = 1
+        for size in meta.size:
+            numel *= size
+        if key.startswith("model.") and meta.properties.dtype.is_floating_point and "expert_bias" not in key:
+            params += numel
+        per_component[component(key)] += numel * meta.properties.dtype.itemsize
+    state = json.loads((path / "trainer_state.json").read_text())
+    print(f"checkpoint  {path}")
+    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {state['data_rows']:,}")
+    print(f"layout      {manifest['layout_text']}")
+    print(f"parameters  {params:,}")
+    print("bytes per component:")
+    for name, size in sorted(per_component.items(), key=lambda kv: -kv[1]):
+        print(f"  {size:>14,}  {name}")
+    print("files:")
+    for name, entry in manifest["files"].items():
+        print(f"  {entry['bytes']:>14,}  {name}")
+    return 0
+
+
+def verify_command(path: Path) -> int:
+    targets = [p for _, p in committed_checkpoints(path)] if (path / LATEST).is_file() else [path]
+    bad = 0
+    for target in targets:
+        problems = verify(target)
+        print(f"{'OK ' if not problems else 'BAD'} {target}")
+        for problem in problems:
+            print(f"    {problem}")
+        bad += bool(problems)
+    return 1 if bad or not targets else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="checkpoints_tool", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("inspect").add_argument("dir", type=Path)
+    commands.add_parser("verify").add_argument("dir", type=Path)
+    pruning = commands.add_parser("prune")
+    pruning.add_argument("dir", type=Path)
+    pruning.add_argument("--keep-last", type=int, required=True)
+    pruning.add_argument("--keep-every", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not args.dir.exists():
+        print(f"checkpoints_tool: {args.dir} does not exist", file=sys.stderr)
+        return 2
+    if args.command == "inspect":
+        return inspect(args.dir)
+    if args.command == "verify":
+        return verify_command(args.dir)
+    if args.keep_last < 1:
+        print("checkpoints_tool: --keep-last must be >= 1", file=sys.stderr)
+        return 2
+    for path in prune(args.dir, args.keep_last, args.keep_every):
+        print(f"deleted {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
