@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
 from moe_pretrain.checkpoint.manifest import fsync_dir, read_manifest, verify, write_durably, write_manifest
 
@@ -42,13 +43,26 @@ def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def _everyone_ok(ok: bool, error: str) -> list[str]:
-    """All ranks' failures ('rank r: ...'), the same list on every rank."""
+def _describe(err: BaseException, rank: int) -> list[str]:
+    """'rank r: Type: message' lines. DCP's CheckpointException (a BaseException) already carries every
+    failing rank's (exception, traceback); it is unwrapped so the message names the rank of origin."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        lines = []
+        for failed_rank, cause in sorted(failures.items()):
+            exc = cause[0] if isinstance(cause, tuple) else cause
+            lines.append(f"rank {failed_rank}: {type(exc).__name__}: {exc}")
+        return lines
+    return [f"rank {rank}: {type(err).__name__}: {err}"]
+
+
+def _all_failures(local: list[str]) -> list[str]:
+    """Every rank's failure lines, deduplicated, the same list on every rank."""
     if not dist.is_initialized():
-        return [] if ok else [f"rank 0: {error}"]
+        return local
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, None if ok else error)
-    return [f"rank {r}: {e}" for r, e in enumerate(reports) if e is not None]
+    dist.all_gather_object(reports, local)
+    return sorted({line for report in reports for line in report})
 
 
 def _rank() -> int:
@@ -69,14 +83,14 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state:
         if tmp.exists():  # the partial remains of an earlier, failed save of this step
             shutil.rmtree(tmp)
     _barrier()
-    ok, error = True, ""
+    local_failures: list[str] = []
     try:
         if final.exists():
             raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False))
-    except Exception as err:
-        ok, error = False, f"{type(err).__name__}: {err}"
-    failures = _everyone_ok(ok, error)
+    except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
+        local_failures = _describe(err, _rank())
+    failures = _all_failures(local_failures)
     if failures:
         raise CheckpointError(f"checkpoint {final} not committed: " + "; ".join(failures))
     if _rank() == 0:

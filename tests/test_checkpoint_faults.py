@@ -1,0 +1,107 @@
+"""Fault injection on multi-process saves: a full disk, and a rank killed in each phase of a save.
+
+Faults are injected by patching the storage layer inside the worker processes only. After every
+fault, `latest` is unchanged and a resume picks the last complete checkpoint and continues exactly.
+"""
+
+import errno
+import os
+import signal
+
+import pytest
+
+from launch.local import run_distributed
+from moe_pretrain.checkpoint import committed_checkpoints
+from moe_pretrain.training import Trainer
+from parallel.state import destroy_parallel, init_parallel
+from tests.models import tiny_config
+
+STEPS = 4
+
+
+def config(run_dir, *overrides):
+    return tiny_config(f"train.steps={STEPS}", "train.dtype=float64", "data.batch_size=8", "logging.progress=false",
+                       "checkpoint.every=1", "checkpoint.keep_last=5", f"train.run_dir={run_dir}", *overrides)
+
+
+def inject(phase: str, rank: int) -> None:
+    """Make the second save (step 2) fail on `rank` in `phase`."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from moe_pretrain.checkpoint import store
+
+    saves = {"count": 0}
+
+    def at_step_two():
+        return saves["count"] == 2 and int(os.environ["RANK"]) == rank
+
+    original_save, original_write = store.dcp.save, fs.FileSystemWriter.write_data
+    original_manifest, original_durable = store.write_manifest, store.write_durably
+
+    def counting_save(*args, **kwargs):
+        saves["count"] += 1
+        result = original_save(*args, **kwargs)
+        if phase == "after_write" and at_step_two():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    def write_data(self, plan, planner):
+        if at_step_two():
+            if phase == "disk_full":
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            if phase == "during_write":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original_write(self, plan, planner)
+
+    def manifest(*args, **kwargs):
+        if phase == "before_manifest" and at_step_two():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_manifest(*args, **kwargs)
+
+    def durable(path, text):
+        if phase == "before_latest" and at_step_two() and path.name == "latest":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_durable(path, text)
+
+    store.dcp.save = counting_save
+    fs.FileSystemWriter.write_data = write_data
+    store.write_manifest = manifest
+    store.write_durably = durable
+
+
+def faulty_worker(rank, world_size, run_dir, phase, faulty_rank):
+    cfg = config(run_dir, "parallel.ep=2")
+    ctx = init_parallel(cfg)
+    inject(phase, faulty_rank)
+    try:
+        Trainer(cfg, ctx).run()
+    finally:
+        destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return [h["loss"] for h in Trainer(config(tmp_path_factory.mktemp("full") / "run")).run()]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("phase", "faulty_rank", "committed", "error"), [
+    ("disk_full", 1, [1], "not committed: rank 1: OSError: [Errno 28] No space left on device"),
+    ("during_write", 1, [1], None),
+    ("after_write", 0, [1], None),
+    ("before_manifest", 0, [1], None),
+    ("before_latest", 0, [2, 1], None),  # step 2 is complete (manifest, renamed); only `latest` lags
+])
+def test_fault_during_save_then_resume(tmp_path, uninterrupted, phase, faulty_rank, committed, error):
+    with pytest.raises(AssertionError) as failure:  # launch.local reports the workers' failures
+        run_distributed(faulty_worker, 2, str(tmp_path), phase, faulty_rank, timeout=60)
+    if error:
+        assert error in str(failure.value)
+    root = tmp_path / "checkpoints"
+    assert [step for step, _ in committed_checkpoints(root)] == committed
+    assert (root / "latest").read_text().strip() == "step_00000001"  # never advanced past a failed save
+    # Resume on one process: the newest complete checkpoint, then exactly the uninterrupted losses.
+    trainer = Trainer(config(tmp_path))
+    resumed = [h["loss"] for h in trainer.run()]
+    assert resumed == pytest.approx(uninterrupted[max(committed):], rel=1e-9)
+    assert not (root / "step_00000002.tmp").exists()  # the partial save was cleaned up by the next one
