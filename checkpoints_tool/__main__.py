@@ -3,6 +3,9 @@
   inspect DIR                      step, tokens, layout, parameter count, bytes per component, files
   verify DIR                       completeness and every SHA-256; exit 0 only if all hold
   prune DIR --keep-last N [--keep-every K]   never touches the checkpoint `latest` names
+  export DIR OUT [--max-shard-mb M]           model weights as sharded safetensors + index + config.json
+  reshard DIR OUT --tp A --pp B --ep C [--dp D] [--set key=value ...]
+                                   rewrite as that layout would save it (all 1 = consolidate), locally
 
 DIR is a checkpoint (step_<N>) or a checkpoint root, in which case `latest` is used (verify checks
 every committed checkpoint of a root).
@@ -19,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_pretrain.checkpoint import committed_checkpoints, prune, verify
+from moe_pretrain.checkpoint.export import export
 from moe_pretrain.checkpoint.manifest import read_manifest
 from moe_pretrain.checkpoint.store import LATEST
 
@@ -84,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     pruning.add_argument("dir", type=Path)
     pruning.add_argument("--keep-last", type=int, required=True)
     pruning.add_argument("--keep-every", type=int, default=0)
+    exporting = commands.add_parser("export")
+    exporting.add_argument("dir", type=Path)
+    exporting.add_argument("out", type=Path)
+    exporting.add_argument("--max-shard-mb", type=float, default=1024.0)
+    resharding = commands.add_parser("reshard")
+    resharding.add_argument("dir", type=Path)
+    resharding.add_argument("out", type=Path)
+    for dim in ("tp", "pp", "ep", "dp", "vpp"):
+        resharding.add_argument(f"--{dim}", type=int, default=1)
+    resharding.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                            help="other config overrides the target layout needs (e.g. data.micro_batches=2)")
     args = parser.parse_args(argv)
     if not args.dir.exists():
         print(f"checkpoints_tool: {args.dir} does not exist", file=sys.stderr)
@@ -92,6 +107,27 @@ def main(argv: list[str] | None = None) -> int:
         return inspect(args.dir)
     if args.command == "verify":
         return verify_command(args.dir)
+    if args.command == "reshard":
+        from moe_pretrain.training.reshard import reshard
+
+        source = resolve(args.dir)
+        world = args.tp * args.pp * args.dp
+        overrides = [f"parallel.{d}={getattr(args, d)}" for d in ("tp", "pp", "ep", "vpp")] + args.set
+        print(f"wrote {reshard(source, args.out, world, overrides)} ({world} processes)")
+        return 0
+    if args.command == "export":
+        source = resolve(args.dir)
+        problems = verify(source)
+        if problems:
+            print("checkpoints_tool: refusing to export an unverified checkpoint:\n  " + "\n  ".join(problems),
+                  file=sys.stderr)
+            return 1
+        if args.out.exists():
+            print(f"checkpoints_tool: {args.out} exists; export never overwrites", file=sys.stderr)
+            return 2
+        for file in export(source, args.out, int(args.max_shard_mb * 2**20)):
+            print(f"wrote {file}")
+        return 0
     if args.keep_last < 1:
         print("checkpoints_tool: --keep-last must be >= 1", file=sys.stderr)
         return 2

@@ -53,3 +53,65 @@ def test_prune_never_touches_latest(checkpoints):
     done = tool("prune", root, "--keep-last", 1)
     assert done.returncode == 0, done.stderr
     assert [step for step, _ in committed_checkpoints(root)] == [4, 1]
+
+
+def tp_ep_worker(rank, world_size, run_dir):
+    from moe_pretrain.training.parallelize import gather_full_state
+    from parallel.state import destroy_parallel, init_parallel
+
+    cfg = tiny_config("train.steps=2", "parallel.tp=2", "parallel.ep=2", f"train.run_dir={run_dir}",
+                      "logging.progress=false")
+    ctx = init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        trainer.run()
+        return gather_full_state(trainer.model, ctx)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.timeout(300)
+def test_export_consolidates_a_sharded_checkpoint(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from launch.local import run_distributed
+
+    full = run_distributed(tp_ep_worker, 2, str(tmp_path / "run"))
+    done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "export", "--max-shard-mb", 0.2)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    exported = {}
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(tmp_path / "export" / file), framework="pt") as f:
+            exported.update({k: f.get_tensor(k) for k in f.keys()})
+    assert exported.keys() == full.keys()
+    for name, tensor in full.items():
+        assert exported[name].equal(tensor), name  # tensor-, expert-parallel shards put back whole
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["moe"]["num_routed_experts"] == 8 and config["layer_types"][2] == "mla"
+    assert tool("export", tmp_path / "run" / "checkpoints", tmp_path / "export").returncode == 2  # no overwrite
+
+
+@pytest.mark.timeout(300)
+def test_reshard_keeps_every_value(checkpoints, tmp_path):
+    from safetensors import safe_open
+
+    root, _ = checkpoints
+    done = tool("reshard", root, tmp_path / "resharded", "--tp", 2, "--ep", 2)
+    assert done.returncode == 0, done.stderr
+    assert "dp 1 x tp 2" in tool("inspect", tmp_path / "resharded").stdout
+    for source, out in ((root, "a"), (tmp_path / "resharded", "b")):
+        assert tool("export", source, tmp_path / out).returncode == 0
+
+    def read(directory):
+        tensors = {}
+        for file in directory.glob("*.safetensors"):
+            with safe_open(str(file), framework="pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        return tensors
+
+    a, b = read(tmp_path / "a"), read(tmp_path / "b")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
