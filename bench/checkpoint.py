@@ -4,9 +4,10 @@ Run: .venv/bin/python bench/checkpoint.py [--hidden 256 --layers 8 --experts 32]
 
 Builds a smoke-shaped model (larger by default), takes one training step so Adam state exists,
 then times: a raw sequential write and read of the same number of bytes (fsync'd; the named
-reference), our synchronous save (DCP files + SHA-256 manifest + atomic commit) and a load (DCP read +
-rebuilding the sharded optimizer). Prints bytes/s and the ratio to the raw reference. The read
-figures include the page cache, for both sides alike.
+reference), our synchronous save (DCP files + SHA-256 manifest + atomic commit), a load (DCP read +
+rebuilding the sharded optimizer), and the training stall of an asynchronous save (staging to host
+memory) as a fraction of the synchronous save's time. The read figures include the page cache, for
+both sides alike.
 """
 
 import argparse
@@ -15,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_pretrain.checkpoint import find, load
+from moe_pretrain.checkpoint import AsyncSaver, find, load
 from moe_pretrain.config import load_config
 from moe_pretrain.training import Trainer
 
@@ -61,6 +62,12 @@ def main() -> None:
         state = load(found, tensors)
         trainer.global_state.apply(tensors, state["step"])
         load_s = time.perf_counter() - start
+        trainer.async_saver = AsyncSaver(None)
+        trainer.step += 1
+        start = time.perf_counter()
+        trainer.save_checkpoint()  # returns once the tensors are staged
+        stall_s = time.perf_counter() - start
+        trainer.async_saver.wait()
         raw_w, raw_r = raw_write_read(Path(tmp) / "raw.bin", max(size, 1 << 20))
     raw_size = max(size, 1 << 20) >> 20 << 20
     mib = 2**20
@@ -72,6 +79,8 @@ def main() -> None:
     print(f"  save (sync)           {saving / mib:8.1f} MiB/s   {saving / raw_write:.2f}x raw write")
     print(f"  raw sequential read   {raw_read / mib:8.1f} MiB/s   (reference)")
     print(f"  verify + load         {loading / mib:8.1f} MiB/s   {loading / raw_read:.2f}x raw read")
+    print(f"  async save stall      {stall_s * 1e3:8.1f} ms      {stall_s / save_s:.2f}x the synchronous save "
+          f"({save_s * 1e3:.1f} ms)")
 
 if __name__ == "__main__":
     main()

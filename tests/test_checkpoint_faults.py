@@ -63,7 +63,14 @@ def inject(phase: str, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return original_durable(path, text)
 
+    original_async = store.dcp.async_save
+
+    def counting_async_save(*args, **kwargs):
+        saves["count"] += 1
+        return original_async(*args, **kwargs)
+
     store.dcp.save = counting_save
+    store.dcp.async_save = counting_async_save
     fs.FileSystemWriter.write_data = write_data
     store.write_manifest = manifest
     store.write_durably = durable
@@ -105,3 +112,45 @@ def test_fault_during_save_then_resume(tmp_path, uninterrupted, phase, faulty_ra
     resumed = [h["loss"] for h in trainer.run()]
     assert resumed == pytest.approx(uninterrupted[max(committed):], rel=1e-9)
     assert not (root / "step_00000002.tmp").exists()  # the partial save was cleaned up by the next one
+
+
+def async_worker(rank, world_size, run_dir, fail_on_rank, policy):
+    cfg = config(run_dir, "parallel.ep=2", "checkpoint.async_save=true", f"checkpoint.on_async_failure={policy}")
+    ctx = init_parallel(cfg)
+    if fail_on_rank >= 0:
+        inject("disk_full", fail_on_rank)  # the background write of the step-2 save fails
+    try:
+        return [h["loss"] for h in Trainer(cfg, ctx).run()]
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.timeout(240)
+def test_async_saves_commit_and_resume_exactly(tmp_path, uninterrupted):
+    losses = run_distributed(async_worker, 2, str(tmp_path), -1, "stop")
+    assert losses == pytest.approx(uninterrupted, rel=1e-9)
+    root = tmp_path / "checkpoints"
+    assert [step for step, _ in committed_checkpoints(root)] == [4, 3, 2, 1]
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    # Resume from the async-written step-2 checkpoint on one process: exact continuation.
+    resumed = Trainer(config(tmp_path / "b", f"train.resume={root / 'step_00000002'}")).run()
+    assert [h["loss"] for h in resumed] == pytest.approx(uninterrupted[2:], rel=1e-9)
+
+
+@pytest.mark.timeout(240)
+def test_failed_async_save_stops_every_rank(tmp_path):
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(async_worker, 2, str(tmp_path), 1, "stop", timeout=60)
+    message = str(failure.value)
+    assert "rank 0:" in message and "rank 1:" in message  # raised on every rank
+    assert "step_00000002 not committed: rank 1: OSError: [Errno 28]" in message
+    root = tmp_path / "checkpoints"
+    assert [step for step, _ in committed_checkpoints(root)] == [1]
+    assert (root / "latest").read_text().strip() == "step_00000001"
+
+
+@pytest.mark.timeout(240)
+def test_failed_async_save_can_let_training_continue(tmp_path, uninterrupted):
+    losses = run_distributed(async_worker, 2, str(tmp_path), 1, "continue")
+    assert losses == pytest.approx(uninterrupted, rel=1e-9)  # training went on, unharmed
+    assert [step for step, _ in committed_checkpoints(tmp_path / "checkpoints")] == [4, 3, 1]

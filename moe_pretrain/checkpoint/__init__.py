@@ -2,6 +2,7 @@
 
 from moe_pretrain.checkpoint.global_state import GlobalState
 from moe_pretrain.checkpoint.manifest import verify
-from moe_pretrain.checkpoint.store import CheckpointError, committed_checkpoints, find, load, prune, save
+from moe_pretrain.checkpoint.store import AsyncSaver, CheckpointError, committed_checkpoints, find, load, prune, save
 
-__all__ = ["CheckpointError", "GlobalState", "committed_checkpoints", "find", "load", "prune", "save", "verify"]
+__all__ = ["AsyncSaver", "CheckpointError", "GlobalState", "committed_checkpoints", "find", "load", "prune", "save",
+           "verify"]

@@ -74,8 +74,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
-         info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
+def _prepare(root: Path, step: int) -> tuple[Path, Path]:
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
@@ -83,25 +82,85 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state:
         if tmp.exists():  # the partial remains of an earlier, failed save of this step
             shutil.rmtree(tmp)
     _barrier()
-    local_failures: list[str] = []
-    try:
-        if final.exists():
-            raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False))
-    except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
-        local_failures = _describe(err, _rank())
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
+    return final, tmp
+
+
+def _commit(root: Path, final: Path, local_failures: list[str], trainer_state: dict[str, Any],
+            info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
+    """Vote; if every rank wrote its files, rank 0 seals the directory and moves `latest` to it."""
     failures = _all_failures(local_failures)
     if failures:
         raise CheckpointError(f"checkpoint {final} not committed: " + "; ".join(failures))
+    tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
-        write_manifest(tmp, {"step": step, **info})
+        write_manifest(tmp, {"step": trainer_state["step"], **info})
         tmp.rename(final)
         fsync_dir(root)
         write_durably(root / LATEST, final.name + "\n")
         prune(root, keep_last, keep_every)
     _barrier()
     return final
+
+
+def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+         info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
+    """Synchronous save: write, vote, commit."""
+    final, tmp = _prepare(root, step)
+    local_failures: list[str] = []
+    try:
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False))
+    except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
+        local_failures = _describe(err, _rank())
+    return _commit(root, final, local_failures, trainer_state, info, keep_last, keep_every)
+
+
+class AsyncSaver:
+    """Background saves: the caller stalls only while DCP stages the tensors to host memory.
+
+    The files are written by DCP's background thread over `group` (a dedicated gloo group, so its
+    collectives never interleave with training's). At most one save is in flight. poll() is called
+    once per step on every rank: an all-reduce agrees on whether every rank has finished, and only
+    then the save is voted and committed, so a background failure surfaces on every rank at the
+    next step and the checkpoint is not committed.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.pending: tuple | None = None
+
+    def start(self, root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+              info: dict[str, Any], keep_last: int, keep_every: int) -> None:
+        self.wait()
+        final, tmp = _prepare(root, step)
+        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False),
+                                process_group=self.group)
+        self.pending = (future, root, final, trainer_state, info, keep_last, keep_every)
+
+    def poll(self) -> Path | None:
+        """Commit the pending save if every rank has finished writing it (collective)."""
+        if self.pending is None:
+            return None
+        done = torch.tensor([int(self.pending[0].done())])
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self._finish() if done.item() else None
+
+    def wait(self) -> Path | None:
+        """Block until the pending save is written, then commit it (collective)."""
+        return self._finish() if self.pending is not None else None
+
+    def _finish(self) -> Path:
+        future, root, final, trainer_state, info, keep_last, keep_every = self.pending
+        self.pending = None
+        local_failures: list[str] = []
+        try:
+            future.result()
+        except (Exception, DCPCheckpointException) as err:
+            local_failures = _describe(err, _rank())
+        return _commit(root, final, local_failures, trainer_state, info, keep_last, keep_every)
 
 
 def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:

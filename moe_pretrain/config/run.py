@@ -121,7 +121,10 @@ class CheckpointConfig:
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this; 0 = none."""
     async_save: bool = False
-    """Save in the background (not implemented yet; true is refused)."""
+    """Write checkpoints in the background: training stalls only while tensors are staged to host memory."""
+    on_async_failure: Literal["stop", "continue"] = "stop"
+    """When a background save fails (reported on every rank at the next step): stop with the error, or
+    say so and keep training (the failed checkpoint is not committed either way)."""
 
     def __post_init__(self) -> None:
         require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")

@@ -49,8 +49,6 @@ class StepResult:
 def check_supported(cfg: Config, world_size: int) -> None:
     """Refuse settings whose machinery has not landed yet, rather than silently ignoring them."""
     resolve_layout(cfg, world_size)
-    if cfg.checkpoint.async_save:
-        raise ConfigError("checkpoint.async_save=true: asynchronous saving is not implemented yet; set it to false")
     if cfg.model.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{VOCAB_SIZE} ids")
@@ -79,6 +77,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, self.ctx)
         self.global_state = GlobalState(self.model, self.optimizer, self.ctx)
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
+        self.async_saver = None
+        if cfg.checkpoint.async_save:
+            # Background I/O gets its own gloo group (created collectively, here, on every rank).
+            group = dist.new_group(backend="gloo") if self.ctx.distributed else None
+            self.async_saver = checkpoint.AsyncSaver(group)
         self._loss_tokens = 1
         self.data = PretrainingData(cfg.data, cfg.model.vision)
         self.step = 0
@@ -186,13 +189,29 @@ class Trainer:
             stats = {k: v for rank_stats in everyone for k, v in rank_stats.items()}
         return dict(sorted(stats.items(), key=lambda kv: int(kv[0])))
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Save this step (synchronously, or start a background save); returns the committed directory."""
         layout = self.ctx.layout
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_rows": self.data.rows_consumed,
                          "config": config_to_dict(self.cfg)}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
-        return checkpoint.save(self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
-                               self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+        args = (self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
+                self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+        if self.async_saver is None:
+            return checkpoint.save(*args)
+        self._guard_async(self.async_saver.start, *args)
+        return None
+
+    def _guard_async(self, operation, *args):
+        """Run an async-save operation; a failed background save stops the run or, by config, is reported."""
+        try:
+            return operation(*args)
+        except checkpoint.CheckpointError as err:
+            if self.cfg.checkpoint.on_async_failure == "stop":
+                raise
+            if self.ctx.is_logging_rank:
+                print(f"checkpoint: background save failed, training continues: {err}", file=sys.stderr, flush=True)
+            return None
 
     def resume(self) -> Path | None:
         """Load the checkpoint train.resume asks for (verified on rank 0, the same choice everywhere)."""
@@ -245,11 +264,15 @@ class Trainer:
                     writer.write(record)
                 history.append(record)
                 bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
+                if self.async_saver is not None:
+                    self._guard_async(self.async_saver.poll)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
                     saved_at = self.step
             if saved_at != self.step:
                 self.save_checkpoint()
+            if self.async_saver is not None:
+                self._guard_async(self.async_saver.wait)
         finally:
             if writer is not None:
                 writer.close()
