@@ -40,6 +40,8 @@ def test_overrides_are_typed():
     ("data.image_size=30", "data.image_size=30 must be a multiple of model.vision.patch_size=14"),
     ("optim.min_lr=1.0", "optim.min_lr=1.0 must be in [0, optim.lr="),
     ("train", "override 'train' must look like section.key=value"),
+    ("train.exit_at_step=999", "train.exit_at_step=999 must be in [0, train.steps=150]"),
+    ("checkpoint.keep_last=1", "checkpoint.keep_last=1 must be >= 2"),
     ("model.moe=3", "model.moe must be a mapping of keys"),
 ])
 def test_bad_values_name_their_keys(override, message):

@@ -106,7 +106,6 @@ def test_existing_run_dir_is_never_overwritten(tmp_path):
     ("parallel.tp=2", "invalid parallel layout: world size 1 is not divisible by parallel.tp x parallel.pp x "
                       "parallel.cp = 2 x 1 x 1"),
     ("parallel.ep=2", "parallel.ep=2 must divide the 1 ranks of a pipeline stage"),
-    ("checkpoint.async_save=true", "checkpoint.async_save=true: asynchronous saving is not implemented yet"),
     ("model.vocab_size=200", "model.vocab_size=200 is smaller than the byte tokenizer's 262 ids"),
 ])
 def test_unsupported_settings_are_refused(override, message):
