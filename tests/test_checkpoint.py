@@ -127,6 +127,29 @@ def test_save_on_tp2_ep2_resume_on_one_process(tmp_path, uninterrupted):
         assert rel_rms(trainer.model.state_dict()[name], tensor) < 1e-9, name
 
 
+@pytest.mark.timeout(400)
+def test_save_on_tp2_ep2_four_processes_resume_on_pp2_dp2(tmp_path):
+    mb = "data.micro_batches=2"
+    first, _ = run_distributed(layout_worker, 4, str(tmp_path), ["parallel.tp=2", "parallel.ep=2", mb,
+                                                                   "train.exit_at_step=3"])
+    resumed, state = run_distributed(layout_worker, 4, str(tmp_path), ["parallel.pp=2", mb])
+    reference = Trainer(config(tmp_path / "ref", mb, "train.resume=none"))
+    expected = losses_of(reference.run())
+    assert first + resumed == pytest.approx(expected, rel=1e-9)
+    for name, tensor in reference.model.state_dict().items():
+        assert rel_rms(state[name], tensor) < 1e-9, name
+
+
+def test_rng_state_is_restored_on_the_same_world(tmp_path):
+    trainer = Trainer(config(tmp_path, "train.exit_at_step=2"))
+    trainer.run()
+    expected = torch.get_rng_state()
+    torch.manual_seed(12345)
+    resumed = Trainer(config(tmp_path, "train.steps=6"))
+    resumed.resume()
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
 @pytest.mark.timeout(300)
 def test_save_on_one_process_resume_on_pp2(tmp_path, uninterrupted):
     first = losses_of(Trainer(config(tmp_path, "data.micro_batches=2", "train.exit_at_step=3")).run())

@@ -7,6 +7,7 @@ gradient of the token-mean loss of the whole global batch, whatever the layout. 
 optimizer reduces, clips, steps and gathers, and the routers move their biases on global statistics.
 """
 
+import base64
 import contextlib
 import dataclasses
 import sys
@@ -193,7 +194,7 @@ class Trainer:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
         layout = self.ctx.layout
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_rows": self.data.rows_consumed,
-                         "config": config_to_dict(self.cfg)}
+                         "config": config_to_dict(self.cfg), "rng": self._rng_states()}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
         args = (self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
                 self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
@@ -201,6 +202,15 @@ class Trainer:
             return checkpoint.save(*args)
         self._guard_async(self.async_saver.start, *args)
         return None
+
+    def _rng_states(self) -> list[str]:
+        """Every rank's torch RNG state, base64 (JSON, no pickles), in rank order."""
+        mine = base64.b64encode(bytes(torch.get_rng_state().tolist())).decode()
+        if not self.ctx.distributed:
+            return [mine]
+        states: list = [None] * self.ctx.layout.world_size
+        dist.all_gather_object(states, mine)
+        return states
 
     def _guard_async(self, operation, *args):
         """Run an async-save operation; a failed background save stops the run or, by config, is reported."""
@@ -232,6 +242,9 @@ class Trainer:
         self.global_state.apply(tensors, state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.data.skip(state["data_rows"])
+        rng = state.get("rng", [])
+        if len(rng) == self.ctx.layout.world_size:  # per-rank streams only mean something on the same world
+            torch.set_rng_state(torch.tensor(list(base64.b64decode(rng[self.ctx.rank])), dtype=torch.uint8))
         if self.ctx.is_logging_rank:
             print(f"checkpoint: resumed from {path} at step {self.step}", flush=True)
         return Path(path)
