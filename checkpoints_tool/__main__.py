@@ -55,7 +55,9 @@ def inspect(path: Path) -> int:
         per_component[component(key)] += numel * meta.properties.dtype.itemsize
     state = json.loads((path / "trainer_state.json").read_text())
     print(f"checkpoint  {path}")
-    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {state['data_rows']:,}")
+    rows = sum(r for _, r in state["data_segments"])
+    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {rows:,} "
+          f"(at sequence lengths {[s for s, _ in state['data_segments']]})")
     print(f"layout      {manifest['layout_text']}")
     print(f"parameters  {params:,}")
     print("bytes per component:")

@@ -18,7 +18,8 @@ from parallel.state import destroy_parallel, init_parallel
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="moe-pretrain pretraining")
-    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--config", required=True, action="append",
+                        help="YAML config file; repeat to layer files (later ones win), e.g. a model and a schedule")
     parser.add_argument("overrides", nargs="*", help="overrides such as train.steps=20 model.moe.num_experts=8")
     parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS",
                         help="exit 1 unless the mean loss of the last 10 steps is at least NATS below the first step's")

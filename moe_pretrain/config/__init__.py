@@ -19,6 +19,7 @@ from moe_pretrain.config.run import (
     ParallelConfig,
     TrainConfig,
 )
+from moe_pretrain.config.stages import StageConfig
 
 __all__ = [
     "AttnResConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "StageConfig",
     "TrainConfig",
     "VisionConfig",
     "config_to_dict",

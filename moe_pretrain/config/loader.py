@@ -18,24 +18,36 @@ from moe_pretrain.config.errors import ConfigError
 from moe_pretrain.config.run import Config
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file (or start from defaults when path is None) and apply `a.b.c=value` overrides."""
+def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML file(s), deep-merged in order (later files win; lists are replaced), or start from
+    defaults when paths is None, then apply `a.b.c=value` overrides."""
+    if paths is None:
+        paths = []
+    elif isinstance(paths, (str, Path)):
+        paths = [paths]
     raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
+    for path in map(Path, paths):
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         with path.open() as f:
             loaded = yaml.safe_load(f)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded or {}
+        _merge(raw, loaded or {})
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {override!r} must look like section.key=value")
         _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
     return build(Config, raw, "")
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -113,6 +125,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} must be a list, got {type(value).__name__}")
         (item,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(item):
+            return [build(item, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if hint is bool:
         if isinstance(value, bool):

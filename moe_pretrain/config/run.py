@@ -5,6 +5,7 @@ from typing import Literal
 
 from moe_pretrain.config.errors import require, require_positive
 from moe_pretrain.config.model import ModelConfig
+from moe_pretrain.config.stages import StageConfig, check_stages
 
 
 @dataclass
@@ -151,8 +152,18 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+    """The staged context-extension schedule; empty = one stage from data.* and optim.* (train.steps)."""
 
     def __post_init__(self) -> None:
+        check_stages(self.stages)
+        if self.stages:
+            total = sum(stage.steps for stage in self.stages)
+            require(self.train.steps == total,
+                    f"train.steps={self.train.steps} disagrees with the stages, which make {total} steps; "
+                    f"set train.steps={total}")
+            require(self.train.exit_at_step <= total, f"train.exit_at_step={self.train.exit_at_step} is past the "
+                    f"schedule's {total} steps")
         patch = self.model.vision.patch_size
         require(self.data.image_size % patch == 0,
                  f"data.image_size={self.data.image_size} must be a multiple of model.vision.patch_size={patch}")

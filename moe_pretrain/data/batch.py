@@ -87,15 +87,28 @@ class PretrainingData:
         self.cfg = cfg
         self.patch_dim = vision.patch_dim
         self.packer = SequencePacker(document_stream(cfg, vision), cfg.seq_len)
-        self.rows_consumed = 0
-        """Global rows packed so far: the layout-independent position of the stream."""
+        self.segments: list[list[int]] = [[cfg.seq_len, 0]]
+        """[seq_len, rows] for each stretch of the stream packed at one sequence length: the global,
+        layout-independent position of the stream."""
 
-    def skip(self, rows: int) -> None:
-        """Fast-forward to global row `rows` (resume): the stream is deterministic, so re-packing gets
-        exactly where an uninterrupted run was, whatever the layout."""
-        for _ in range(rows - self.rows_consumed):
-            self.packer.next_row()
-        self.rows_consumed = max(self.rows_consumed, rows)
+    @property
+    def rows_consumed(self) -> int:
+        return sum(rows for _, rows in self.segments)
+
+    def set_seq_len(self, seq_len: int) -> None:
+        """Pack the following rows at seq_len (a context-extension stage began); documents continue."""
+        if seq_len != self.segments[-1][0]:
+            self.packer.row_len = seq_len + 1
+            self.segments.append([seq_len, 0])
+
+    def skip(self, segments: list[list[int]]) -> None:
+        """Fast-forward a fresh stream to a saved position (resume): the stream is deterministic, so
+        re-packing the same rows at the same lengths lands exactly where an uninterrupted run was."""
+        for seq_len, rows in segments:
+            self.set_seq_len(seq_len)
+            for _ in range(rows):
+                self.packer.next_row()
+            self.segments[-1][1] += rows
 
     def next_batch(self, rows: int, shard: int = 0, num_shards: int = 1) -> Batch:
         """The next `rows` rows of the global stream, or data-parallel shard `shard` of them.
@@ -106,6 +119,6 @@ class PretrainingData:
         if rows % num_shards:
             raise ValueError(f"{rows} rows cannot be split into {num_shards} data-parallel shards")
         packed = [self.packer.next_row() for _ in range(rows)]
-        self.rows_consumed += rows
+        self.segments[-1][1] += rows
         per_shard = rows // num_shards
         return rows_to_batch(packed[shard * per_shard:(shard + 1) * per_shard], self.patch_dim)

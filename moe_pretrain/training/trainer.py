@@ -31,6 +31,7 @@ from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
 from moe_pretrain.training.optim import build_optimizer, learning_rate
 from moe_pretrain.training.parallelize import parallelize_model
 from moe_pretrain.training.pipeline import build_pipeline, max_patches_per_row
+from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from parallel.collectives import all_reduce_sum
 from parallel.state import ParallelContext, resolve_layout
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -45,11 +46,34 @@ class StepResult:
     lr: float
     tokens: int
     seconds: float
+    seq_len: int
+    stage: str
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next optimizer step does: from the staged schedule, or from data.* / optim.* without one."""
+
+    seq_len: int
+    rows: int
+    micro_batches: int
+    lr: float
+    stage: str
+    stage_end_tokens: int | None
 
 
 def check_supported(cfg: Config, world_size: int) -> None:
     """Refuse settings whose machinery has not landed yet, rather than silently ignoring them."""
-    resolve_layout(cfg, world_size)
+    layout = resolve_layout(cfg, world_size)
+    for i, stage in enumerate(cfg.stages):
+        if stage.seq_len % layout.tp:
+            raise ConfigError(f"stages[{i}].seq_len={stage.seq_len} is not divisible by parallel.tp={layout.tp}")
+        if stage.rows % (layout.dp * stage.micro_batches):
+            raise ConfigError(f"stages[{i}]: {stage.rows} sequences per step are not divisible by data-parallel "
+                              f"size {layout.dp} x stages[{i}].micro_batches={stage.micro_batches}")
+    if cfg.stages and layout.pp > 1:
+        raise ConfigError("stages with parallel.pp > 1 are not supported yet (pipeline boundaries are static per "
+                          "sequence length); use one stage per job or parallel.pp=1")
     if cfg.model.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{VOCAB_SIZE} ids")
@@ -93,20 +117,32 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _next_micro_batches(self):
-        cfg, ctx = self.cfg, self.ctx
-        rows = cfg.data.batch_size // cfg.data.micro_batches
+    def step_plan(self) -> StepPlan:
+        cfg = self.cfg
+        if not cfg.stages:
+            return StepPlan(cfg.data.seq_len, cfg.data.batch_size, cfg.data.micro_batches,
+                            learning_rate(self.step, cfg.train.steps, cfg.optim), "main", None)
+        point = stage_at(cfg.stages, self.tokens_seen)
+        stage = point.stage
+        return StepPlan(stage.seq_len, stage.rows, stage.micro_batches, stage_learning_rate(point), stage.name,
+                        point.end_tokens)
+
+    def _next_micro_batches(self, plan: StepPlan):
+        ctx = self.ctx
+        self.data.set_seq_len(plan.seq_len)
+        rows = plan.rows // plan.micro_batches
         return [self.data.next_batch(rows, shard=ctx.dp_rank, num_shards=ctx.layout.dp).to(self.device)
-                for _ in range(cfg.data.micro_batches)]
+                for _ in range(plan.micro_batches)]
 
     def train_step(self) -> StepResult:
         cfg, ctx = self.cfg, self.ctx
         start = time.perf_counter()
         self.model.train()
-        batches = self._next_micro_batches()
+        plan = self.step_plan()
+        batches = self._next_micro_batches(plan)
         local_tokens = torch.tensor(sum(b.loss_tokens for b in batches), dtype=torch.int64)
         loss_tokens = max(int(all_reduce_sum(local_tokens, ctx.dp_group)), 1)
-        lr = learning_rate(self.step, cfg.train.steps, cfg.optim)
+        lr = plan.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
@@ -119,9 +155,10 @@ class Trainer:
         grad_norm = self.optimizer.step(cfg.optim.grad_clip)
         self.model.update_balancing()
         self.step += 1
-        step_tokens = cfg.data.batch_size * cfg.data.seq_len
+        step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
-        return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start)
+        return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
+                          plan.stage)
 
     def _forward_backward(self, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
         """Micro-batches one after another on this rank; returns this rank's summed loss (float64)."""
@@ -130,7 +167,7 @@ class Trainer:
             with self.autocast():
                 logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
             ce_sum = self._cross_entropy_sum(logits, batch.labels)
-            loss = ce_sum / loss_tokens + balance_loss / self.cfg.data.micro_batches
+            loss = ce_sum / loss_tokens + balance_loss / len(batches)
             loss.backward()
             ce_total += ce_sum.detach().to(torch.float64).cpu()
         return ce_total
@@ -175,7 +212,8 @@ class Trainer:
             "lr": result.lr,
             "grad_norm": result.grad_norm,
             "tokens": self.tokens_seen,
-            "seq_len": self.cfg.data.seq_len,
+            "stage": result.stage,
+            "seq_len": result.seq_len,
             "tokens_per_s": result.tokens / result.seconds,
             "step_time_s": result.seconds,
             "moe": self._moe_stats(),
@@ -193,7 +231,7 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
         layout = self.ctx.layout
-        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_rows": self.data.rows_consumed,
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_segments": self.data.segments,
                          "config": config_to_dict(self.cfg), "rng": self._rng_states()}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
         args = (self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
@@ -241,7 +279,7 @@ class Trainer:
         state = checkpoint.load(Path(path), tensors)
         self.global_state.apply(tensors, state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.data.skip(state["data_rows"])
+        self.data.skip(state["data_segments"])
         rng = state.get("rng", [])
         if len(rng) == self.ctx.layout.world_size:  # per-rank streams only mean something on the same world
             torch.set_rng_state(torch.tensor(list(base64.b64decode(rng[self.ctx.rank])), dtype=torch.uint8))
@@ -271,6 +309,7 @@ class Trainer:
         saved_at = self.step if resumed else -1
         try:
             while self.step < stop:
+                plan = self.step_plan()
                 result = self.train_step()
                 record = self.metrics(result)
                 if writer is not None:
@@ -279,7 +318,8 @@ class Trainer:
                 bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
                 if self.async_saver is not None:
                     self._guard_async(self.async_saver.poll)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
+                if at_boundary or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
                     saved_at = self.step
             if saved_at != self.step:

@@ -1,0 +1,64 @@
+"""The staged context-extension schedule (MODEL.md, "Training schedule"): one config for the whole run.
+
+Each stage trains `tokens` tokens at `seq_len`, with a global batch of `batch_tokens` tokens split into
+`micro_batches`, under its own learning-rate segment. The stage in force is a pure function of the
+tokens consumed, so transitions happen at exact token counts and survive resume on any layout.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moe_pretrain.config.errors import require, require_positive
+
+
+@dataclass
+class StageConfig:
+    name: str = "stage"
+    tokens: int = 0
+    """Tokens trained in this stage; a whole number of global batches."""
+    seq_len: int = 8192
+    batch_tokens: int = 4096 * 8192
+    """Global batch per optimizer step, in tokens (a multiple of seq_len)."""
+    micro_batches: int = 1
+    lr_peak: float = 3e-4
+    lr_end: float = 3e-5
+    warmup_tokens: int = 0
+    """Linear warmup from 0 to lr_peak over the first tokens of the stage (usually only the first stage)."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """From lr_peak to lr_end over the rest of the stage (constant: stay at lr_peak; WSD = constant stages
+    followed by a decaying one)."""
+    rope_theta: float = 0.0
+    """RoPE base for this stage when model.mla.position=rope; 0 keeps model.mla.rope_theta."""
+
+    def check(self, where: str) -> None:
+        require_positive(where, tokens=self.tokens, seq_len=self.seq_len, batch_tokens=self.batch_tokens,
+                         micro_batches=self.micro_batches, lr_peak=self.lr_peak)
+        require(self.batch_tokens % self.seq_len == 0,
+                f"{where}.batch_tokens={self.batch_tokens} is not a multiple of {where}.seq_len={self.seq_len}")
+        rows = self.batch_tokens // self.seq_len
+        require(rows % self.micro_batches == 0,
+                f"{where}: {rows} sequences per step are not divisible by {where}.micro_batches={self.micro_batches}")
+        require(self.tokens % self.batch_tokens == 0,
+                f"{where}.tokens={self.tokens} is not a whole number of {where}.batch_tokens={self.batch_tokens} "
+                "(transitions must fall on step boundaries)")
+        require(0 <= self.lr_end <= self.lr_peak, f"{where}.lr_end={self.lr_end} must be in [0, lr_peak]")
+        require(0 <= self.warmup_tokens <= self.tokens, f"{where}.warmup_tokens={self.warmup_tokens} must be in "
+                f"[0, {where}.tokens]")
+
+    @property
+    def rows(self) -> int:
+        return self.batch_tokens // self.seq_len
+
+    @property
+    def steps(self) -> int:
+        return self.tokens // self.batch_tokens
+
+
+def check_stages(stages: list[StageConfig]) -> None:
+    for i, stage in enumerate(stages):
+        stage.check(f"stages[{i}]")
+        if i:
+            previous = stages[i - 1]
+            require(stage.seq_len > previous.seq_len,
+                    f"stages[{i}].seq_len={stage.seq_len} must be larger than stages[{i - 1}].seq_len="
+                    f"{previous.seq_len} (context only grows)")

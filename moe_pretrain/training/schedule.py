@@ -1,0 +1,61 @@
+"""Where in the staged schedule a given token count falls, and the learning rate there (pure functions).
+
+Because the stage is computed from consumed tokens alone, a resumed run (any layout, mid-stage or at a
+boundary) lands in the same stage, at the same sequence length and learning rate, as an uninterrupted one.
+"""
+
+import math
+from dataclasses import dataclass
+
+from moe_pretrain.config import Config, StageConfig
+
+
+@dataclass(frozen=True)
+class StagePoint:
+    index: int
+    stage: StageConfig
+    start_tokens: int
+    """Tokens consumed before this stage began."""
+    tokens_into: int
+    """Tokens consumed inside this stage."""
+
+    @property
+    def end_tokens(self) -> int:
+        return self.start_tokens + self.stage.tokens
+
+
+def stage_at(stages: list[StageConfig], tokens: int) -> StagePoint:
+    """The stage the next step belongs to after `tokens` consumed tokens (the last one once all are done)."""
+    start = 0
+    for index, stage in enumerate(stages):
+        if tokens < start + stage.tokens or index == len(stages) - 1:
+            return StagePoint(index, stage, start, tokens - start)
+        start += stage.tokens
+    raise ValueError("stage_at: the schedule has no stages")
+
+
+def stage_learning_rate(point: StagePoint) -> float:
+    """LR of the step that starts at point.tokens_into: warmup, then cosine / linear / constant to lr_end."""
+    stage, t = point.stage, point.tokens_into
+    if t < stage.warmup_tokens:
+        return stage.lr_peak * (t + stage.batch_tokens) / stage.warmup_tokens
+    span = max(stage.tokens - stage.warmup_tokens, 1)
+    progress = min((t - stage.warmup_tokens) / span, 1.0)
+    if stage.decay == "constant":
+        return stage.lr_peak
+    if stage.decay == "linear":
+        return stage.lr_peak + (stage.lr_end - stage.lr_peak) * progress
+    return stage.lr_end + 0.5 * (stage.lr_peak - stage.lr_end) * (1 + math.cos(math.pi * progress))
+
+
+def plan(cfg: Config) -> list[dict]:
+    """One row per stage: what the run will do."""
+    rows, start = [], 0
+    for index, stage in enumerate(cfg.stages):
+        first = stage_learning_rate(StagePoint(index, stage, start, 0))
+        last = stage_learning_rate(StagePoint(index, stage, start, stage.tokens - stage.batch_tokens))
+        rows.append({"stage": stage.name, "start_tokens": start, "tokens": stage.tokens, "steps": stage.steps,
+                     "seq_len": stage.seq_len, "batch_tokens": stage.batch_tokens, "sequences": stage.rows,
+                     "micro_batches": stage.micro_batches, "lr_first": first, "lr_last": last})
+        start += stage.tokens
+    return rows

@@ -1,0 +1,117 @@
+"""The staged context-extension scheduler: pure schedule, invalid schedules, and end-to-end runs with resume."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launch.local import run_distributed
+from moe_pretrain.config import ConfigError, StageConfig, load_config
+from moe_pretrain.training import Trainer
+from moe_pretrain.training.schedule import stage_at, stage_learning_rate
+from parallel.state import destroy_parallel, init_parallel
+from tests.models import tiny_config
+
+# Three stages over the tiny model: 96 -> 192 -> 384 tokens of context, 768-token batches, 2 steps each.
+STAGES = ("stages=[{name: s96, tokens: 1536, seq_len: 96, batch_tokens: 768, lr_peak: 0.003, lr_end: 0.003, "
+          "warmup_tokens: 768, decay: constant}, {name: s192, tokens: 1536, seq_len: 192, batch_tokens: 768, "
+          "lr_peak: 0.003, lr_end: 0.001}, {name: s384, tokens: 1536, seq_len: 384, batch_tokens: 768, "
+          "lr_peak: 0.001, lr_end: 0.0001, decay: linear}]")
+
+
+def staged(run_dir, *overrides):
+    return tiny_config(STAGES, "train.steps=6", "train.dtype=float64", "logging.progress=false",
+                       f"train.run_dir={run_dir}", *overrides)
+
+
+def trace(history):
+    return [(h["step"], h["stage"], h["seq_len"], h["lr"], h["loss"]) for h in history]
+
+
+def test_stage_is_a_pure_function_of_tokens():
+    stages = [StageConfig("a", 100, 10, 20), StageConfig("b", 60, 20, 20)]
+    assert [stage_at(stages, t).stage.name for t in (0, 99, 100, 159, 160)] == ["a", "a", "b", "b", "b"]
+    point = stage_at(stages, 120)
+    assert (point.index, point.start_tokens, point.tokens_into, point.end_tokens) == (1, 100, 20, 160)
+
+
+def test_learning_rate_segments():
+    cosine = StageConfig("c", 1000, 10, 100, lr_peak=1.0, lr_end=0.1, warmup_tokens=200, decay="cosine")
+    lrs = [stage_learning_rate(stage_at([cosine], t)) for t in range(0, 1000, 100)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.875)))
+    linear = StageConfig("l", 400, 10, 100, lr_peak=1.0, lr_end=0.0, decay="linear")
+    assert [stage_learning_rate(stage_at([linear], t)) for t in (0, 100, 300)] == [1.0, 0.75, 0.25]
+
+
+@pytest.mark.parametrize(("stages", "message"), [
+    ("[{tokens: 100, seq_len: 10, batch_tokens: 25}]", "stages[0].batch_tokens=25 is not a multiple of"),
+    ("[{tokens: 150, seq_len: 10, batch_tokens: 100}]", "stages[0].tokens=150 is not a whole number of"),
+    ("[{tokens: 100, seq_len: 20, batch_tokens: 100}, {tokens: 100, seq_len: 20, batch_tokens: 100}]",
+     "stages[1].seq_len=20 must be larger than stages[0].seq_len=20"),
+    ("[{tokens: 100, seq_len: 10, batch_tokens: 100, micro_batches: 3}]", "not divisible by stages[0].micro_batches=3"),
+    ("[{tokens: 100, seq_len: 10, batch_tokens: 100, lr_peak: 0.1, lr_end: 0.2}]", "stages[0].lr_end=0.2"),
+    ("[{tokens: 100, seq_len: 10, batch_tokens: 100, nope: 1}]", "unknown config key stages[0].nope"),
+])
+def test_invalid_schedules_fail_clearly(stages, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/smoke.yaml", [f"stages={stages}", "train.steps=1"])
+
+
+def test_train_steps_must_match_the_schedule():
+    with pytest.raises(ConfigError, match=re.escape("train.steps=5 disagrees with the stages, which make 6 steps")):
+        tiny_config(STAGES, "train.steps=5")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return trace(Trainer(staged(tmp_path_factory.mktemp("full") / "run", "train.resume=none")).run())
+
+
+def test_transitions_happen_at_exact_token_counts(uninterrupted, tmp_path):
+    assert [(s, stage, seq) for s, stage, seq, _, _ in uninterrupted] == [
+        (1, "s96", 96), (2, "s96", 96), (3, "s192", 192), (4, "s192", 192), (5, "s384", 384), (6, "s384", 384)]
+    assert [lr for *_, lr, _ in uninterrupted][:3] == pytest.approx([0.003, 0.003, 0.003], rel=1e-12)
+    Trainer(staged(tmp_path)).run()
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept[-2:] == ["step_00000004", "step_00000006"]  # boundary checkpoints (keep_last 2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in records] == [768 * i for i in range(1, 7)]
+
+
+@pytest.mark.parametrize("stop", [2, 3], ids=["at-a-boundary", "mid-stage"])
+def test_resume_continues_the_same_schedule(uninterrupted, tmp_path, stop):
+    first = trace(Trainer(staged(tmp_path, f"train.exit_at_step={stop}")).run())
+    second = trace(Trainer(staged(tmp_path)).run())
+    assert first + second == uninterrupted  # bitwise: same stages, lengths, rates and losses
+
+
+def staged_worker(rank, world_size, run_dir, overrides):
+    cfg = staged(run_dir, *overrides)
+    ctx = init_parallel(cfg)
+    try:
+        return trace(Trainer(cfg, ctx).run())
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.timeout(300)
+def test_resume_mid_stage_on_another_layout(uninterrupted, tmp_path):
+    first = trace(Trainer(staged(tmp_path, "train.exit_at_step=3")).run())
+    second = run_distributed(staged_worker, 2, str(tmp_path), ["parallel.tp=2", "parallel.ep=2"])
+    combined = first + second
+    assert [row[:4] for row in combined] == [row[:4] for row in uninterrupted]
+    assert [row[4] for row in combined] == pytest.approx([row[4] for row in uninterrupted], rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_plan_prints_the_schedule():
+    done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/full.yaml", "--config",
+                           "configs/stages/full.yaml", "--gpus", "4096"], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    for name in ("8k", "64k", "256k", "1m"):
+        assert f"\n{name} " in done.stdout
+    assert "days" in done.stdout and "231250" in done.stdout
