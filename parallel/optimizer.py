@@ -12,6 +12,7 @@ The global norm counts every element once: within a group the slices are disjoin
 are sliced over all ranks, and each expert's parameters over the ranks that hold that expert.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -118,13 +119,18 @@ class ShardedAdamW:
         for p in self._model_params:
             p.grad = None
 
-    def step(self, max_norm: float) -> float:
-        """Reduce, clip to max_norm (<= 0: no clipping), update, gather. Returns the global gradient norm."""
+    def step(self, max_norm: float, skip: bool = False) -> float:
+        """Reduce, clip to max_norm (<= 0: no clipping), update, gather. Returns the global gradient norm.
+
+        A non-finite norm, or skip=True (the caller saw a non-finite loss), leaves the parameters and the
+        Adam state untouched; every rank sees the same global norm, so all skip together."""
         for bucket in self.buckets:
             bucket.reduce_scatter_gradient()
         grads = [b.shard.grad for b in self.buckets]
         local = torch.stack([g.pow(2).sum() for g in grads]).sum()
         total_norm = float(all_reduce_sum(local, self.norm_group).sqrt())
+        if skip or not math.isfinite(total_norm):
+            return total_norm
         if max_norm > 0:
             coef = min(max_norm / (total_norm + 1e-6), 1.0)
             if coef < 1.0:

@@ -30,6 +30,8 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
     try:
         trainer = Trainer(cfg, ctx)
         history = trainer.run()
+        dropped = [layer["tokens_dropped"] for h in history for layer in h["moe"].values()]
+        assert dropped and set(dropped) == {0}, dropped  # every routed copy reached its expert, on any layout
         state = gather_full_state(trainer.model, ctx)
         # Ranks holding the same routers (one pipeline stage's tensor x data group) must agree bitwise.
         biases = torch.stack([r.expert_bias for r in trainer.model.routers().values()] or [torch.zeros(0)])

@@ -13,6 +13,7 @@ import yaml
 from moe_pretrain.config import ConfigError, OptimConfig, load_config
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.optim import learning_rate
+from moe_pretrain.training.trainer import NonFiniteError
 from tests.models import tiny_config
 
 
@@ -135,3 +136,38 @@ def test_launcher_reports_config_errors_and_loss_gate(tmp_path):
     gated = subprocess.run([*base, "--require-loss-drop", "50", *tiny], capture_output=True, text=True)
     assert gated.returncode == 1 and "less than the required 50" in gated.stderr
     assert "first loss" in gated.stdout and (tmp_path / "cli" / "metrics.jsonl").exists()
+
+
+def test_health_metrics_and_mfu(tmp_path):
+    _, history = run(tiny_config("train.steps=2"), tmp_path)
+    for record in history:
+        assert 0 < record["mfu"] < 1 and record["skipped"] is False and record["stage"] == "main"
+        layer = record["moe"]["1"]
+        assert layer["tokens_dropped"] == 0  # dropless: every routed copy was computed
+        assert 0 < layer["router_entropy"] <= math.log(8) + 1e-9
+        assert layer["load_min"] <= layer["load_mean"] <= layer["load_max"]
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config("train.steps=6", "train.max_skipped_steps=2", "checkpoint.every=1",
+                                  f"train.run_dir={tmp_path}", "logging.progress=false"))
+    real = trainer._cross_entropy_sum
+    poisoned = {3}
+
+    def loss(logits, labels):
+        value = real(logits, labels)
+        return value * float("nan") if trainer.step + 1 in poisoned else value
+
+    monkeypatch.setattr(trainer, "_cross_entropy_sum", loss)
+    trainer.train_step(), trainer.train_step()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    result = trainer.train_step()  # step 3: NaN loss
+    assert result.skipped and trainer.skipped_total == 1
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update, biases untouched
+    assert not trainer.train_step().skipped  # step 4 trains again
+    poisoned.update({5, 6})
+    trainer.last_checkpoint = tmp_path / "checkpoints" / "step_00000004"
+    trainer.train_step()
+    with pytest.raises(NonFiniteError, match=r"2 steps in a row up to step 6.*last good checkpoint: .*step_00000004"):
+        trainer.train_step()

@@ -135,7 +135,10 @@ class AsyncSaver:
               info: dict[str, Any], keep_last: int, keep_every: int) -> None:
         self.wait()
         final, tmp = _prepare(root, step)
-        future = dcp.async_save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False),
+        # Stage: copy every tensor to host memory now. The parameters are live and the next step
+        # updates them in place, so the background writer must only ever see these copies.
+        staged = {key: tensor.detach().to("cpu", copy=True) for key, tensor in tensors.items()}
+        future = dcp.async_save(staged, storage_writer=FileSystemWriter(tmp, overwrite=False),
                                 process_group=self.group)
         self.pending = (future, root, final, trainer_state, info, keep_last, keep_every)
 

@@ -78,9 +78,13 @@ class TrainConfig:
     or the path of one checkpoint directory (fails clearly if it does not verify)."""
     exit_at_step: int = 0
     """Save and exit cleanly after this step (as if the job had been stopped there); 0 = run to the end."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient norm is not finite is skipped (no update) and counted; this many in
+    a row stop the run with the step and the last good checkpoint named."""
 
     def __post_init__(self) -> None:
         require_positive("train", steps=self.steps)
+        require(self.max_skipped_steps >= 1, f"train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
         require(0 <= self.exit_at_step <= self.steps,
                 f"train.exit_at_step={self.exit_at_step} must be in [0, train.steps={self.steps}]")
 
@@ -138,6 +142,8 @@ class LoggingConfig:
     log_every: int = 1
     """Print a progress line every log_every steps (metrics.jsonl gets every step)."""
     progress: bool = True
+    peak_tflops: float = 0.0
+    """Peak FLOP/s per process for MFU, in TFLOP/s; 0 = measure once at start with a matmul (CPU runs)."""
 
     def __post_init__(self) -> None:
         require_positive("logging", log_every=self.log_every)

@@ -32,6 +32,10 @@ class Balancer:
         """A differentiable balancing loss for this forward, already weighted, or None."""
         return None
 
+    def discard(self) -> None:
+        self._scores.clear()
+        self._choices.clear()
+
     def next_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """The bias for the next step from everything observed since the last call; then forget it."""
         if not self._scores:

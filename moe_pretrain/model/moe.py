@@ -44,6 +44,7 @@ class LatentMoE(nn.Module):
         topk_idx, topk_weight, balance_loss = self.router(x_TD)
         z_TL = self.latent_down(x_TD)
         grouped, counts, meta = self.dispatcher.dispatch(z_TL, topk_idx, topk_weight)
+        self.router.record_processed(grouped.shape[0])
         routed_TL = self.dispatcher.combine(self.experts(grouped, counts), meta)
         y = self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
         if self.shared is not None:

@@ -22,6 +22,10 @@ class Router(nn.Module):
         self.gate = make_linear(dim, cfg.num_experts, style=LinearStyle.REPLICATED, init_std=init_std)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         self.register_buffer("load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        # Health counters since the last pop_stats: summed per-token routing entropy, and (int64, exact at
+        # any batch size) tokens routed and rows the experts actually processed (dropless: copies - rows = 0).
+        self.register_buffer("entropy_sum", torch.zeros(1), persistent=False)
+        self.register_buffer("counts", torch.zeros(2, dtype=torch.int64), persistent=False)
         self.balancer = make_balancer(cfg)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -37,7 +41,20 @@ class Router(nn.Module):
             scores = router_scores(logits)
             self.balancer.observe(scores.detach(), topk_idx)
             self.load += expert_load(topk_idx, self.cfg.num_experts)
+            p = (scores / scores.sum(dim=-1, keepdim=True)).detach()
+            self.entropy_sum += -(p * p.clamp_min(1e-30).log()).sum().to(self.entropy_sum.dtype)
+            self.counts[0] += x_TD.shape[0]
             return topk_idx, topk_weight, self.balancer.loss(scores, topk_idx)
+
+    def record_processed(self, rows: int) -> None:
+        """Rows this rank's experts computed (after any exchange), to account for dropped tokens."""
+        if self.training and torch.is_grad_enabled():
+            self.counts[1] += rows
+
+    @torch.no_grad()
+    def discard_step(self) -> None:
+        """Forget a skipped (non-finite) step's statistics: they must not move the bias."""
+        self.balancer.discard()
 
     @torch.no_grad()
     def update_bias(self) -> None:
@@ -48,12 +65,21 @@ class Router(nn.Module):
     def pop_stats(self) -> dict[str, float]:
         """Global-batch load and bias health since the last call (MODEL.md health metrics); resets the load."""
         load = self.balancer.stats.total(self.load).to(torch.float64)
+        entropy_sum = float(self.balancer.stats.total(self.entropy_sum))
+        tokens, processed = self.balancer.stats.total(self.counts).tolist()
+        mean = float(load.mean())
         stats = {
             "load_max": float(load.max()),
-            "load_mean": float(load.mean()),
-            "load_max_over_mean": float(load.max() / load.mean()) if load.sum() > 0 else 0.0,
+            "load_min": float(load.min()),
+            "load_mean": mean,
+            "load_max_over_mean": float(load.max()) / mean if mean > 0 else 0.0,
+            "load_min_over_mean": float(load.min()) / mean if mean > 0 else 0.0,
+            "router_entropy": entropy_sum / tokens if tokens else 0.0,
+            "tokens_dropped": int(load.sum()) - processed,
             "bias_min": float(self.expert_bias.min()),
             "bias_max": float(self.expert_bias.max()),
         }
         self.load.zero_()
+        self.entropy_sum.zero_()
+        self.counts.zero_()
         return stats

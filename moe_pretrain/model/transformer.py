@@ -146,6 +146,11 @@ class MoETransformer(nn.Module):
         return {int(name): layer.mlp.router for name, layer in self.layers.items()
                 if isinstance(layer.mlp, LatentMoE)}
 
+    def discard_balancing(self) -> None:
+        """Drop the current step's balancing statistics (the step was skipped)."""
+        for router in self.routers().values():
+            router.discard_step()
+
     def update_balancing(self) -> None:
         """Move every router's bias by its balancer (call after each optimizer step)."""
         for router in self.routers().values():

@@ -10,6 +10,7 @@ optimizer reduces, clips, steps and gathers, and the routers move their biases o
 import base64
 import contextlib
 import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.tokenizer import VOCAB_SIZE
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.ops.norms import compute_dtype
-from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
+from moe_pretrain.sizing import count
+from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
 from moe_pretrain.training.optim import build_optimizer, learning_rate
 from moe_pretrain.training.parallelize import parallelize_model
 from moe_pretrain.training.pipeline import build_pipeline, max_patches_per_row
@@ -48,6 +50,7 @@ class StepResult:
     seconds: float
     seq_len: int
     stage: str
+    skipped: bool
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,10 @@ def check_supported(cfg: Config, world_size: int) -> None:
                           f"{VOCAB_SIZE} ids")
 
 
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
         self.ctx = ctx or ParallelContext.single()
@@ -108,6 +115,11 @@ class Trainer:
             group = dist.new_group(backend="gloo") if self.ctx.distributed else None
             self.async_saver = checkpoint.AsyncSaver(group)
         self._loss_tokens = 1
+        self.skipped_total = self.skipped_in_a_row = 0
+        self.last_checkpoint: Path | None = None
+        peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, param_dtype)
+        self.peak_flops = peak * self.ctx.layout.world_size
+        self._flops_per_token: dict[int, float] = {}
         self.data = PretrainingData(cfg.data, cfg.model.vision)
         self.step = 0
         self.tokens_seen = 0
@@ -152,13 +164,39 @@ class Trainer:
         else:
             mean_share = self._pipeline_forward_backward(batches, loss_tokens)
             loss_value = float(all_reduce_sum(mean_share, dist.group.WORLD))
-        grad_norm = self.optimizer.step(cfg.optim.grad_clip)
-        self.model.update_balancing()
+        finite_loss = math.isfinite(loss_value)
+        grad_norm = self.optimizer.step(cfg.optim.grad_clip, skip=not finite_loss)
+        skipped = not (finite_loss and math.isfinite(grad_norm))
+        if skipped:
+            self.model.discard_balancing()
+            self._count_skip(loss_value, grad_norm)
+        else:
+            self.skipped_in_a_row = 0
+            self.model.update_balancing()
         self.step += 1
         step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
-                          plan.stage)
+                          plan.stage, skipped)
+
+    def _count_skip(self, loss: float, grad_norm: float) -> None:
+        self.skipped_total += 1
+        self.skipped_in_a_row += 1
+        step = self.step + 1
+        if self.ctx.is_logging_rank:
+            print(f"step {step}: loss {loss}, gradient norm {grad_norm}: not finite, update skipped "
+                  f"({self.skipped_in_a_row} in a row)", file=sys.stderr, flush=True)
+        if self.skipped_in_a_row >= self.cfg.train.max_skipped_steps:
+            raise NonFiniteError(
+                f"{self.skipped_in_a_row} steps in a row up to step {step} had a non-finite loss or gradient "
+                f"(train.max_skipped_steps={self.cfg.train.max_skipped_steps}); last good checkpoint: "
+                f"{self.last_checkpoint or 'none'}")
+
+    def mfu(self, result: StepResult) -> float:
+        """Model FLOPs utilisation of a step: sizing's training FLOPs over the peak of all processes."""
+        if result.seq_len not in self._flops_per_token:
+            self._flops_per_token[result.seq_len] = count(self.cfg.model, result.seq_len)["flops_per_token"]
+        return self._flops_per_token[result.seq_len] * result.tokens / (result.seconds * self.peak_flops)
 
     def _forward_backward(self, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
         """Micro-batches one after another on this rank; returns this rank's summed loss (float64)."""
@@ -215,6 +253,9 @@ class Trainer:
             "stage": result.stage,
             "seq_len": result.seq_len,
             "tokens_per_s": result.tokens / result.seconds,
+            "mfu": self.mfu(result),
+            "skipped": result.skipped,
+            "skipped_total": self.skipped_total,
             "step_time_s": result.seconds,
             "moe": self._moe_stats(),
         }
@@ -231,13 +272,16 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
         layout = self.ctx.layout
-        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_segments": self.data.segments,
+        # Snapshots only: an async save writes this JSON at commit time, steps later.
+        segments = [list(segment) for segment in self.data.segments]
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_segments": segments,
                          "config": config_to_dict(self.cfg), "rng": self._rng_states()}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
         args = (self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
                 self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
         if self.async_saver is None:
-            return checkpoint.save(*args)
+            self.last_checkpoint = checkpoint.save(*args)
+            return self.last_checkpoint
         self._guard_async(self.async_saver.start, *args)
         return None
 
@@ -285,6 +329,7 @@ class Trainer:
             torch.set_rng_state(torch.tensor(list(base64.b64decode(rng[self.ctx.rank])), dtype=torch.uint8))
         if self.ctx.is_logging_rank:
             print(f"checkpoint: resumed from {path} at step {self.step}", flush=True)
+        self.last_checkpoint = Path(path)
         return Path(path)
 
     def run(self) -> list[dict]:
@@ -317,7 +362,7 @@ class Trainer:
                 history.append(record)
                 bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
                 if self.async_saver is not None:
-                    self._guard_async(self.async_saver.poll)
+                    self.last_checkpoint = self._guard_async(self.async_saver.poll) or self.last_checkpoint
                 at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
                 if at_boundary or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
@@ -325,7 +370,7 @@ class Trainer:
             if saved_at != self.step:
                 self.save_checkpoint()
             if self.async_saver is not None:
-                self._guard_async(self.async_saver.wait)
+                self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
         finally:
             if writer is not None:
                 writer.close()
