@@ -115,3 +115,16 @@ def test_plan_prints_the_schedule():
     for name in ("8k", "64k", "256k", "1m"):
         assert f"\n{name} " in done.stdout
     assert "days" in done.stdout and "231250" in done.stdout
+
+
+def test_stage_rope_base_reaches_the_mla_layers(tmp_path):
+    from moe_pretrain.model.mla import GatedMLA
+
+    stages = STAGES.replace("lr_peak: 0.001, lr_end: 0.0001", "lr_peak: 0.001, lr_end: 0.0001, rope_theta: 500000")
+    trainer = Trainer(tiny_config(stages, "train.steps=6", "model.mla.position=rope", "logging.progress=false",
+                                  f"train.run_dir={tmp_path}"))
+    thetas = []
+    for _ in range(6):
+        trainer.train_step()
+        thetas.append({m.rope_theta for m in trainer.model.modules() if isinstance(m, GatedMLA)})
+    assert thetas == [{10000.0}] * 4 + [{500000.0}] * 2

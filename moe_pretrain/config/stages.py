@@ -28,7 +28,8 @@ class StageConfig:
     """From lr_peak to lr_end over the rest of the stage (constant: stay at lr_peak; WSD = constant stages
     followed by a decaying one)."""
     rope_theta: float = 0.0
-    """RoPE base for this stage when model.mla.position=rope; 0 keeps model.mla.rope_theta."""
+    """RoPE base for this stage when model.mla.position=rope (full size is NoPE: no effect there);
+    0 keeps model.mla.rope_theta."""
 
     def check(self, where: str) -> None:
         require_positive(where, tokens=self.tokens, seq_len=self.seq_len, batch_tokens=self.batch_tokens,
@@ -42,6 +43,7 @@ class StageConfig:
                 f"{where}.tokens={self.tokens} is not a whole number of {where}.batch_tokens={self.batch_tokens} "
                 "(transitions must fall on step boundaries)")
         require(0 <= self.lr_end <= self.lr_peak, f"{where}.lr_end={self.lr_end} must be in [0, lr_peak]")
+        require(self.rope_theta >= 0, f"{where}.rope_theta={self.rope_theta} must be >= 0")
         require(0 <= self.warmup_tokens <= self.tokens, f"{where}.warmup_tokens={self.warmup_tokens} must be in "
                 f"[0, {where}.tokens]")
 

@@ -35,6 +35,8 @@ class GatedMLA(nn.Module):
     def __init__(self, dim: int, cfg: MLAConfig, *, init_std: float, out_std: float):
         super().__init__()
         self.cfg = cfg
+        self.rope_theta = cfg.rope_theta
+        """RoPE base in use (position = rope); a context-extension stage may change it."""
         H = cfg.num_heads
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self.scale = qk_dim**-0.5
@@ -59,8 +61,8 @@ class GatedMLA(nn.Module):
         k_rope = layout.sequence.gather(k_rope)
         k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
         if cfg.position == "rope" and Dr > 0:
-            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, cfg.rope_theta)], dim=-1)
-            k_rope = rotate(k_rope, layout.position_in_doc, cfg.rope_theta)
+            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
+            k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -27,6 +27,7 @@ from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.tokenizer import VOCAB_SIZE
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
@@ -63,6 +64,7 @@ class StepPlan:
     lr: float
     stage: str
     stage_end_tokens: int | None
+    rope_theta: float = 0.0
 
 
 def check_supported(cfg: Config, world_size: int) -> None:
@@ -137,7 +139,14 @@ class Trainer:
         point = stage_at(cfg.stages, self.tokens_seen)
         stage = point.stage
         return StepPlan(stage.seq_len, stage.rows, stage.micro_batches, stage_learning_rate(point), stage.name,
-                        point.end_tokens)
+                        point.end_tokens, stage.rope_theta)
+
+    def _apply_positional_settings(self, plan: StepPlan) -> None:
+        """The stage's RoPE base on every MLA layer (stage rope_theta 0: model.mla.rope_theta)."""
+        theta = plan.rope_theta or self.cfg.model.mla.rope_theta
+        for module in self.model.modules():
+            if isinstance(module, GatedMLA):
+                module.rope_theta = theta
 
     def _next_micro_batches(self, plan: StepPlan):
         ctx = self.ctx
@@ -151,6 +160,7 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         plan = self.step_plan()
+        self._apply_positional_settings(plan)
         batches = self._next_micro_batches(plan)
         local_tokens = torch.tensor(sum(b.loss_tokens for b in batches), dtype=torch.int64)
         loss_tokens = max(int(all_reduce_sum(local_tokens, ctx.dp_group)), 1)
