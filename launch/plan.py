@@ -9,7 +9,7 @@ Per stage: tokens, steps, sequence length, global batch, micro-batches, learning
 import argparse
 import sys
 
-from moe_pretrain.config import ConfigError, load_config
+from moe_pretrain.config import load_config_or_exit
 from moe_pretrain.sizing import count
 from moe_pretrain.training.schedule import plan
 
@@ -26,11 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     if not cfg.stages:
         print("config error: the config has no stages section", file=sys.stderr)
         return 2

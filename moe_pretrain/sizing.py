@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from moe_pretrain.config import ConfigError, KDAConfig, MLAConfig, ModelConfig, MoEConfig, load_config
+from moe_pretrain.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, load_config_or_exit
 
 
 def kda_params(d: int, c: KDAConfig) -> int:
@@ -123,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(args.config, args.overrides)
     result = count(cfg.model, cfg.data.seq_len)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses per section, loaded from YAML with command-line overrides."""
 
 from moe_pretrain.config.errors import ConfigError
-from moe_pretrain.config.loader import config_to_dict, load_config
+from moe_pretrain.config.loader import config_to_dict, load_config, load_config_or_exit
 from moe_pretrain.config.model import (
     AttnResConfig,
     KDAConfig,
@@ -39,4 +39,5 @@ __all__ = [
     "VisionConfig",
     "config_to_dict",
     "load_config",
+    "load_config_or_exit",
 ]

@@ -7,6 +7,7 @@ nearest valid one.
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -40,6 +41,16 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
             raise ConfigError(f"override {override!r} must look like section.key=value")
         _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
     return build(Config, raw, "")
+
+
+def load_config_or_exit(paths: str | Path | list[str | Path] | None, overrides: list[str] | tuple[str, ...] = ()
+                        ) -> Config:
+    """load_config for command-line tools: a bad config prints one line and exits with status 2."""
+    try:
+        return load_config(paths, overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
