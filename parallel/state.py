@@ -54,8 +54,7 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
     tp_divisible = {"model.vocab_size": m.vocab_size, "model.dense_intermediate": m.dense_intermediate,
                      "model.moe.num_shared_experts x model.moe.shared_intermediate":
-                         m.moe.num_shared_experts * m.moe.shared_intermediate,
-                     "data.seq_len": cfg.data.seq_len}
+                         m.moe.num_shared_experts * m.moe.shared_intermediate}
     for key, value in tp_divisible.items():
         if value % p.tp:
             problems.append(f"{key}={value} is not divisible by parallel.tp={p.tp}")
@@ -65,12 +64,14 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append(f"model.mla.num_heads={m.mla.num_heads} is not divisible by parallel.tp={p.tp}")
     if p.pp * p.vpp > m.num_layers:
         problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
-    if not problems:
-        dp = layout.dp
-        rows = cfg.data.batch_size
-        if rows % (dp * cfg.data.micro_batches):
-            problems.append(f"data.batch_size={rows} must be divisible by data-parallel size {dp} x "
-                            f"data.micro_batches={cfg.data.micro_batches}")
+    for seq_key, seq_len, rows_text, rows, micro_key, micro in _batch_shapes(cfg):
+        if seq_len % p.tp:
+            problems.append(f"{seq_key}={seq_len} is not divisible by parallel.tp={p.tp}")
+        if not problems and rows % (layout.dp * micro):
+            problems.append(f"{rows_text} must be divisible by data-parallel size {layout.dp} x {micro_key}={micro}")
+    if cfg.stages and p.pp > 1:
+        problems.append("stages with parallel.pp > 1 are not supported yet (pipeline boundaries are static per "
+                        "sequence length); use one stage per job or parallel.pp=1")
     stages = p.pp * p.vpp
     if p.pipeline_layers and (len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers
                               or min(p.pipeline_layers) < 1):
@@ -89,6 +90,17 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     if p.cp != 1:
         raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; set parallel.cp=1")
     return layout
+
+
+def _batch_shapes(cfg: Config) -> list[tuple[str, int, str, int, str, int]]:
+    """(key, seq_len, rows text, rows, key, micro-batches) of every step shape the run will use: each
+    stage's when a schedule is configured (data.seq_len / data.batch_size are then unused), else data.*."""
+    if not cfg.stages:
+        d = cfg.data
+        return [("data.seq_len", d.seq_len, f"data.batch_size={d.batch_size}", d.batch_size,
+                 "data.micro_batches", d.micro_batches)]
+    return [(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
+             f"stages[{i}].micro_batches", st.micro_batches) for i, st in enumerate(cfg.stages)]
 
 
 @dataclass

@@ -66,7 +66,7 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=layout.attention_mask(), scale=self.scale,
+            attn_mask=layout.attention_mask, scale=self.scale,
         ).transpose(1, 2)  # [B, T, H, Dv]
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, H * Dv))

@@ -69,16 +69,7 @@ class StepPlan:
 
 def check_supported(cfg: Config, world_size: int) -> None:
     """Refuse settings whose machinery has not landed yet, rather than silently ignoring them."""
-    layout = resolve_layout(cfg, world_size)
-    for i, stage in enumerate(cfg.stages):
-        if stage.seq_len % layout.tp:
-            raise ConfigError(f"stages[{i}].seq_len={stage.seq_len} is not divisible by parallel.tp={layout.tp}")
-        if stage.rows % (layout.dp * stage.micro_batches):
-            raise ConfigError(f"stages[{i}]: {stage.rows} sequences per step are not divisible by data-parallel "
-                              f"size {layout.dp} x stages[{i}].micro_batches={stage.micro_batches}")
-    if cfg.stages and layout.pp > 1:
-        raise ConfigError("stages with parallel.pp > 1 are not supported yet (pipeline boundaries are static per "
-                          "sequence length); use one stage per job or parallel.pp=1")
+    resolve_layout(cfg, world_size)
     if cfg.model.vocab_size < VOCAB_SIZE:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{VOCAB_SIZE} ids")
