@@ -85,3 +85,14 @@ def test_valid_folded_layouts():
     assert (layout.dp, layout.ep, layout.edp) == (4, 2, 2)
     layout = resolve_layout(tiny_config("parallel.tp=2", "parallel.ep=2"), 2)  # experts over the tp ranks
     assert (layout.dp, layout.tp, layout.ep, layout.edp) == (1, 2, 2, 1)
+
+
+def test_staged_runs_are_validated_on_their_stage_shapes():
+    from tests.test_stages import STAGES
+
+    # data.batch_size is unused under a schedule: it must not be what decides the layout.
+    layout = resolve_layout(tiny_config(STAGES, "train.steps=6", "data.batch_size=3"), 2)
+    assert layout.dp == 2
+    with pytest.raises(ConfigError, match=re.escape("stages[2]: 2 sequences per step must be divisible by "
+                                                    "data-parallel size 4 x stages[2].micro_batches=1")):
+        resolve_layout(tiny_config(STAGES, "train.steps=6"), 4)
