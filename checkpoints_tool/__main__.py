@@ -55,9 +55,9 @@ def inspect(path: Path) -> int:
         per_component[component(key)] += numel * meta.properties.dtype.itemsize
     state = json.loads((path / "trainer_state.json").read_text())
     print(f"checkpoint  {path}")
-    rows = sum(r for _, r in state["data_segments"])
-    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {rows:,} "
-          f"(at sequence lengths {[s for s, _ in state['data_segments']]})")
+    data = state["data"]
+    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {data['rows']:,}   "
+          f"documents drawn {sum(data['drawn'].values()):,} (mixture {data['mixture']})")
     print(f"layout      {manifest['layout_text']}")
     print(f"parameters  {params:,}")
     print("bytes per component:")

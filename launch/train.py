@@ -12,6 +12,7 @@ import os
 import sys
 
 from moe_pretrain.config import ConfigError, load_config
+from moe_pretrain.data import DataError
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 
@@ -34,12 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg, ctx)
         if ctx.is_logging_rank:
+            steps = (f"{len(cfg.stages)} stages (seq_len {' -> '.join(str(s.seq_len) for s in cfg.stages)})"
+                     if cfg.stages else f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens")
             print(f"moe-pretrain: {sum(p.numel() for p in trainer.model.parameters()):,} parameters on rank 0, "
-                  f"{ctx.layout.describe()}, {cfg.train.steps} steps of {cfg.data.batch_size} x "
-                  f"{cfg.data.seq_len} tokens, dtype {cfg.train.dtype}, run dir {cfg.train.run_dir}", flush=True)
+                  f"{ctx.layout.describe()}, {cfg.train.steps} steps of {steps}, dtype {cfg.train.dtype}, "
+                  f"run dir {cfg.train.run_dir}", flush=True)
         history = trainer.run()
     except ConfigError as err:
         print(f"config error (rank {rank}): {err}", file=sys.stderr)
+        return 2
+    except DataError as err:
+        print(f"data error (rank {rank}): {err}", file=sys.stderr)
         return 2
     finally:
         destroy_parallel()

@@ -69,9 +69,9 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
             problems.append(f"{seq_key}={seq_len} is not divisible by parallel.tp={p.tp}")
         if not problems and rows % (layout.dp * micro):
             problems.append(f"{rows_text} must be divisible by data-parallel size {layout.dp} x {micro_key}={micro}")
-    if cfg.stages and p.pp > 1:
-        problems.append("stages with parallel.pp > 1 are not supported yet (pipeline boundaries are static per "
-                        "sequence length); use one stage per job or parallel.pp=1")
+        if p.pp > 1 and micro % p.pp:
+            problems.append(f"{micro_key}={micro} must be a multiple of parallel.pp={p.pp} "
+                            "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
     stages = p.pp * p.vpp
     if p.pipeline_layers and (len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers
                               or min(p.pipeline_layers) < 1):
@@ -80,9 +80,6 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     if p.vpp > 1 and p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
         problems.append(f"parallel.vpp={p.vpp} needs parallel.pipeline_schedule=interleaved_1f1b or zero_bubble, "
                         f"not {p.pipeline_schedule}")
-    if p.pp > 1 and cfg.data.micro_batches % p.pp:
-        problems.append(f"data.micro_batches={cfg.data.micro_batches} must be a multiple of parallel.pp={p.pp} "
-                        "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
     if p.pp > 1 and m.moe.balancing == "aux_loss":
         problems.append("model.moe.balancing=aux_loss is not supported with parallel.pp > 1 (use qb or aux_free)")
     if problems:

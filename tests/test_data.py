@@ -9,8 +9,8 @@ import torch
 from moe_pretrain.config import ConfigError
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data import tokenizer as tok
-from moe_pretrain.data.documents import Document, document_stream, longest_image_document, split_text
-from moe_pretrain.data.packing import SequencePacker
+from moe_pretrain.data.embedded import split_text
+from moe_pretrain.data.packing import Document, SequencePacker
 from moe_pretrain.data.patches import patchify
 from moe_pretrain.data.stdlib_corpus import stdlib_source_files
 from moe_pretrain.data.synthetic_images import make_image
@@ -53,10 +53,11 @@ def test_images_are_deterministic_and_captioned():
 
 
 def test_packer_keeps_boundaries_and_never_cuts_images():
-    image = Document([tok.BOS, tok.IMAGE_START, tok.IMAGE_PATCH, tok.IMAGE_END, 65, tok.EOS],
-                     np.ones((1, 3), np.float32))
-    text = Document([tok.BOS, *range(97, 97 + 8), tok.EOS])
-    packer = SequencePacker(itertools.cycle([text, image]), seq_len=14)
+    image = Document(np.array([tok.BOS, tok.IMAGE_START, tok.IMAGE_PATCH, tok.IMAGE_END, 65, tok.EOS]),
+                     np.ones((1, 3), np.float32), ("images", 0))
+    text = Document(np.array([tok.BOS, *range(97, 97 + 8), tok.EOS]), None, ("text", 5))
+    documents = itertools.cycle([text, image])
+    packer = SequencePacker(lambda: next(documents), seq_len=14, pad_id=tok.PAD)
     row1, row2 = packer.next_row(), packer.next_row()
     # Row 1: text (10 tokens), then the 6-token image does not fit the 5 left: padding.
     assert row1.tokens.tolist() == [*text.tokens, *[tok.PAD] * 5]
@@ -64,13 +65,15 @@ def test_packer_keeps_boundaries_and_never_cuts_images():
     # Row 2: the image, then the text cut after 9 of its 10 tokens.
     assert row2.tokens.tolist() == [*image.tokens, *text.tokens[:9]]
     assert row2.doc_ids.tolist() == [0] * 6 + [1] * 9 and len(row2.patches) == 1
+    # The cut text continues as a new segment, and remembers where it came from (for resume).
+    assert (packer.pending.origin, packer.pending.offset) == (("text", 5), 9)
     row3 = packer.next_row()
-    assert row3.tokens[0] == text.tokens[9]  # the cut text continues as a new segment
+    assert row3.tokens[0] == text.tokens[9]
 
 
 def test_batches_mask_non_text_and_cross_document_targets():
-    cfg = tiny_config("data.image_fraction=0.3", "data.seq_len=128")
-    data = PretrainingData(cfg.data, cfg.model.vision)
+    cfg = tiny_config("data.image_fraction=0.3", "data.seq_len=128", "data.text_doc_bytes=256")
+    data = PretrainingData(cfg)
     batch = data.next_batch(8)
     assert batch.tokens.shape == batch.labels.shape == batch.doc_ids.shape == (8, 128)
     assert batch.patches.shape == (int(batch.image_mask.sum()), 48)
@@ -83,10 +86,22 @@ def test_batches_mask_non_text_and_cross_document_targets():
     assert (batch.tokens[batch.image_mask] == tok.IMAGE_PATCH).all()
 
 
+def test_embedded_images_round_trip_through_the_dataset():
+    """An image read back from the cached dataset is the generated one, to the uint8 quantisation."""
+    cfg = tiny_config("data.image_fraction=1.0", "data.seq_len=128")
+    data = PretrainingData(cfg)
+    doc = data._next_document()
+    record = doc.origin[1]
+    image, caption = make_image(cfg.data.seed, record, cfg.data.image_size)
+    assert np.abs(doc.patches - patchify(image, 4)).max() <= 1 / 127.5 + 1e-6
+    assert tok.decode(doc.tokens.tolist()).endswith(caption + "<eos>")
+    assert (doc.tokens == tok.IMAGE_PATCH).sum() == len(doc.patches) == 4
+
+
 def test_image_token_share_follows_config():
     cfg = tiny_config("data.image_fraction=0.25")
-    stream = document_stream(cfg.data, cfg.model.vision)
-    docs = [next(stream) for _ in range(400)]
+    data = PretrainingData(cfg)
+    docs = [data._next_document() for _ in range(400)]
     image_tokens = sum(len(d.tokens) for d in docs if d.is_image)
     share = image_tokens / sum(len(d.tokens) for d in docs)
     assert abs(share - 0.25) < 0.02, share  # the mixer tracks the share to within one text document
@@ -94,17 +109,31 @@ def test_image_token_share_follows_config():
 
 def test_image_documents_that_cannot_fit_a_row_are_refused():
     cfg = tiny_config("data.seq_len=64")
-    with pytest.raises(ConfigError, match=r"more than data.seq_len=64 \+ 1"):
-        PretrainingData(cfg.data, cfg.model.vision)
-    longest = max(len(make_image(0, i, 8)[1]) for i in range(2000)) + 4 + 4  # caption + patches + markers
-    assert longest <= longest_image_document(8, cfg.model.vision)
+    with pytest.raises(ConfigError, match=r"data.seq_len=64: .*synthetic-images.* record \d+ takes \d+ tokens"):
+        PretrainingData(cfg)
 
 
 def test_batches_are_deterministic():
     cfg = tiny_config("data.image_fraction=0.25", "data.seq_len=128")
-    first = PretrainingData(cfg.data, cfg.model.vision)
-    second = PretrainingData(cfg.data, cfg.model.vision)
+    first = PretrainingData(cfg)
+    second = PretrainingData(cfg)
     for _ in range(5):
         a, b = first.next_batch(8), second.next_batch(8)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
         assert torch.equal(a.patches, b.patches)
+
+
+def test_position_resumes_exactly_from_its_counters():
+    """state() -> a fresh pipeline's load_state() continues with the very next row, even when that row
+    starts with the rest of a cut document."""
+    cfg = tiny_config("data.image_fraction=0.25", "data.seq_len=128")
+    running = PretrainingData(cfg)
+    for _ in range(3):
+        running.next_batch(8)
+    state = running.state()
+    assert state["pending"] is not None and state["rows"] == 24
+    resumed = PretrainingData(cfg)
+    resumed.load_state(state)
+    for _ in range(3):
+        a, b = running.next_batch(8), resumed.next_batch(8)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.patches, b.patches)

@@ -144,9 +144,10 @@ def test_future_tokens_never_change_past_logits():
     """Causality of the whole model on a real packed batch with images (KDA chunks, convs, MLA, MoE)."""
     from moe_pretrain.data import PretrainingData
 
-    model, cfg = build("data.seq_len=128", "data.image_fraction=0.3")
+    model, cfg = build("data.seq_len=128", "data.image_fraction=0.3", "data.text_doc_bytes=100")
     model.eval()
-    batch = PretrainingData(cfg.data, cfg.model.vision).next_batch(2)
+    batch = PretrainingData(cfg).next_batch(2)
+    assert batch.image_mask.any()
     patches = batch.patches.double()
     logits, _ = model(batch.tokens, batch.doc_ids, patches, batch.image_mask)
     changed = batch.tokens.clone()

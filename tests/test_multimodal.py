@@ -5,25 +5,35 @@ Every colour word starts with a different letter (r, g, b, y, m, c, w), so the b
 can be predicted well only from the patches: with another image's patches, accuracy falls to chance.
 """
 
+import numpy as np
 import pytest
 import torch
 
 from moe_pretrain.config import load_config
 from moe_pretrain.data import tokenizer as tok
-from moe_pretrain.data.documents import image_documents
-from moe_pretrain.data.synthetic_images import COLOURS
+from moe_pretrain.data.embedded import to_pixels
+from moe_pretrain.data.patches import expand_images
+from moe_pretrain.data.synthetic_images import COLOURS, make_image
+from moe_pretrain.data.vocabulary import BYTES
 from moe_pretrain.training import Trainer
 
 HELD_OUT_SEED = 999  # training uses data.seed (1234): these images were never seen
 
 
+def held_out_document(index: int, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, patches) as the training data reads them: stored as uint8, patches expanded in place."""
+    image, caption = make_image(HELD_OUT_SEED, index, cfg.data.image_size)
+    body = np.array([tok.BOS, tok.IMAGE_START, tok.IMAGE_END, *tok.encode(caption), tok.EOS])
+    return expand_images(body, [to_pixels(image)], BYTES, cfg.model.vision.patch_size)
+
+
 def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
-    docs = [d for _, d in zip(range(n), image_documents(HELD_OUT_SEED, cfg.data.image_size, cfg.model.vision))]
-    patches_per_image = docs[0].patches.shape[0]
+    docs = [held_out_document(i, cfg) for i in range(n)]
+    patches_per_image = docs[0][1].shape[0]
     colour_at = patches_per_image + 5  # BOS, IMAGE_START, patches, IMAGE_END, "a", " ", colour
-    tokens = torch.tensor([d.tokens[:colour_at + 1] for d in docs])
+    tokens = torch.tensor(np.stack([d[0][:colour_at + 1] for d in docs]))
     assert bytes(tokens[0, colour_at - 2:colour_at].tolist()) == b"a "
-    patches = [torch.from_numpy(d.patches) for d in docs]
+    patches = [torch.from_numpy(d[1]) for d in docs]
     if wrong_images:
         patches = patches[1:] + patches[:1]
     model.eval()

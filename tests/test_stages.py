@@ -107,6 +107,17 @@ def test_resume_mid_stage_on_another_layout(uninterrupted, tmp_path):
     assert [row[4] for row in combined] == pytest.approx([row[4] for row in uninterrupted], rel=1e-9)
 
 
+@pytest.mark.timeout(300)
+def test_pipeline_runs_the_schedule_with_a_new_boundary_shape_per_stage(uninterrupted, tmp_path):
+    """pp2 rebuilds its static stage boundaries at each sequence length; resumed there mid-stage."""
+    first = trace(Trainer(staged(tmp_path, "train.exit_at_step=1")).run())
+    two_micro = STAGES.replace("batch_tokens: 768,", "batch_tokens: 768, micro_batches: 2,")  # whole pp rounds
+    second = run_distributed(staged_worker, 2, str(tmp_path), ["parallel.pp=2", two_micro])
+    combined = first + second
+    assert [row[:4] for row in combined] == [row[:4] for row in uninterrupted]
+    assert [row[4] for row in combined] == pytest.approx([row[4] for row in uninterrupted], rel=1e-9)
+
+
 @pytest.mark.timeout(120)
 def test_plan_prints_the_schedule():
     done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/full.yaml", "--config",

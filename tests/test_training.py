@@ -107,7 +107,7 @@ def test_existing_run_dir_is_never_overwritten(tmp_path):
     ("parallel.tp=2", "invalid parallel layout: world size 1 is not divisible by parallel.tp x parallel.pp x "
                       "parallel.cp = 2 x 1 x 1"),
     ("parallel.ep=2", "parallel.ep=2 must divide the 1 ranks of a pipeline stage"),
-    ("model.vocab_size=200", "model.vocab_size=200 is smaller than the byte tokenizer's 262 ids"),
+    ("model.vocab_size=200", "model.vocab_size=200 is smaller than the 262 ids of the data (byte tokenizer"),
 ])
 def test_unsupported_settings_are_refused(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

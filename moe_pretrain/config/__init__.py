@@ -1,5 +1,6 @@
 """Typed configuration: dataclasses per section, loaded from YAML with command-line overrides."""
 
+from moe_pretrain.config.blend import BlendConfig
 from moe_pretrain.config.errors import ConfigError
 from moe_pretrain.config.loader import config_to_dict, load_config, load_config_or_exit
 from moe_pretrain.config.model import (
@@ -23,6 +24,7 @@ from moe_pretrain.config.stages import StageConfig
 
 __all__ = [
     "AttnResConfig",
+    "BlendConfig",
     "CheckpointConfig",
     "Config",
     "ConfigError",

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moe_pretrain.config.blend import BlendConfig, check_long_documents
 from moe_pretrain.config.errors import require, require_positive
 from moe_pretrain.config.model import ModelConfig
 from moe_pretrain.config.stages import StageConfig, check_stages
@@ -39,31 +40,45 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """The embedded default corpus: Python stdlib source text plus procedural captioned images."""
+    """Training data: a blend of indexed datasets, or (blend empty) the embedded default corpus,
+    Python stdlib source text plus procedural captioned images, built into that format on first use."""
 
     seq_len: int = 256
     batch_size: int = 8
-    """Global sequences per optimizer step (split over micro-batches and, later, data-parallel ranks)."""
+    """Global sequences per optimizer step (split over micro-batches and data-parallel ranks)."""
     micro_batches: int = 1
     """Gradient-accumulation steps per optimizer step; batch_size must divide by it."""
+    blend: list[BlendConfig] = field(default_factory=list)
+    """Datasets and their shares of the training tokens; empty = the embedded default corpus."""
+    long_doc_share: float | None = None
+    """Share of tokens drawn from long documents (see long_doc_tokens), in every dataset of the blend;
+    None = the datasets' natural mixture. A stage may set its own."""
+    long_doc_tokens: int = 0
+    """Documents of at least this many tokens count as long; 0 = half the sequence length in force."""
+    cache_dir: str = ""
+    """Where the embedded corpus is built and cached; empty = $MOE_PRETRAIN_CACHE, else ~/.cache/moe-pretrain."""
     image_fraction: float = 0.1
-    """Share of tokens that come from captioned-image documents (the rest is stdlib text)."""
+    """Embedded corpus: share of tokens from captioned-image documents (the rest is stdlib text)."""
     text_doc_bytes: int = 2048
-    """Stdlib files are cut (at line breaks) into documents of at most this many bytes, so the
-    text / image mix is even at the scale of one batch rather than one file."""
-    shuffle_buffer: int = 256
-    """Text documents pass through a seeded shuffle buffer of this many documents (1 = file order)."""
+    """Embedded corpus: stdlib files are cut (at line breaks) into documents of at most this many bytes,
+    so the text / image mix is even at the scale of one batch rather than one file."""
+    embedded_images: int = 8192
+    """Embedded corpus: how many synthetic captioned images are rendered (then revisited every epoch)."""
     image_size: int = 28
-    """Side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
+    """Embedded corpus: side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
     seed: int = 1234
+    """Document order (a fresh permutation of every dataset each epoch) and the synthetic images."""
 
     def __post_init__(self) -> None:
         require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size,
-                  micro_batches=self.micro_batches, image_size=self.image_size,
-                         text_doc_bytes=self.text_doc_bytes, shuffle_buffer=self.shuffle_buffer)
+                         micro_batches=self.micro_batches, image_size=self.image_size,
+                         text_doc_bytes=self.text_doc_bytes, embedded_images=self.embedded_images)
         require(self.batch_size % self.micro_batches == 0,
-                 f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
+                f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
         require(0.0 <= self.image_fraction <= 1.0, f"data.image_fraction={self.image_fraction} must be in [0, 1]")
+        check_long_documents("data", self.long_doc_share, self.long_doc_tokens)
+        for i, entry in enumerate(self.blend):
+            entry.check(f"data.blend[{i}]")
 
 
 @dataclass
@@ -144,9 +159,16 @@ class LoggingConfig:
     progress: bool = True
     peak_tflops: float = 0.0
     """Peak FLOP/s per process for MFU, in TFLOP/s; 0 = measure once at start with a matmul (CPU runs)."""
+    expert_load_every: int = 50
+    """Record every expert's load per MoE layer at step 1, every this many steps and the last (for
+    `python -m launch.report` heatmaps); 0 = never."""
+    tensorboard: bool = True
+    """Also write the scalars as TensorBoard event files in <run_dir>/tensorboard when the `tensorboard`
+    package is installed (`pip install 'moe-pretrain[tensorboard]'`)."""
 
     def __post_init__(self) -> None:
         require_positive("logging", log_every=self.log_every)
+        require(self.expert_load_every >= 0, f"logging.expert_load_every={self.expert_load_every} must be >= 0")
 
 
 @dataclass

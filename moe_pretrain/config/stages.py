@@ -5,9 +5,10 @@ Each stage trains `tokens` tokens at `seq_len`, with a global batch of `batch_to
 tokens consumed, so transitions happen at exact token counts and survive resume on any layout.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from moe_pretrain.config.blend import BlendConfig, check_long_documents
 from moe_pretrain.config.errors import require, require_positive
 
 
@@ -30,6 +31,12 @@ class StageConfig:
     rope_theta: float = 0.0
     """RoPE base for this stage when model.mla.position=rope (full size is NoPE: no effect there);
     0 keeps model.mla.rope_theta."""
+    blend: list[BlendConfig] = field(default_factory=list)
+    """This stage's datasets and token shares (data.blend entries: path, weight); empty = data.blend."""
+    long_doc_share: float | None = None
+    """Share of this stage's tokens from long documents; None = data.long_doc_share."""
+    long_doc_tokens: int = 0
+    """Documents of at least this many tokens count as long in this stage; 0 = data.long_doc_tokens."""
 
     def check(self, where: str) -> None:
         require_positive(where, tokens=self.tokens, seq_len=self.seq_len, batch_tokens=self.batch_tokens,
@@ -44,6 +51,9 @@ class StageConfig:
                 "(transitions must fall on step boundaries)")
         require(0 <= self.lr_end <= self.lr_peak, f"{where}.lr_end={self.lr_end} must be in [0, lr_peak]")
         require(self.rope_theta >= 0, f"{where}.rope_theta={self.rope_theta} must be >= 0")
+        check_long_documents(where, self.long_doc_share, self.long_doc_tokens)
+        for i, entry in enumerate(self.blend):
+            entry.check(f"{where}.blend[{i}]")
         require(0 <= self.warmup_tokens <= self.tokens, f"{where}.warmup_tokens={self.warmup_tokens} must be in "
                 f"[0, {where}.tokens]")
 

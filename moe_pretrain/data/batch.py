@@ -1,18 +1,22 @@
-"""Training batches: packed rows turned into model inputs, labels and masks.
+"""Training batches: the blended document stream packed into rows, turned into inputs, labels and masks.
 
-Shape legend: B rows, T = seq_len, P patches in the batch. Labels are -100 (ignored) where the
-target is not text (padding, BOS, image tokens) or belongs to another document than the input.
+Shape legend: B rows, T = seq_len, P patches in the batch. Labels are IGNORE_INDEX where the target is
+not text (padding, BOS, image tokens) or belongs to another document than the input.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from moe_pretrain.config import ConfigError, DataConfig, VisionConfig
-from moe_pretrain.data import tokenizer as tok
-from moe_pretrain.data.documents import document_stream, longest_image_document
-from moe_pretrain.data.packing import PackedRow, SequencePacker
+from moe_pretrain.config import BlendConfig, Config, ConfigError
+from moe_pretrain.data.embedded import embedded_blend
+from moe_pretrain.data.indexed import IndexedDocuments
+from moe_pretrain.data.mixture import DocumentMixture, PoolShare, split_pools
+from moe_pretrain.data.packing import Document, PackedRow, SequencePacker
+from moe_pretrain.data.patches import expand_images, patches_per_image
+from moe_pretrain.data.vocabulary import Vocabulary
 
 IGNORE_INDEX = -100
 
@@ -26,7 +30,7 @@ class Batch:
     doc_ids: torch.Tensor
     """[B, T] int64 document number within each row."""
     image_mask: torch.Tensor
-    """[B, T] bool, True at IMAGE_PATCH inputs."""
+    """[B, T] bool, True at image patch inputs."""
     patches: torch.Tensor
     """[P, patch_dim] float32, one per True in image_mask, in row-major order."""
 
@@ -55,14 +59,14 @@ class Batch:
                                                 self.patches)))
 
 
-def rows_to_batch(rows: list[PackedRow], patch_dim: int) -> Batch:
+def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary) -> Batch:
     tokens = np.stack([r.tokens for r in rows])
     doc_ids = np.stack([r.doc_ids for r in rows])
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    text_target = np.isin(targets, [*range(256), tok.EOS])
+    text_target = ~np.isin(targets, vocab.non_text)
     same_doc = doc_ids[:, 1:] == doc_ids[:, :-1]
     labels = np.where(text_target & same_doc, targets, IGNORE_INDEX)
-    image_mask = inputs == tok.IMAGE_PATCH
+    image_mask = inputs == vocab.image_patch
     patches = []
     for row, mask in zip(rows, image_mask):
         patches.extend(row.patches[: int(mask.sum())])  # a patch at the row's last position is label-only
@@ -73,42 +77,127 @@ def rows_to_batch(rows: list[PackedRow], patch_dim: int) -> Batch:
     )
 
 
-class PretrainingData:
-    """The default data pipeline: document stream -> packer -> batches of `rows` rows."""
+@dataclass
+class MixturePlan:
+    """What one stage (or the whole run, without stages) draws its documents from."""
 
-    def __init__(self, cfg: DataConfig, vision: VisionConfig):
-        longest = longest_image_document(cfg.image_size, vision)
-        if cfg.image_fraction > 0 and longest > cfg.seq_len + 1:
-            raise ConfigError(
-                f"an image document takes up to {longest} tokens (data.image_size={cfg.image_size}, "
-                f"model.vision.patch_size={vision.patch_size}), more than data.seq_len={cfg.seq_len} + 1; "
-                "raise data.seq_len, lower data.image_size, or set data.image_fraction=0"
-            )
+    where: str
+    """The config key errors name: "data" or "stages[i]"."""
+    seq_len: int
+    blend: list[BlendConfig]
+    long_share: float | None
+    long_tokens: int
+
+
+class PretrainingData:
+    """The data pipeline: blended datasets -> packer -> batches, with a global, layout-independent position.
+
+    Every mixture a run will use (one per stage) is opened and checked at start, so a dataset that cannot
+    serve a later stage fails now rather than weeks in.
+    """
+
+    def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.patch_dim = vision.patch_dim
-        self.packer = SequencePacker(document_stream(cfg, vision), cfg.seq_len)
-        self.segments: list[list[int]] = [[cfg.seq_len, 0]]
-        """[seq_len, rows] for each stretch of the stream packed at one sequence length: the global,
-        layout-independent position of the stream."""
+        self.patch_size, self.patch_dim = cfg.model.vision.patch_size, cfg.model.vision.patch_dim
+        self.datasets: dict[str, IndexedDocuments] = {}
+        self._embedded: list[BlendConfig] | None = None
+        self.plans = self._plans()
+        self.mixtures = [self._mixture(plan) for plan in self.plans]
+        self.drawn: dict[str, int] = {}
+        """Documents drawn so far from each pool (by pool key): with the mixture counters, the position."""
+        self.mixture_index = 0
+        self.rows = 0
+        self.packer = SequencePacker(self._next_document, self.plans[0].seq_len, self.vocabulary.pad)
+
+    def _plans(self) -> list[MixturePlan]:
+        data = self.cfg.data
+        if not self.cfg.stages:
+            return [MixturePlan("data", data.seq_len, data.blend, data.long_doc_share, data.long_doc_tokens)]
+        return [MixturePlan(f"stages[{i}]", s.seq_len, s.blend or data.blend,
+                            data.long_doc_share if s.long_doc_share is None else s.long_doc_share,
+                            s.long_doc_tokens or data.long_doc_tokens) for i, s in enumerate(self.cfg.stages)]
+
+    def _open(self, path: str) -> IndexedDocuments:
+        if path not in self.datasets:
+            dataset = IndexedDocuments(path)
+            first = next(iter(self.datasets.values()), None)
+            if first is not None and not first.vocabulary.same_ids(dataset.vocabulary):
+                raise ConfigError(f"{path} was tokenized with {dataset.vocabulary.kind} ({dataset.vocabulary.size} "
+                                  f"ids), {first.prefix} with {first.vocabulary.kind} ({first.vocabulary.size}): a "
+                                  "blend must share one tokenizer")
+            self._check_images(dataset)
+            self.datasets[path] = dataset
+        return self.datasets[path]
+
+    def _check_images(self, dataset: IndexedDocuments) -> None:
+        vision = self.cfg.model.vision
+        if dataset.image_shape is None:
+            return
+        C, H, W = dataset.image_shape
+        if C != vision.channels or H % vision.patch_size or W % vision.patch_size:
+            raise ConfigError(f"{dataset.prefix} holds {C}x{H}x{W} images, which model.vision (channels="
+                              f"{vision.channels}, patch_size={vision.patch_size}) cannot cut into patches")
+
+    def _blend(self, plan: MixturePlan) -> tuple[list[BlendConfig], bool]:
+        if plan.blend:
+            return plan.blend, False
+        if self._embedded is None:
+            self._embedded = embedded_blend(self.cfg.data, self.cfg.model.vision.channels)
+        return self._embedded, True
+
+    def _mixture(self, plan: MixturePlan) -> DocumentMixture:
+        blend, embedded = self._blend(plan)
+        long_tokens = plan.long_tokens or max(plan.seq_len // 2, 1)
+        shares: list[PoolShare] = []
+        for entry in blend:
+            dataset = self._open(entry.path)
+            per_image = patches_per_image(dataset.image_shape, self.patch_size) if dataset.image_shape else 0
+            lengths = dataset.document_lengths(per_image)
+            with_images = np.flatnonzero(dataset.images_per_document > 0)
+            if with_images.size and lengths[with_images].max() > plan.seq_len + 1:
+                record = int(with_images[np.argmax(lengths[with_images])])
+                raise ConfigError(f"{plan.where}.seq_len={plan.seq_len}: {entry.path} record {record} takes "
+                                  f"{int(lengths[record])} tokens with its images, more than a row of seq_len + 1; "
+                                  "documents with images are never cut")
+            # Cached corpora are named by content, so their pools keep their position if the cache moves.
+            name = Path(entry.path).name if embedded else entry.path
+            shares += split_pools(name, dataset, lengths, entry.weight, plan.long_share, long_tokens,
+                                  self.cfg.data.seed, plan.where)
+        return DocumentMixture(shares)
 
     @property
-    def rows_consumed(self) -> int:
-        return sum(rows for _, rows in self.segments)
+    def vocabulary(self) -> Vocabulary:
+        return next(iter(self.datasets.values())).vocabulary
 
-    def set_seq_len(self, seq_len: int) -> None:
-        """Pack the following rows at seq_len (a context-extension stage began); documents continue."""
-        if seq_len != self.segments[-1][0]:
-            self.packer.row_len = seq_len + 1
-            self.segments.append([seq_len, 0])
+    def _read(self, prefix: str, record: int, offset: int = 0) -> Document:
+        raw = self.datasets[prefix].document(record)
+        tokens, patches = expand_images(raw.tokens, raw.images, self.vocabulary, self.patch_size)
+        return Document(tokens[offset:], patches, (prefix, record), offset)
 
-    def skip(self, segments: list[list[int]]) -> None:
-        """Fast-forward a fresh stream to a saved position (resume): the stream is deterministic, so
-        re-packing the same rows at the same lengths lands exactly where an uninterrupted run was."""
-        for seq_len, rows in segments:
-            self.set_seq_len(seq_len)
-            for _ in range(rows):
-                self.packer.next_row()
-            self.segments[-1][1] += rows
+    def _next_document(self) -> Document:
+        mixture = self.mixtures[self.mixture_index]
+        pool = mixture.pick()
+        k = self.drawn.get(pool.key, 0)
+        self.drawn[pool.key] = k + 1
+        doc = self._read(pool.dataset.prefix, pool.document_id(k))
+        mixture.record(pool, len(doc.tokens))
+        return doc
+
+    def max_patches_per_row(self, index: int) -> int:
+        """Most patch tokens a row of stage `index` can hold (each image brings its patches and two markers):
+        the fixed width of the per-row patch padding a pipeline's first stage receives."""
+        seq_len, most = self.plans[index].seq_len, 0
+        for share in self.mixtures[index].shares:
+            shape = share.pool.dataset.image_shape
+            if shape:
+                per_image = patches_per_image(shape, self.patch_size)
+                most = max(most, min((seq_len + 1) // (per_image + 2) * per_image, seq_len))
+        return most
+
+    def set_stage(self, index: int) -> None:
+        """Draw from stage `index`'s mixture and pack at its sequence length; documents continue."""
+        self.mixture_index = index
+        self.packer.row_len = self.plans[index].seq_len + 1
 
     def next_batch(self, rows: int, shard: int = 0, num_shards: int = 1) -> Batch:
         """The next `rows` rows of the global stream, or data-parallel shard `shard` of them.
@@ -119,6 +208,25 @@ class PretrainingData:
         if rows % num_shards:
             raise ValueError(f"{rows} rows cannot be split into {num_shards} data-parallel shards")
         packed = [self.packer.next_row() for _ in range(rows)]
-        self.segments[-1][1] += rows
+        self.rows += rows
         per_shard = rows // num_shards
-        return rows_to_batch(packed[shard * per_shard:(shard + 1) * per_shard], self.patch_dim)
+        return rows_to_batch(packed[shard * per_shard:(shard + 1) * per_shard], self.patch_dim, self.vocabulary)
+
+    def state(self) -> dict:
+        """The stream's position (JSON): counters only, so resuming costs the same at any point of a run."""
+        pending = self.packer.pending
+        return {"rows": self.rows, "mixture": self.mixture_index, "drawn": dict(self.drawn),
+                "mixture_tokens": self.mixtures[self.mixture_index].tokens.tolist(),
+                "pending": [*pending.origin, pending.offset] if pending else None}
+
+    def load_state(self, state: dict) -> None:
+        self.set_stage(state["mixture"])
+        self.rows, self.drawn = state["rows"], dict(state["drawn"])
+        mixture = self.mixtures[self.mixture_index]
+        if len(state["mixture_tokens"]) != len(mixture.tokens):
+            raise ConfigError(f"the checkpoint's data position has {len(state['mixture_tokens'])} pools for "
+                              f"{self.plans[self.mixture_index].where}, the config {len(mixture.tokens)}: the blend "
+                              "changed; resume with the blend the run was started with")
+        mixture.tokens[:] = state["mixture_tokens"]
+        pending = state["pending"]
+        self.packer.pending = self._read(pending[0], pending[1], pending[2]) if pending else None

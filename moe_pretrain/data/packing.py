@@ -1,18 +1,31 @@
 """Packing documents into fixed-length training rows, keeping document boundaries.
 
 A row holds seq_len + 1 tokens (inputs are row[:-1], labels row[1:]). Text documents are cut at row
-ends and continue in the next row as a new segment; image documents are never cut (the rest of the
-row is padded instead) so a caption always sees its image. Every position carries the number of its
-document within the row, from which the model derives cu_seqlens and attention masks.
+ends and continue in the next row as a new segment; documents with images are never cut (the rest of
+the row is padded instead) so a caption always sees its image. Every position carries the number of
+its document within the row, from which the model derives cu_seqlens and attention masks.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from moe_pretrain.data import tokenizer as tok
-from moe_pretrain.data.documents import Document
+
+@dataclass
+class Document:
+    tokens: np.ndarray
+    """int64 ids, images expanded into patch tokens."""
+    patches: np.ndarray | None = None
+    """[P, patch_dim] float32, one per patch token in order; None for text."""
+    origin: tuple[str, int] = ("", -1)
+    """(dataset prefix, record): where to read it again when a resumed run needs its rest."""
+    offset: int = 0
+    """Tokens of the document already packed (a text document cut at a row end)."""
+
+    @property
+    def is_image(self) -> bool:
+        return self.patches is not None
 
 
 @dataclass
@@ -22,41 +35,44 @@ class PackedRow:
     doc_ids: np.ndarray
     """[seq_len + 1] int64, non-decreasing."""
     patches: list[np.ndarray]
-    """One [patch_dim] array per IMAGE_PATCH token of the row, in order."""
+    """One [patch_dim] array per image patch token of the row, in order."""
 
 
 class SequencePacker:
-    def __init__(self, documents: Iterator[Document], seq_len: int):
-        self.documents = documents
+    def __init__(self, next_document: Callable[[], Document], seq_len: int, pad_id: int):
+        self.next_document = next_document
         self.row_len = seq_len + 1
-        self._pending: Document | None = None
+        self.pad_id = pad_id
+        self.pending: Document | None = None
+        """The document the next row starts with: the rest of a cut one, or one that did not fit."""
 
-    def _next_document(self) -> Document:
-        doc, self._pending = self._pending, None
-        return doc if doc is not None else next(self.documents)
+    def _take_document(self) -> Document:
+        doc, self.pending = self.pending, None
+        return doc if doc is not None else self.next_document()
 
     def next_row(self) -> PackedRow:
-        tokens: list[int] = []
-        doc_ids: list[int] = []
+        tokens: list[np.ndarray] = []
+        doc_ids: list[np.ndarray] = []
         patches: list[np.ndarray] = []
-        doc_number = 0
-        while len(tokens) < self.row_len:
-            doc = self._next_document()
-            space = self.row_len - len(tokens)
+        length = doc_number = 0
+        while length < self.row_len:
+            doc = self._take_document()
+            space = self.row_len - length
             if doc.is_image and len(doc.tokens) > space:
                 if len(doc.tokens) > self.row_len:
-                    raise ValueError(f"an image document of {len(doc.tokens)} tokens cannot fit a row of "
-                                     f"{self.row_len}; raise data.seq_len or lower data.image_size")
-                self._pending = doc
-                tokens.extend([tok.PAD] * space)
-                doc_ids.extend([doc_number] * space)
+                    raise ValueError(f"{doc.origin[0]}: record {doc.origin[1]} has {len(doc.tokens)} tokens with its "
+                                     f"images, more than a row of {self.row_len}, and images are never cut")
+                self.pending = doc
+                tokens.append(np.full(space, self.pad_id, dtype=np.int64))
+                doc_ids.append(np.full(space, doc_number, dtype=np.int64))
                 break
             taken = doc.tokens[:space]
             if len(doc.tokens) > space:
-                self._pending = Document(doc.tokens[space:])
-            tokens.extend(taken)
-            doc_ids.extend([doc_number] * len(taken))
+                self.pending = Document(doc.tokens[space:], None, doc.origin, doc.offset + space)
+            tokens.append(taken)
+            doc_ids.append(np.full(len(taken), doc_number, dtype=np.int64))
+            length += len(taken)
             if doc.is_image:
                 patches.extend(doc.patches)
             doc_number += 1
-        return PackedRow(np.array(tokens, dtype=np.int64), np.array(doc_ids, dtype=np.int64), patches)
+        return PackedRow(np.concatenate(tokens), np.concatenate(doc_ids), patches)

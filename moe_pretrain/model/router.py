@@ -62,8 +62,9 @@ class Router(nn.Module):
         self.expert_bias.copy_(self.balancer.next_bias(self.expert_bias))
 
     @torch.no_grad()
-    def pop_stats(self) -> dict[str, float]:
-        """Global-batch load and bias health since the last call (MODEL.md health metrics); resets the load."""
+    def pop_stats(self, with_loads: bool = False) -> dict[str, float | list[int]]:
+        """Global-batch load and bias health since the last call (MODEL.md health metrics); resets the load.
+        with_loads adds every expert's load ("load", E integers: the report's heatmap)."""
         load = self.balancer.stats.total(self.load).to(torch.float64)
         entropy_sum = float(self.balancer.stats.total(self.entropy_sum))
         tokens, processed = self.balancer.stats.total(self.counts).tolist()
@@ -79,6 +80,8 @@ class Router(nn.Module):
             "bias_min": float(self.expert_bias.min()),
             "bias_max": float(self.expert_bias.max()),
         }
+        if with_loads:
+            stats["load"] = [int(x) for x in load.tolist()]
         self.load.zero_()
         self.entropy_sum.zero_()
         self.counts.zero_()

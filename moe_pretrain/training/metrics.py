@@ -22,19 +22,51 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024,
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
+def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers of a step record under slash-separated names (moe/3/router_entropy); lists and text
+    (per-expert loads, the stage name) are left to metrics.jsonl."""
+    out = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(scalars(value, f"{name}/"))
+        elif isinstance(value, int | float) and key != "step":
+            out[name] = float(value)
+    return out
+
+
+def tensorboard_writer(directory: Path):
+    """A torch SummaryWriter, or None (said once) when the optional tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("metrics: the tensorboard package is not installed, so no event files are written "
+              "(pip install 'moe-pretrain[tensorboard]')", file=sys.stderr, flush=True)
+        return None
+    return SummaryWriter(str(directory))
+
+
 class MetricsWriter:
-    def __init__(self, path: Path, resuming: bool = False):
+    """metrics.jsonl (every field), and the same scalars as TensorBoard events when asked and available."""
+
+    def __init__(self, path: Path, resuming: bool = False, tensorboard: bool = False):
         self.path = path
         # A fresh run never clobbers another run's metrics; a resumed one appends (after a crash, steps
         # between the checkpoint and the crash appear twice: the later line is the one that counts).
         self._file = path.open("a" if resuming else "x")
+        self._events = tensorboard_writer(path.parent / "tensorboard") if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._events is not None:
+            for name, value in scalars(record).items():
+                self._events.add_scalar(name, value, record["step"])
 
     def close(self) -> None:
         self._file.close()
+        if self._events is not None:
+            self._events.close()
 
 
 class ProgressBar:

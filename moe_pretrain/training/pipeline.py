@@ -13,6 +13,7 @@ extra time and count a micro-batch twice in the balancing statistics.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,7 +26,6 @@ from torch.distributed.pipelining import (
 )
 
 from moe_pretrain.config import Config
-from moe_pretrain.data.documents import IMAGE_DOC_OVERHEAD
 from moe_pretrain.model import MoETransformer
 from parallel.state import ParallelContext
 
@@ -43,13 +43,16 @@ def chunk_layers(cfg: Config) -> list[list[int]]:
     return [list(range(start, start + count)) for start, count in zip(starts, counts)]
 
 
-def max_patches_per_row(cfg: Config) -> int:
-    """Most image patches one packed row can hold: images are never cut, and each takes its patches
-    plus its markers; the per-row patch padding has this fixed size so stage shapes are static."""
-    per_image = (cfg.data.image_size // cfg.model.vision.patch_size) ** 2
-    if cfg.data.image_fraction == 0:
-        return 0
-    return (cfg.data.seq_len + 1) // (per_image + IMAGE_DOC_OVERHEAD) * per_image
+@dataclass(frozen=True)
+class StepShape:
+    """The shapes one optimizer step's micro-batches have: pipeline boundaries are declared from them."""
+
+    seq_len: int
+    rows: int
+    """Global sequences per step (all micro-batches, all data-parallel ranks)."""
+    micro_batches: int
+    patches_per_row: int
+    """Width of the per-row patch padding at the first stage (PretrainingData.max_patches_per_row)."""
 
 
 def patches_from_rows(patch_rows: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
@@ -90,11 +93,11 @@ class StageForward(nn.Module):
         return torch.stack([b.to(dtype) for b in bank], dim=1), partial.to(dtype).contiguous(), doc_ids
 
 
-def stage_boundaries(cfg: Config, ctx: ParallelContext, layers: list[int], first: bool, last: bool,
-                     dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers: list[int], first: bool,
+                     last: bool, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example (meta) tensors of one micro-batch at a chunk's input and output."""
-    rows = cfg.data.batch_size // ctx.layout.dp // cfg.data.micro_batches
-    T, D = cfg.data.seq_len, cfg.model.hidden_size
+    rows = shape.rows // ctx.layout.dp // shape.micro_batches
+    T, D = shape.seq_len, cfg.model.hidden_size
     block = cfg.model.attn_res.block_size
 
     def meta(*shape, dtype=dtype):
@@ -106,7 +109,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, layers: list[int], first
                 meta(rows, T, dtype=torch.int64))
 
     if first:
-        patch_rows = meta(rows, max_patches_per_row(cfg), cfg.model.vision.patch_dim).requires_grad_(False)
+        patch_rows = meta(rows, shape.patches_per_row, cfg.model.vision.patch_dim).requires_grad_(False)
         inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.int64),
                   meta(rows, T, dtype=torch.bool), patch_rows)
     else:
@@ -123,27 +126,40 @@ def _gradient_like(t: torch.Tensor) -> torch.Tensor | None:
     return torch.empty_like(t) if t.is_floating_point() else None
 
 
-def build_pipeline(full: MoETransformer, cfg: Config, ctx: ParallelContext,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """-> (this rank's model: its chunks' modules under global names, the schedule, first, last)."""
-    layers = chunk_layers(cfg)
-    pp, vpp = ctx.layout.pp, ctx.layout.vpp
-    num_stages = pp * vpp
-    mine = [ctx.pp_rank + pp * v for v in range(vpp)]
-    stages = []
-    for index in mine:
-        first, last = index == 0, index == num_stages - 1
-        chunk = MoETransformer.stage_of(full, layers[index], first=first, last=last)
-        forward = StageForward(chunk, layers[index][0], first, last)
-        inputs, outputs = stage_boundaries(cfg, ctx, layers[index], first, last, forward.boundary_dtype)
-        stages.append(PipelineStage(
-            forward, index, num_stages, ctx.device, input_args=inputs, output_args=outputs,
-            input_grads=tuple(None if first else _gradient_like(t) for t in inputs),
-            output_grads=tuple(_gradient_like(t) for t in outputs), group=ctx.pp_group))
-    holds_first, holds_last = 0 in mine, num_stages - 1 in mine
-    rank_model = MoETransformer.stage_of(full, [i for index in mine for i in layers[index]],
-                                         first=holds_first, last=holds_last)
-    schedule_cls = SCHEDULES[cfg.parallel.pipeline_schedule]
-    target = stages if cfg.parallel.pipeline_schedule in MULTI_STAGE else stages[0]
-    schedule = schedule_cls(target, cfg.data.micro_batches, loss_fn=loss_fn, scale_grads=False)
-    return rank_model, schedule, holds_first, holds_last
+class Pipeline:
+    """This rank's pipeline chunks, and a schedule per step shape: the chunks are cut once, while the
+    boundary shapes (declared statically, see below) change with each context-extension stage."""
+
+    def __init__(self, full: MoETransformer, cfg: Config, ctx: ParallelContext,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.cfg, self.ctx, self.loss_fn = cfg, ctx, loss_fn
+        self.layers = chunk_layers(cfg)
+        pp, vpp = ctx.layout.pp, ctx.layout.vpp
+        self.num_stages = pp * vpp
+        self.mine = [ctx.pp_rank + pp * v for v in range(vpp)]
+        self.forwards = {index: StageForward(
+            MoETransformer.stage_of(full, self.layers[index], first=index == 0, last=index == self.num_stages - 1),
+            self.layers[index][0], index == 0, index == self.num_stages - 1) for index in self.mine}
+        self.holds_first, self.holds_last = 0 in self.mine, self.num_stages - 1 in self.mine
+        self.model = MoETransformer.stage_of(full, [i for index in self.mine for i in self.layers[index]],
+                                             first=self.holds_first, last=self.holds_last)
+        """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
+        self._schedules: dict[StepShape, object] = {}
+
+    def schedule(self, shape: StepShape):
+        if shape not in self._schedules:
+            stages = []
+            for index in self.mine:
+                first, last = index == 0, index == self.num_stages - 1
+                forward = self.forwards[index]
+                inputs, outputs = stage_boundaries(self.cfg, self.ctx, shape, self.layers[index], first, last,
+                                                   forward.boundary_dtype)
+                stages.append(PipelineStage(
+                    forward, index, self.num_stages, self.ctx.device, input_args=inputs, output_args=outputs,
+                    input_grads=tuple(None if first else _gradient_like(t) for t in inputs),
+                    output_grads=tuple(_gradient_like(t) for t in outputs), group=self.ctx.pp_group))
+            schedule_cls = SCHEDULES[self.cfg.parallel.pipeline_schedule]
+            target = stages if self.cfg.parallel.pipeline_schedule in MULTI_STAGE else stages[0]
+            self._schedules[shape] = schedule_cls(target, shape.micro_batches, loss_fn=self.loss_fn,
+                                                  scale_grads=False)
+        return self._schedules[shape]

@@ -25,7 +25,6 @@ from moe_pretrain import checkpoint
 from moe_pretrain.checkpoint import GlobalState
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
-from moe_pretrain.data.tokenizer import VOCAB_SIZE
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
@@ -33,7 +32,7 @@ from moe_pretrain.sizing import count
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
 from moe_pretrain.training.optim import build_optimizer, learning_rate
 from moe_pretrain.training.parallelize import parallelize_model
-from moe_pretrain.training.pipeline import build_pipeline, max_patches_per_row
+from moe_pretrain.training.pipeline import Pipeline, StepShape
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from parallel.collectives import all_reduce_sum
 from parallel.state import ParallelContext, resolve_layout
@@ -64,15 +63,15 @@ class StepPlan:
     lr: float
     stage: str
     stage_end_tokens: int | None
+    stage_index: int = 0
     rope_theta: float = 0.0
 
 
-def check_supported(cfg: Config, world_size: int) -> None:
-    """Refuse settings whose machinery has not landed yet, rather than silently ignoring them."""
-    resolve_layout(cfg, world_size)
-    if cfg.model.vocab_size < VOCAB_SIZE:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                          f"{VOCAB_SIZE} ids")
+def check_vocabulary(cfg: Config, data: PretrainingData) -> None:
+    vocab = data.vocabulary
+    if cfg.model.vocab_size < vocab.size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the {vocab.size} ids of the "
+                          f"data ({vocab.kind} tokenizer + {vocab.size - vocab.base_size} special tokens)")
 
 
 class NonFiniteError(RuntimeError):
@@ -82,8 +81,10 @@ class NonFiniteError(RuntimeError):
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
         self.ctx = ctx or ParallelContext.single()
-        check_supported(cfg, self.ctx.layout.world_size)
+        resolve_layout(cfg, self.ctx.layout.world_size)
         self.cfg = cfg
+        self.data = PretrainingData(cfg)
+        check_vocabulary(cfg, self.data)
         self.device = self.ctx.device
         self.dtype = DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
@@ -92,10 +93,10 @@ class Trainer:
         # fp32 and fp64 run the whole model in that dtype.
         param_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
         model = parallelize_model(model.to(device=self.device, dtype=param_dtype), self.ctx)
-        self.schedule = None
+        self.pipeline = None
         if self.ctx.layout.pp > 1:
-            model, self.schedule, self.holds_first, self.holds_last = build_pipeline(
-                model, cfg, self.ctx, self._pipeline_loss)
+            self.pipeline = Pipeline(model, cfg, self.ctx, self._pipeline_loss)
+            model = self.pipeline.model
         self.boundary_dtype = param_dtype
         self.model = model
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
@@ -113,7 +114,6 @@ class Trainer:
         peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, param_dtype)
         self.peak_flops = peak * self.ctx.layout.world_size
         self._flops_per_token: dict[int, float] = {}
-        self.data = PretrainingData(cfg.data, cfg.model.vision)
         self.step = 0
         self.tokens_seen = 0
 
@@ -130,7 +130,7 @@ class Trainer:
         point = stage_at(cfg.stages, self.tokens_seen)
         stage = point.stage
         return StepPlan(stage.seq_len, stage.rows, stage.micro_batches, stage_learning_rate(point), stage.name,
-                        point.end_tokens, stage.rope_theta)
+                        point.end_tokens, point.index, stage.rope_theta)
 
     def _apply_positional_settings(self, plan: StepPlan) -> None:
         """The stage's RoPE base on every MLA layer (stage rope_theta 0: model.mla.rope_theta)."""
@@ -141,7 +141,7 @@ class Trainer:
 
     def _next_micro_batches(self, plan: StepPlan):
         ctx = self.ctx
-        self.data.set_seq_len(plan.seq_len)
+        self.data.set_stage(plan.stage_index)
         rows = plan.rows // plan.micro_batches
         return [self.data.next_batch(rows, shard=ctx.dp_rank, num_shards=ctx.layout.dp).to(self.device)
                 for _ in range(plan.micro_batches)]
@@ -159,11 +159,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
-        if self.schedule is None:
+        if self.pipeline is None:
             ce_total = self._forward_backward(batches, loss_tokens)
             loss_value = float(all_reduce_sum(ce_total, ctx.dp_group)) / loss_tokens
         else:
-            mean_share = self._pipeline_forward_backward(batches, loss_tokens)
+            mean_share = self._pipeline_forward_backward(plan, batches, loss_tokens)
             loss_value = float(all_reduce_sum(mean_share, dist.group.WORLD))
         finite_loss = math.isfinite(loss_value)
         grad_norm = self.optimizer.step(cfg.optim.grad_clip, skip=not finite_loss)
@@ -211,21 +211,24 @@ class Trainer:
             ce_total += ce_sum.detach().to(torch.float64).cpu()
         return ce_total
 
-    def _pipeline_forward_backward(self, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
+    def _pipeline_forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
         """The pipeline schedule over the same micro-batches (it splits their concatenation back along B).
         Returns this rank's share of the global mean loss (non-zero on one tensor rank of the last stage)."""
         self._loss_tokens = loss_tokens
         step = Batch.concatenate(batches)
-        if self.holds_first:
-            patch_rows = step.patch_rows(max_patches_per_row(self.cfg)).to(self.boundary_dtype)
+        pipeline = self.pipeline
+        shape = StepShape(plan.seq_len, plan.rows, plan.micro_batches,
+                          self.data.max_patches_per_row(plan.stage_index))
+        if pipeline.holds_first:
+            patch_rows = step.patch_rows(shape.patches_per_row).to(self.boundary_dtype)
             args = (step.tokens, step.doc_ids, step.image_mask, patch_rows)
         else:
             args = ()
-        target = step.labels if self.holds_last else None
+        target = step.labels if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
         with self.autocast():
-            self.schedule.step(*args, target=target, losses=losses)
-        if not self.holds_last or self.ctx.tp_rank != 0:
+            pipeline.schedule(shape).step(*args, target=target, losses=losses)
+        if not pipeline.holds_last or self.ctx.tp_rank != 0:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
 
@@ -261,9 +264,14 @@ class Trainer:
             "moe": self._moe_stats(),
         }
 
-    def _moe_stats(self) -> dict[str, dict[str, float]]:
+    def _records_loads(self) -> bool:
+        every = self.cfg.logging.expert_load_every
+        return bool(every) and (self.step == 1 or self.step % every == 0 or self.step == self.cfg.train.steps)
+
+    def _moe_stats(self) -> dict[str, dict[str, float | list[int]]]:
         """Every MoE layer's health, gathered from all pipeline stages (collective)."""
-        stats = {str(i): r.pop_stats() for i, r in self.model.routers().items()}
+        with_loads = self._records_loads()
+        stats = {str(i): r.pop_stats(with_loads) for i, r in self.model.routers().items()}
         if self.ctx.layout.pp > 1:
             everyone: list[dict] = [{} for _ in range(self.ctx.layout.world_size)]
             dist.all_gather_object(everyone, stats)
@@ -274,8 +282,7 @@ class Trainer:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
         layout = self.ctx.layout
         # Snapshots only: an async save writes this JSON at commit time, steps later.
-        segments = [list(segment) for segment in self.data.segments]
-        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data_segments": segments,
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state(),
                          "config": config_to_dict(self.cfg), "rng": self._rng_states()}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
         args = (self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
@@ -324,7 +331,7 @@ class Trainer:
         state = checkpoint.load(Path(path), tensors)
         self.global_state.apply(tensors, state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.data.skip(state["data_segments"])
+        self.data.load_state(state["data"])
         rng = state.get("rng", [])
         if len(rng) == self.ctx.layout.world_size:  # per-rank streams only mean something on the same world
             torch.set_rng_state(torch.tensor(list(base64.b64decode(rng[self.ctx.rank])), dtype=torch.uint8))
@@ -348,7 +355,7 @@ class Trainer:
         if ctx.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed)
+            writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard)
         stop = cfg.train.exit_at_step or cfg.train.steps
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []

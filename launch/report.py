@@ -1,0 +1,142 @@
+"""PNG plots of a run from its metrics.jsonl: `python -m launch.report RUN_DIR [--steps N ...] [--out DIR]`.
+
+Writes into RUN_DIR/report (or --out):
+- loss_lr.png: loss and learning rate against tokens, a dashed line at every stage boundary;
+- throughput.png: tokens/s and MFU against tokens;
+- expert_load_step<N>.png: a layer x expert heatmap of load / mean load at step N, for the steps whose
+  record holds per-expert loads (logging.expert_load_every), or those --steps names.
+Needs matplotlib (`pip install 'moe-pretrain[report]'`).
+"""
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records by step; a step written twice (a crash between checkpoint and resume) keeps the later."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (is {run_dir} a run directory?)")
+    by_step = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            by_step[record["step"]] = record
+    if not by_step:
+        raise ValueError(f"{path}: no steps recorded yet")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def stage_boundaries(records: list[dict]) -> list[tuple[int, str]]:
+    """(tokens at which a stage began, its name) for every stage after the first."""
+    out = []
+    for before, after in itertools.pairwise(records):
+        if after["stage"] != before["stage"]:
+            out.append((before["tokens"], after["stage"]))
+    return out
+
+
+def plot_loss_lr(plt, records: list[dict], path: Path) -> None:
+    tokens = [r["tokens"] for r in records]
+    fig, loss_axis = plt.subplots(figsize=(8, 4.5))
+    loss_axis.plot(tokens, [r["loss"] for r in records], color="tab:blue", label="loss")
+    loss_axis.set_xlabel("tokens")
+    loss_axis.set_ylabel("loss (nats / token)", color="tab:blue")
+    lr_axis = loss_axis.twinx()
+    lr_axis.plot(tokens, [r["lr"] for r in records], color="tab:orange", label="learning rate")
+    lr_axis.set_ylabel("learning rate", color="tab:orange")
+    for at, name in stage_boundaries(records):
+        loss_axis.axvline(at, color="grey", linestyle="--", linewidth=1)
+        loss_axis.annotate(name, (at, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                           fontsize=8)
+    loss_axis.set_title("loss and learning rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_throughput(plt, records: list[dict], path: Path) -> None:
+    tokens = [r["tokens"] for r in records]
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    axis.plot(tokens, [r["tokens_per_s"] for r in records], color="tab:green")
+    axis.set_xlabel("tokens")
+    axis.set_ylabel("tokens / s", color="tab:green")
+    mfu_axis = axis.twinx()
+    mfu_axis.plot(tokens, [100 * r.get("mfu", 0.0) for r in records], color="tab:purple", alpha=0.6)
+    mfu_axis.set_ylabel("MFU (%)", color="tab:purple")
+    for at, _ in stage_boundaries(records):
+        axis.axvline(at, color="grey", linestyle="--", linewidth=1)
+    axis.set_title("throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_expert_load(plt, record: dict, path: Path) -> None:
+    layers = sorted(record["moe"], key=int)
+    rows = []
+    for layer in layers:
+        load = record["moe"][layer]["load"]
+        mean = sum(load) / len(load) or 1.0
+        rows.append([x / mean for x in load])
+    fig, axis = plt.subplots(figsize=(8, 1.2 + 0.4 * len(layers)))
+    image = axis.imshow(rows, aspect="auto", cmap="viridis", interpolation="nearest")
+    axis.set_yticks(range(len(layers)), [f"layer {layer}" for layer in layers])
+    axis.set_xlabel("expert")
+    axis.set_title(f"expert load / mean, step {record['step']} ({record['stage']})")
+    fig.colorbar(image, ax=axis)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(run_dir: Path, out: Path, steps: list[int] | None = None) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("launch.report needs matplotlib: pip install 'moe-pretrain[report]'") from err
+    records = read_metrics(run_dir)
+    with_loads = {r["step"]: r for r in records if r.get("moe") and all("load" in s for s in r["moe"].values())}
+    if steps:
+        missing = [s for s in steps if s not in with_loads]
+        if missing:
+            raise ValueError(f"steps {missing} have no per-expert loads in {run_dir / 'metrics.jsonl'}; steps that "
+                             f"do: {sorted(with_loads) or 'none (logging.expert_load_every=0?)'}")
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "loss_lr.png", out / "throughput.png"]
+    plot_loss_lr(plt, records, written[0])
+    plot_throughput(plt, records, written[1])
+    for step in steps or sorted(with_loads):
+        written.append(out / f"expert_load_step{step}.png")
+        plot_expert_load(plt, with_loads[step], written[-1])
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.report", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--steps", type=int, nargs="*", help="steps for the expert-load heatmaps (default: all "
+                        "steps with per-expert loads)")
+    parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    try:
+        written = write_report(args.run_dir, args.out or args.run_dir / "report", args.steps)
+    except (FileNotFoundError, ValueError, ImportError) as err:
+        print(f"report: {err}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The embedded default corpus, built into indexed datasets on first use and cached.
+
+Two datasets: the Python standard library's source files cut into documents (stdlib_corpus.py), and
+rendered synthetic captioned images (synthetic_images.py). Their names carry everything they are made
+from, so a cached copy is reused only when it is the same data; concurrent builders (every rank of a
+node starts at once) serialise on a file lock and the first one's result is shared.
+"""
+
+import fcntl
+import hashlib
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from moe_pretrain.config import BlendConfig, DataConfig
+from moe_pretrain.data.indexed import DatasetWriter, sidecar_path
+from moe_pretrain.data.stdlib_corpus import read_document, stdlib_source_files
+from moe_pretrain.data.synthetic_images import make_image
+from moe_pretrain.data.tokenizer import encode
+from moe_pretrain.data.vocabulary import BYTES
+
+
+def split_text(data: bytes, max_bytes: int) -> list[bytes]:
+    """Cut data into pieces of at most max_bytes, at the last line break of each piece when there is one."""
+    pieces = []
+    while len(data) > max_bytes:
+        cut = data.rfind(b"\n", 0, max_bytes) + 1 or max_bytes
+        pieces.append(data[:cut])
+        data = data[cut:]
+    if data:
+        pieces.append(data)
+    return pieces
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    default = Path(os.environ.get("MOE_PRETRAIN_CACHE", Path.home() / ".cache" / "moe-pretrain"))
+    return Path(cfg.cache_dir) if cfg.cache_dir else default
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build_once(prefix: Path, write) -> Path:
+    """Build prefix with write(DatasetWriter) unless a finished copy (its sidecar) is there."""
+    if sidecar_path(prefix).is_file():
+        return prefix
+    with _locked(Path(f"{prefix}.lock")):
+        if not sidecar_path(prefix).is_file():
+            print(f"data: building {prefix} (first use, cached afterwards)", file=sys.stderr, flush=True)
+            writer = DatasetWriter(prefix, BYTES)
+            try:
+                write(writer)
+                writer.finalize()
+            except BaseException:
+                writer.abort()
+                raise
+    return prefix
+
+
+def stdlib_text_dataset(cfg: DataConfig) -> Path:
+    files = stdlib_source_files()
+    identity = f"{sys.version}|{files[0].parent}|{len(files)}|{sum(f.stat().st_size for f in files)}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    prefix = cache_root(cfg) / f"stdlib-text-{cfg.text_doc_bytes}-{digest}"
+
+    def write(writer: DatasetWriter) -> None:
+        for i, path in enumerate(files):
+            for piece in split_text(read_document(path), cfg.text_doc_bytes):
+                writer.add(encode(piece), where=f"{path} (file {i})")
+
+    return _build_once(prefix, write)
+
+
+def to_pixels(image: np.ndarray) -> np.ndarray:
+    """[-1, 1] float -> uint8, the stored form (read back as pixels / 127.5 - 1)."""
+    return np.clip(np.rint((image + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+
+def synthetic_image_dataset(cfg: DataConfig, channels: int) -> Path:
+    prefix = cache_root(cfg) / f"synthetic-images-{cfg.image_size}-{channels}-{cfg.seed}-{cfg.embedded_images}"
+
+    def write(writer: DatasetWriter) -> None:
+        for index in range(cfg.embedded_images):
+            image, caption = make_image(cfg.seed, index, cfg.image_size, channels)
+            writer.add([BYTES.image_start, BYTES.image_end, *encode(caption)], [to_pixels(image)])
+
+    return _build_once(prefix, write)
+
+
+def embedded_blend(cfg: DataConfig, channels: int) -> list[BlendConfig]:
+    """data.blend for the embedded corpus: stdlib text and, by token share image_fraction, images."""
+    blend = []
+    if cfg.image_fraction < 1:
+        blend.append(BlendConfig(str(stdlib_text_dataset(cfg)), 1.0 - cfg.image_fraction))
+    if cfg.image_fraction > 0:
+        blend.append(BlendConfig(str(synthetic_image_dataset(cfg, channels)), cfg.image_fraction))
+    return blend

@@ -1,0 +1,200 @@
+"""Our datasets on disk: Megatron indexed datasets (.bin/.idx, read and written by megatron-core) plus a
+JSON sidecar, so any Megatron tool can read the tokens and we can check every file before training.
+
+A dataset with prefix P is:
+- P.bin / P.idx: one sequence per document, the document's body: tokenizer ids, with an
+  IMAGE_START, IMAGE_END pair where each image goes (the packer expands it into patch tokens, so a
+  dataset does not depend on the model's patch size). BOS / EOS are added when documents are read.
+- P.images.bin / P.images.idx (only when there are images): uint8 pixels [C, H, W], one sequence per
+  image, its documents aligned with the token documents.
+- P.json: the vocabulary, image shape and counts. Written last: a dataset without it is unfinished.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+
+from moe_pretrain.data.vocabulary import Vocabulary
+
+FORMAT = "moe-pretrain-indexed-v1"
+
+
+class DataError(ValueError):
+    """A dataset file that cannot be trained on: names the file and, where one is at fault, the record."""
+
+
+def _paths(prefix: str | Path, part: str = "") -> tuple[Path, Path]:
+    base = f"{prefix}{part}"
+    return Path(base + ".bin"), Path(base + ".idx")
+
+
+def sidecar_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.json")
+
+
+class DatasetWriter:
+    """Writes a dataset under temporary names and renames it into place, sidecar last, in finalize()."""
+
+    def __init__(self, prefix: str | Path, vocabulary: Vocabulary):
+        self.prefix = Path(prefix)
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.vocabulary = vocabulary
+        self.token_dtype = DType.optimal_dtype(vocabulary.size)
+        self._tmp = Path(f"{prefix}.tmp")
+        self._tokens = IndexedDatasetBuilder(str(_paths(self._tmp)[0]), dtype=self.token_dtype)
+        self._images = IndexedDatasetBuilder(str(_paths(self._tmp, ".images")[0]), dtype=np.uint8)
+        self.image_shape: tuple[int, ...] | None = None
+        self.documents = self.tokens = self.image_count = 0
+
+    def add(self, body: list[int] | np.ndarray, images: list[np.ndarray] = (), where: str = "") -> None:
+        """One document: its body ids (IMAGE_START, IMAGE_END where each image goes) and its images,
+        uint8 [C, H, W], all of one shape per dataset. `where` names the input record in errors."""
+        body = np.asarray(body, dtype=np.int64)
+        where = where or f"document {self.documents}"
+        if body.size and (body.min() < 0 or body.max() >= self.vocabulary.size):
+            raise DataError(f"{where}: token id {int(body.max())} is outside the vocabulary of {self.vocabulary.size}")
+        markers = int((body == self.vocabulary.image_start).sum())
+        if markers != len(images) or markers != int((body == self.vocabulary.image_end).sum()):
+            raise DataError(f"{where}: {len(images)} images but {markers} image markers in the text")
+        for image in images:
+            if image.dtype != np.uint8 or image.ndim != 3:
+                raise DataError(f"{where}: an image must be uint8 [C, H, W], got {image.dtype} {list(image.shape)}")
+            self.image_shape = self.image_shape or image.shape
+            if image.shape != self.image_shape:
+                raise DataError(f"{where}: image of shape {list(image.shape)}, but this dataset's images are "
+                                f"{list(self.image_shape)}")
+            self._images.add_item(torch.from_numpy(np.ascontiguousarray(image).reshape(-1)))
+        self._images.end_document()
+        self._tokens.add_document(body, [body.size])  # megatron converts with numpy.array: pass one
+        self.documents += 1
+        self.tokens += body.size
+        self.image_count += len(images)
+
+    def abort(self) -> None:
+        """Remove the temporary files of a write that failed (nothing under the final names was touched)."""
+        for builder in (self._tokens, self._images):
+            builder.data_file.close()
+        for part in ("", ".images"):
+            for tmp in _paths(self._tmp, part):
+                tmp.unlink(missing_ok=True)
+
+    def finalize(self) -> Path:
+        if not self.documents:
+            raise DataError(f"{self.prefix}: no documents were written (empty input)")
+        self._tokens.finalize(str(_paths(self._tmp)[1]))
+        self._images.finalize(str(_paths(self._tmp, ".images")[1]))
+        parts = [""] + ([".images"] if self.image_count else [])
+        for part in parts:
+            for tmp, final in zip(_paths(self._tmp, part), _paths(self.prefix, part)):
+                os.replace(tmp, final)
+        if not self.image_count:
+            for tmp in _paths(self._tmp, ".images"):
+                tmp.unlink()
+        sidecar = {"format": FORMAT, "vocabulary": self.vocabulary.to_dict(),
+                   "image_shape": list(self.image_shape) if self.image_shape else None,
+                   "documents": self.documents, "tokens": self.tokens, "images": self.image_count}
+        tmp_sidecar = Path(f"{self._tmp}.json")
+        tmp_sidecar.write_text(json.dumps(sidecar, indent=1) + "\n")
+        os.replace(tmp_sidecar, sidecar_path(self.prefix))
+        return self.prefix
+
+
+def _open_indexed(prefix: str, expected_documents: int, dtype: type) -> IndexedDataset:
+    """megatron-core's reader, after checks that turn its asserts (or a crash) into errors naming the file."""
+    bin_path, idx_path = _paths(prefix)
+    for path in (bin_path, idx_path):
+        if not path.is_file():
+            raise DataError(f"{path}: missing")
+    try:
+        dataset = IndexedDataset(prefix, mmap=True)
+    except (AssertionError, ValueError, OSError) as err:
+        raise DataError(f"{idx_path}: not a readable Megatron index ({err or type(err).__name__})") from err
+    index = dataset.index
+    if index.dtype != dtype:
+        raise DataError(f"{idx_path}: tokens are {np.dtype(index.dtype).name}, expected {np.dtype(dtype).name}")
+    if len(index.document_indices) - 1 != expected_documents:
+        raise DataError(f"{idx_path}: {len(index.document_indices) - 1} documents, but {prefix}.json records "
+                        f"{expected_documents}: the .idx does not belong to this dataset")
+    expected_bytes = int(index.sequence_lengths.astype(np.int64).sum()) * index.dtype_size
+    actual = bin_path.stat().st_size
+    if actual != expected_bytes:
+        ends = np.cumsum(index.sequence_lengths.astype(np.int64)) * index.dtype_size
+        first_bad = int(np.searchsorted(ends, actual, side="right"))
+        raise DataError(f"{bin_path}: {actual} bytes, but {idx_path} describes {expected_bytes} (truncated or does "
+                        f"not match the index); first incomplete record: {first_bad}")
+    return dataset
+
+
+@dataclass
+class Document:
+    tokens: np.ndarray
+    """int64 ids, BOS ... EOS, image markers not yet expanded."""
+    images: list[np.ndarray]
+    """uint8 [C, H, W] per IMAGE_START of tokens."""
+
+
+class IndexedDocuments:
+    """A dataset opened for training: checked against its sidecar, documents read on demand."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = str(prefix)
+        sidecar = sidecar_path(prefix)
+        if not sidecar.is_file():
+            raise DataError(f"{sidecar}: missing; {prefix} is not a dataset written by moe_pretrain.data.preprocess, "
+                            "or its writing did not finish")
+        try:
+            meta = json.loads(sidecar.read_text())
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+            self.vocabulary = Vocabulary(**meta["vocabulary"])
+            self.image_shape = tuple(meta["image_shape"]) if meta["image_shape"] else None
+            self.num_documents = int(meta["documents"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{sidecar}: not a valid dataset description: {err}") from err
+        if self.num_documents == 0:
+            raise DataError(f"{prefix}: the dataset is empty (0 documents)")
+        self.tokens = _open_indexed(self.prefix, self.num_documents, DType.optimal_dtype(self.vocabulary.size))
+        self.images = None
+        if self.image_shape:
+            self.images = _open_indexed(self.prefix + ".images", self.num_documents, np.uint8)
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    @cached_property
+    def images_per_document(self) -> np.ndarray:
+        if self.images is None:
+            return np.zeros(self.num_documents, dtype=np.int64)
+        return np.diff(self.images.index.document_indices).astype(np.int64)
+
+    def document_lengths(self, patches_per_image: int) -> np.ndarray:
+        """Tokens of every document once read: body, BOS and EOS, each image marker pair's patches."""
+        body = self.tokens.index.sequence_lengths.astype(np.int64)
+        return body + 2 + self.images_per_document * patches_per_image
+
+    def document(self, index: int) -> Document:
+        vocab = self.vocabulary
+        body = self.tokens[index].astype(np.int64)
+        if body.size and body.max() >= vocab.size:
+            raise DataError(f"{self.prefix}.bin: record {index} holds token id {int(body.max())}, outside the "
+                            f"vocabulary of {vocab.size} ({vocab.kind})")
+        images = []
+        if self.images is not None:
+            start, end = self.images.index.document_indices[index:index + 2]
+            pixels = int(np.prod(self.image_shape))
+            for i in range(start, end):
+                flat = self.images[int(i)]
+                if flat.size != pixels:
+                    raise DataError(f"{self.prefix}.images.bin: record {index} has an image of {flat.size} values, "
+                                    f"expected {list(self.image_shape)} = {pixels}")
+                images.append(flat.reshape(self.image_shape))
+        if int((body == vocab.image_start).sum()) != len(images):
+            raise DataError(f"{self.prefix}.bin: record {index} has {int((body == vocab.image_start).sum())} image "
+                            f"markers but {len(images)} images")
+        return Document(np.concatenate([[vocab.bos], body, [vocab.eos]]), images)

@@ -1,0 +1,285 @@
+"""Indexed datasets: preprocess -> read round trips with each tokenizer, blends and long-document shares,
+and every kind of bad data failing with the file and record named."""
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from moe_pretrain.config import ConfigError, DataConfig
+from moe_pretrain.data import DataError, PretrainingData
+from moe_pretrain.data.embedded import synthetic_image_dataset
+from moe_pretrain.data.indexed import IndexedDocuments
+from moe_pretrain.data.preprocess import preprocess
+from moe_pretrain.data.tokenizers import load_tokenizer
+from tests.models import tiny_config
+
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓", "the theory of the thing"]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def save_image(path: Path, value: int, shape=(3, 8, 8)) -> str:
+    np.save(path, np.full(shape, value, dtype=np.uint8))
+    return path.name
+
+
+def test_byte_round_trip_with_interleaved_images(tmp_path):
+    first, second = save_image(tmp_path / "a.npy", 10), save_image(tmp_path / "b.npy", 200)
+    source = write_jsonl(tmp_path / "in.jsonl", [
+        {"text": TEXTS[0]},
+        {"text": "see <image> and then <image> end", "images": [first, second]},
+        {"text": "caption only", "images": [first]},
+    ])
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text(TEXTS[1])
+    preprocess([source, text_file], tmp_path / "out" / "ds", progress=False)
+    dataset = IndexedDocuments(tmp_path / "out" / "ds")
+    vocab = dataset.vocabulary
+    assert len(dataset) == 4 and dataset.image_shape == (3, 8, 8)
+    assert dataset.images_per_document.tolist() == [0, 2, 1, 0]
+    doc = dataset.document(0)
+    assert doc.tokens.tolist() == [vocab.bos, *TEXTS[0].encode(), vocab.eos] and doc.images == []
+    doc = dataset.document(1)
+    assert doc.tokens.tolist() == [vocab.bos, *b"see ", vocab.image_start, vocab.image_end, *b" and then ",
+                                   vocab.image_start, vocab.image_end, *b" end", vocab.eos]
+    assert [int(image[0, 0, 0]) for image in doc.images] == [10, 200]
+    doc = dataset.document(2)  # no marker: the image comes first
+    assert doc.tokens[1:3].tolist() == [vocab.image_start, vocab.image_end]
+    assert bytes(dataset.document(3).tokens[1:-1].tolist()).decode() == TEXTS[1]
+    # Lengths as the packer sees them: 4 patches per 8x8 image at patch size 4.
+    bodies = [len(TEXTS[0].encode()), 4 + 2 + 10 + 2 + 4, 2 + len("caption only"), len(TEXTS[1].encode())]
+    assert dataset.document_lengths(4).tolist() == [n + 2 + 4 * k for n, k in zip(bodies, [0, 2, 1, 0])]
+
+
+def train_hf_tokenizer(path: Path) -> Path:
+    tokenizers = pytest.importorskip("tokenizers", reason="the 'data' extra (tokenizers) is part of the test extra")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TEXTS * 20, trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def write_tiktoken_file(path: Path) -> Path:
+    """All 256 bytes, then merges for "th" and "the" (ranks must build up from their parts)."""
+    tokens = [bytes([b]) for b in range(256)] + [b"th", b"the"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["hf", "tiktoken"])
+def test_file_tokenizers_round_trip(tmp_path, kind):
+    if kind == "hf":
+        spec = f"hf:{train_hf_tokenizer(tmp_path / 'tokenizer.json')}"
+    else:
+        pytest.importorskip("tiktoken", reason="the 'data' extra (tiktoken) is part of the test extra")
+        spec = f"tiktoken:{write_tiktoken_file(tmp_path / 'tiny.tiktoken')}"
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    preprocess([source], tmp_path / "ds", tokenizer_spec=spec, progress=False)
+    dataset = IndexedDocuments(tmp_path / "ds")
+    tokenizer = load_tokenizer(spec)
+    vocab = dataset.vocabulary
+    assert vocab == tokenizer.vocabulary and vocab.kind == kind and vocab.fingerprint
+    for i, text in enumerate(TEXTS):
+        doc = dataset.document(i).tokens.tolist()
+        assert doc[0] == vocab.bos and doc[-1] == vocab.eos and max(doc[1:-1]) < vocab.base_size
+        assert doc[1:-1] == tokenizer.encode(text)
+    if kind == "tiktoken":
+        assert tokenizer.encode("the") == [257]  # the merges were applied
+    else:
+        import tokenizers
+        assert tokenizers.Tokenizer.from_file(spec[3:]).decode(dataset.document(1).tokens[1:-1].tolist()) == TEXTS[1]
+
+
+def lettered_dataset(tmp_path: Path, name: str, letter: str, lengths: list[int]) -> str:
+    source = write_jsonl(tmp_path / f"{name}.jsonl", [{"text": letter * n} for n in lengths])
+    preprocess([source], tmp_path / name, progress=False)
+    return str(tmp_path / name)
+
+
+def drawn_tokens(data: PretrainingData, documents: int) -> list:
+    return [data._next_document() for _ in range(documents)]
+
+
+def test_blend_token_shares_follow_the_weights(tmp_path):
+    a = lettered_dataset(tmp_path, "a", "a", [30, 50, 70] * 20)
+    b = lettered_dataset(tmp_path, "b", "b", [10, 200] * 20)
+    cfg = tiny_config(f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]")
+    docs = drawn_tokens(PretrainingData(cfg), 600)
+    from_a = sum(len(d.tokens) for d in docs if d.origin[0] == a)
+    share = from_a / sum(len(d.tokens) for d in docs)
+    assert abs(share - 0.7) < 0.01, share  # greedy token share: within one document of the target
+
+
+def test_long_document_share_per_stage(tmp_path):
+    """Natural mix: the two 80-token documents hold 160/1260 = 12.7% of the tokens (50 others of 22); the
+    second stage asks for half its tokens from documents of >= 80 tokens."""
+    path = lettered_dataset(tmp_path, "mixed", "x", [20] * 50 + [78] * 2)
+    stages = ("stages=[{name: short, tokens: 768, seq_len: 96, batch_tokens: 384}, "
+              "{name: long, tokens: 768, seq_len: 192, batch_tokens: 384, long_doc_share: 0.5, long_doc_tokens: 80}]")
+    cfg = tiny_config(stages, "train.steps=4", f"data.blend=[{{path: {path}}}]")
+    data = PretrainingData(cfg)
+    natural = drawn_tokens(data, 500)
+    natural_share = sum(len(d.tokens) for d in natural if len(d.tokens) >= 80) / sum(len(d.tokens) for d in natural)
+    assert abs(natural_share - 160 / 1260) < 0.02, natural_share
+    data.set_stage(1)
+    upsampled = drawn_tokens(data, 500)
+    share = sum(len(d.tokens) for d in upsampled if len(d.tokens) >= 80) / sum(len(d.tokens) for d in upsampled)
+    assert abs(share - 0.5) < 0.02, share
+    bad = tiny_config(stages.replace("long_doc_tokens: 80", "long_doc_tokens: 500"), "train.steps=4",
+                      f"data.blend=[{{path: {path}}}]")
+    with pytest.raises(ConfigError, match=r"stages\[1\]: long_doc_share=0.5 asks for long documents .* has none"):
+        PretrainingData(bad)
+
+
+def test_a_blend_must_share_one_tokenizer_and_fit_the_model(tmp_path):
+    byte = lettered_dataset(tmp_path, "bytes", "a", [10, 20])
+    source = write_jsonl(tmp_path / "hf.jsonl", [{"text": t} for t in TEXTS])
+    preprocess([source], tmp_path / "hf", tokenizer_spec=f"hf:{train_hf_tokenizer(tmp_path / 't.json')}",
+               progress=False)
+    with pytest.raises(ConfigError, match="a blend must share one tokenizer"):
+        PretrainingData(tiny_config(f"data.blend=[{{path: {byte}}}, {{path: {tmp_path / 'hf'}}}]"))
+    from moe_pretrain.training import Trainer
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than the 30\d ids of the data \(hf"):
+        Trainer(tiny_config(f"data.blend=[{{path: {tmp_path / 'hf'}}}]", "model.vocab_size=256"))
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    save_image(tmp_path / "img.npy", 7)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": f"record {i} " * 20, "images": ["img.npy"]}
+                                                 for i in range(6)])
+    preprocess([source], tmp_path / "ds", progress=False)
+    return tmp_path / "ds"
+
+
+def test_truncated_bin_names_the_file_and_record(dataset):
+    bin_path = Path(f"{dataset}.bin")
+    data = bin_path.read_bytes()
+    bin_path.write_bytes(data[:len(data) // 2])
+    # 6 records of 182 uint16 ids (364 bytes): half the file holds records 0-2 whole.
+    with pytest.raises(DataError, match=r"ds\.bin: 1092 bytes, but .*ds\.idx describes 2184 .*incomplete record: 3"):
+        IndexedDocuments(dataset)
+
+
+def test_an_idx_of_another_dataset_is_refused(dataset, tmp_path):
+    other = lettered_dataset(tmp_path, "other", "z", [5, 6, 7])
+    shutil.copy(f"{other}.idx", f"{dataset}.idx")
+    with pytest.raises(DataError, match=r"ds\.idx: 3 documents, but .*ds\.json records 6"):
+        IndexedDocuments(dataset)
+    Path(f"{dataset}.idx").write_bytes(b"garbage")
+    with pytest.raises(DataError, match=r"ds\.idx: not a readable Megatron index"):
+        IndexedDocuments(dataset)
+
+
+def test_token_ids_outside_the_vocabulary_name_the_record(dataset):
+    """A .bin rewritten (by another tool) with an id >= 262 in record 4: caught when that record is read."""
+    source = IndexedDocuments(dataset)
+    builder = IndexedDatasetBuilder(f"{dataset}.new.bin", dtype=np.uint16)
+    for i in range(len(source)):
+        body = source.tokens[i].astype(np.int64)
+        if i == 4:
+            body[3] = 300
+        builder.add_document(body, [body.size])
+    builder.finalize(f"{dataset}.new.idx")
+    for suffix in (".bin", ".idx"):
+        shutil.move(f"{dataset}.new{suffix}", f"{dataset}{suffix}")
+    reopened = IndexedDocuments(dataset)
+    reopened.document(3)
+    with pytest.raises(DataError, match=r"ds\.bin: record 4 holds token id 300, outside the vocabulary of 262"):
+        reopened.document(4)
+
+
+def test_images_of_the_wrong_shape_are_refused(dataset, tmp_path):
+    sidecar = Path(f"{dataset}.json")
+    original = sidecar.read_text()
+    sidecar.write_text(json.dumps({**json.loads(original), "image_shape": [3, 4, 4]}))
+    with pytest.raises(DataError, match=r"ds\.images\.bin: record 0 has an image of 192 values, expected \[3, 4, 4\]"):
+        IndexedDocuments(dataset).document(0)
+    sidecar.write_text(original)
+    # At preprocess time: the record (file:line) that breaks the dataset's shape.
+    save_image(tmp_path / "big.npy", 1, shape=(3, 16, 16))
+    source = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "images": ["img.npy"]},
+                                                    {"text": "b", "images": ["big.npy"]}])
+    with pytest.raises(DataError, match=r"mixed\.jsonl:2: image of shape \[3, 16, 16\], but this dataset's images "
+                                        r"are \[3, 8, 8\]"):
+        preprocess([source], tmp_path / "mixed", progress=False)
+    assert not list(tmp_path.glob("mixed.*bin")) and not list(tmp_path.glob("mixed*.json"))  # nothing half-written
+    # In training: images the model cannot cut into patches.
+    with pytest.raises(ConfigError, match=r"holds 3x8x8 images, which model.vision \(channels=3, patch_size=3\)"):
+        PretrainingData(tiny_config(f"data.blend=[{{path: {dataset}}}]", "model.vision.patch_size=3",
+                                    "data.image_size=9"))
+
+
+def test_empty_and_unfinished_datasets_are_refused(tmp_path):
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(DataError, match=r"out: no documents were written \(empty input\)"):
+        preprocess([empty], tmp_path / "out", progress=False)
+    path = lettered_dataset(tmp_path, "ok", "a", [3])
+    meta = json.loads(Path(f"{path}.json").read_text())
+    Path(f"{path}.json").write_text(json.dumps({**meta, "documents": 0}))
+    with pytest.raises(DataError, match=r"ok: the dataset is empty \(0 documents\)"):
+        IndexedDocuments(path)
+    Path(f"{path}.json").unlink()
+    with pytest.raises(DataError, match=r"ok\.json: missing; .* not a dataset written by .*preprocess"):
+        IndexedDocuments(path)
+
+
+@pytest.mark.timeout(120)
+def test_preprocess_command_line(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    done = subprocess.run([sys.executable, "-m", "moe_pretrain.data.preprocess", "--input", str(source),
+                           "--output", str(tmp_path / "ds")], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and "3 documents" in done.stdout and "[####" in done.stderr
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    failed = subprocess.run([sys.executable, "-m", "moe_pretrain.data.preprocess", "--input",
+                             str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "bad")],
+                            capture_output=True, text=True, timeout=100)
+    assert failed.returncode == 1 and "bad.jsonl:2: not valid JSON" in failed.stderr
+    assert not list(tmp_path.glob("bad.*bin"))
+
+
+@pytest.mark.timeout(120)
+def test_embedded_corpus_is_built_once_under_concurrency(tmp_path):
+    """Two processes building the same cache at once: one builds, both use the same finished dataset."""
+    code = ("import sys; from moe_pretrain.config import DataConfig; "
+            "from moe_pretrain.data.embedded import synthetic_image_dataset as s; "
+            f"print(s(DataConfig(cache_dir={str(tmp_path)!r}, embedded_images=3000), 3))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=100) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    assert outputs[0][0] == outputs[1][0]
+    assert sum("building" in err for _, err in outputs) == 1
+    assert len(IndexedDocuments(outputs[0][0].strip())) == 3000
+    assert not list(tmp_path.glob("*.tmp*"))
+    prefix = synthetic_image_dataset(DataConfig(cache_dir=str(tmp_path), embedded_images=3000), 3)
+    assert str(prefix) == outputs[0][0].strip()  # reused, not rebuilt
+
+
+def test_training_reads_a_preprocessed_blend(tmp_path):
+    """A few steps on two preprocessed datasets: the loss falls and the stream position resumes."""
+    a = lettered_dataset(tmp_path, "a", "ab", [40] * 30)
+    b = lettered_dataset(tmp_path, "b", "cd", [40] * 30)
+    from moe_pretrain.training import Trainer
+    cfg = tiny_config(f"data.blend=[{{path: {a}}}, {{path: {b}}}]", "train.steps=12", "logging.progress=false",
+                      f"train.run_dir={tmp_path / 'run'}", "data.image_fraction=0")
+    history = Trainer(cfg).run()
+    assert history[-1]["loss"] < history[0]["loss"] - 1.0
+    assert torch.isfinite(torch.tensor([h["loss"] for h in history])).all()
