@@ -46,7 +46,7 @@ def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
 def test_caption_colour_is_predicted_from_the_image(tmp_path):
     assert len({name[0] for name in COLOURS}) == len(COLOURS)  # first letters identify the colour
     cfg = load_config("configs/smoke.yaml", [
-        "train.steps=150", "data.image_fraction=1.0", "data.seq_len=128", "data.batch_size=8",
+        "train.steps=300", "data.image_fraction=1.0", "data.seq_len=128", "data.batch_size=8",
         "model.hidden_size=64", "model.num_layers=4", "model.layer_pattern=KKKM", "model.kda.head_dim=32",
         "model.moe.latent_size=32", "model.dense_intermediate=128", "model.moe.expert_intermediate=32",
         "model.moe.shared_intermediate=32", "optim.warmup_steps=10", "logging.progress=false",
@@ -56,7 +56,8 @@ def test_caption_colour_is_predicted_from_the_image(tmp_path):
     seen = colour_accuracy(trainer.model, cfg, wrong_images=False)
     wrong = colour_accuracy(trainer.model, cfg, wrong_images=True)
     chance = 1 / len(COLOURS)
-    # Measured: 0.72 with the image, 0.10 with another image's patches (chance 0.14).
+    # Measured over train.seed 0, 2, 3, 4: 0.85 / 0.84 / 0.99 / 0.91 with the image, 0.09-0.11 with another
+    # image's patches (chance 0.14). At 150 steps half the seeds had not yet learnt to look (0.18-0.76).
     assert seen >= 0.5, seen
     assert wrong <= chance + 0.15, wrong
     assert seen - wrong >= 0.3, (seen, wrong)

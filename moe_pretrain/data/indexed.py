@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, IndexedDataset, IndexedDatasetBuilder
 
 from moe_pretrain.data.vocabulary import Vocabulary
 
@@ -111,6 +111,9 @@ def _open_indexed(prefix: str, expected_documents: int, dtype: type) -> IndexedD
     for path in (bin_path, idx_path):
         if not path.is_file():
             raise DataError(f"{path}: missing")
+    with idx_path.open("rb") as index_file:
+        if index_file.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
+            raise DataError(f"{idx_path}: not a readable Megatron index (bad header)")
     try:
         dataset = IndexedDataset(prefix, mmap=True)
     except (AssertionError, ValueError, OSError) as err:
