@@ -6,9 +6,11 @@ folding with expert tensor parallel 1: the expert-parallel group spans data-para
 expert parameters are reduced over the expert-data-parallel group.
 """
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -152,7 +154,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     if backend == "nccl":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     # megatron-core warns at import that Transformer Engine and apex are absent; on CPU that is expected.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron.core import parallel_state as ps
@@ -165,6 +167,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=max(1, math.ceil(cfg.parallel.timeout_s / 60)),
     )
     return ParallelContext(
         layout=layout,

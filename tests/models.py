@@ -2,17 +2,19 @@
 
 from moe_pretrain.config import load_config
 
+TINY = [
+    "model.hidden_size=32", "model.num_layers=6", "model.layer_pattern=KKMKKM",
+    "model.dense_intermediate=48", "model.kda.num_heads=2", "model.kda.head_dim=8",
+    "model.kda.chunk_size=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=16",
+    "model.mla.kv_lora_rank=8", "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4",
+    "model.mla.v_head_dim=8", "model.moe.num_experts=8", "model.moe.top_k=2",
+    "model.moe.expert_intermediate=16", "model.moe.latent_size=16", "model.moe.shared_intermediate=16",
+    "model.attn_res.block_size=2", "model.vision.patch_size=4", "data.image_size=8",
+    "data.seq_len=96", "data.batch_size=4",
+]
+"""configs/smoke.yaml shrunk further (command-line overrides): d=32, 6 layers KKMKKM, 8 experts top-2, block 2."""
+
 
 def tiny_config(*overrides: str):
-    """configs/smoke.yaml shrunk further: d=32, 6 layers KKMKKM, 8 experts top-2, block 2."""
-    base = [
-        "model.hidden_size=32", "model.num_layers=6", "model.layer_pattern=KKMKKM",
-        "model.dense_intermediate=48", "model.kda.num_heads=2", "model.kda.head_dim=8",
-        "model.kda.chunk_size=16", "model.mla.num_heads=2", "model.mla.q_lora_rank=16",
-        "model.mla.kv_lora_rank=8", "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4",
-        "model.mla.v_head_dim=8", "model.moe.num_experts=8", "model.moe.top_k=2",
-        "model.moe.expert_intermediate=16", "model.moe.latent_size=16", "model.moe.shared_intermediate=16",
-        "model.attn_res.block_size=2", "model.vision.patch_size=4", "data.image_size=8",
-        "data.seq_len=96", "data.batch_size=4",
-    ]
-    return load_config("configs/smoke.yaml", [*base, *overrides])
+    """The TINY model as a config, with more overrides on top."""
+    return load_config("configs/smoke.yaml", [*TINY, *overrides])

@@ -196,6 +196,10 @@ def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:
         if not problems:
             return path, warnings
         warnings.append(f"skipping {path}: " + "; ".join(problems))
+    if warnings:
+        # Starting from scratch would silently throw the run away, and a restart would do it again.
+        raise CheckpointError(f"no checkpoint in {root} verifies ({'; '.join(warnings)}); not starting over. "
+                              "Repair or move them aside, or set train.resume=none to start a new run")
     return None, warnings
 
 

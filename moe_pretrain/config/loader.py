@@ -139,6 +139,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if dataclasses.is_dataclass(item):
             return [build(item, v, f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping, got {type(value).__name__}")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_coerce(k, key_hint, f"{key} key"): _coerce(v, value_hint, f"{key}.{k}") for k, v in value.items()}
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -32,10 +32,13 @@ class ParallelConfig:
     """auto: nccl on CUDA machines, gloo elsewhere."""
     bucket_mb: float = 25.0
     """Gradient reduce-scatter bucket size in MiB."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a collective waiting longer fails instead of hanging (gloo's default is
+    30 minutes); keep it above the longest checkpoint save."""
 
     def __post_init__(self) -> None:
         require_positive("parallel", tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, vpp=self.vpp,
-                         bucket_mb=self.bucket_mb)
+                         bucket_mb=self.bucket_mb, timeout_s=self.timeout_s)
 
 
 @dataclass
@@ -96,9 +99,17 @@ class TrainConfig:
     max_skipped_steps: int = 3
     """A step whose loss or gradient norm is not finite is skipped (no update) and counted; this many in
     a row stop the run with the step and the last good checkpoint named."""
+    hang_multiple: float = 10.0
+    """Watchdog: a step running longer than this many times the median of the stage's recent steps (and
+    at least hang_min_s) dumps every thread's stack to <run_dir>/hang/ and exits (code 76); 0 = off."""
+    hang_min_s: float = 120.0
+    hang_timeout_s: float = 3600.0
+    """Watchdog: the absolute limit for one step (also before any median exists); 0 = none."""
 
     def __post_init__(self) -> None:
         require_positive("train", steps=self.steps)
+        require(self.hang_multiple >= 0 and self.hang_min_s >= 0 and self.hang_timeout_s >= 0,
+                "train.hang_multiple, train.hang_min_s and train.hang_timeout_s must be >= 0")
         require(self.max_skipped_steps >= 1, f"train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
         require(0 <= self.exit_at_step <= self.steps,
                 f"train.exit_at_step={self.exit_at_step} must be in [0, train.steps={self.steps}]")
@@ -172,6 +183,38 @@ class LoggingConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How `python -m launch.slurm` starts and keeps the job running (nodes, GPUs, time and partition are
+    given on its command line, since they describe an allocation rather than the run)."""
+
+    signal: str = "USR2"
+    """Signal SLURM sends the job script signal_lead_s before the time limit (sbatch --signal=B:SIG@lead);
+    the script forwards it to the training processes, which checkpoint and exit 75. USR2, because NCCL
+    may use USR1."""
+    signal_lead_s: int = 300
+    """Seconds before the limit: enough for one step and a synchronous checkpoint."""
+    max_restarts: int = 3
+    """torchrun restarts of the workers after a crash, within one allocation (they resume automatically)."""
+    rdzv_port: int = 29500
+    cpus_per_task: int = 0
+    """CPUs per node for the training processes; 0 = 8 per GPU (or 1 per process on CPU)."""
+    python: str = "python"
+    """The interpreter on the compute nodes (e.g. /shared/venvs/moe/bin/python)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for the training processes, e.g. NCCL_IB_HCA: mlx5, NCCL_SOCKET_IFNAME: ib0."""
+
+    def __post_init__(self) -> None:
+        require(self.signal.isalnum() and self.signal.isupper(),
+                f"launch.signal={self.signal!r} must be a signal name such as USR2 or TERM")
+        require_positive("launch", signal_lead_s=self.signal_lead_s, rdzv_port=self.rdzv_port)
+        require(self.max_restarts >= 0 and self.cpus_per_task >= 0,
+                "launch.max_restarts and launch.cpus_per_task must be >= 0")
+        for name in self.env:
+            require(name.isidentifier() and name.isascii(),
+                    f"launch.env key {name!r} is not a valid environment variable name")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -180,6 +223,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     stages: list[StageConfig] = field(default_factory=list)
     """The staged context-extension schedule; empty = one stage from data.* and optim.* (train.steps)."""
 

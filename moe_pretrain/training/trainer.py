@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,9 +32,12 @@ from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
 from moe_pretrain.training.optim import build_optimizer, learning_rate
+from moe_pretrain.training.outcome import Preempted
 from moe_pretrain.training.parallelize import parallelize_model
 from moe_pretrain.training.pipeline import Pipeline, StepShape
+from moe_pretrain.training.preemption import PreemptionFlag
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
+from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_sum
 from parallel.state import ParallelContext, resolve_layout
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -106,7 +110,8 @@ class Trainer:
         self.async_saver = None
         if cfg.checkpoint.async_save:
             # Background I/O gets its own gloo group (created collectively, here, on every rank).
-            group = dist.new_group(backend="gloo") if self.ctx.distributed else None
+            group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                     if self.ctx.distributed else None)
             self.async_saver = checkpoint.AsyncSaver(group)
         self._loss_tokens = 1
         self.skipped_total = self.skipped_in_a_row = 0
@@ -360,10 +365,19 @@ class Trainer:
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []
         saved_at = self.step if resumed else -1
+        preemption = PreemptionFlag()
+        t = cfg.train
+        watchdog = StepWatchdog(run_dir, ctx.rank, t.hang_multiple, t.hang_min_s, t.hang_timeout_s)
+        stage = None
         try:
             while self.step < stop:
                 plan = self.step_plan()
+                if plan.stage != stage:
+                    stage = plan.stage
+                    watchdog.new_stage()
+                watchdog.begin(self.step + 1)
                 result = self.train_step()
+                watchdog.end()
                 record = self.metrics(result)
                 if writer is not None:
                     writer.write(record)
@@ -375,11 +389,22 @@ class Trainer:
                 if at_boundary or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
                     saved_at = self.step
+                signal_name = preemption.agreed(ctx.distributed, self.device)
+                if signal_name and self.step < stop:
+                    if saved_at != self.step:
+                        self.save_checkpoint()
+                    self._wait_for_async_save()
+                    raise Preempted(self.step, self.last_checkpoint, signal_name)
             if saved_at != self.step:
                 self.save_checkpoint()
-            if self.async_saver is not None:
-                self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
+            self._wait_for_async_save()
         finally:
+            watchdog.close()
+            preemption.close()
             if writer is not None:
                 writer.close()
         return history
+
+    def _wait_for_async_save(self) -> None:
+        if self.async_saver is not None:
+            self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint

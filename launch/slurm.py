@@ -1,0 +1,184 @@
+"""SLURM jobs: render an sbatch script for a config, or submit it.
+
+    python -m launch.slurm render CONFIG [--config MORE] --nodes N --gpus-per-node G --time HH:MM:SS
+        [--partition P] [--account A] [--extra-sbatch=--qos=high ...] [--procs-per-node K] [overrides ...]
+    python -m launch.slurm submit ... [--dry-run]        # prints the job id (dry run: only the script)
+
+The script runs one `srun` task per node, each a torchrun joining a c10d rendezvous on the first node.
+It asks SLURM for the preemption signal launch.signal_lead_s before the time limit (--signal=B:...),
+forwards it through srun and torchrun to the training processes (which checkpoint and exit), then reads
+<run_dir>/status.json: preempted -> `scontrol requeue` (the job comes back and resumes from the
+checkpoint), finished -> exit 0, failed (bad config or data: permanent) -> exit 78, never requeued.
+
+Every value that reaches the shell is quoted with shlex.quote; values that go into #SBATCH lines (which
+sbatch parses itself) must be plain tokens and are otherwise refused.
+"""
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_pretrain.config import Config, ConfigError, load_config
+from moe_pretrain.training.outcome import PERMANENT
+
+SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.,:=/@+%-]+$")
+TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+@dataclass
+class JobRequest:
+    configs: list[str]
+    overrides: list[str]
+    nodes: int
+    gpus_per_node: int
+    time: str
+    procs_per_node: int = 0
+    """Training processes per node; 0 = gpus_per_node (set it for CPU-only jobs)."""
+    partition: str = ""
+    account: str = ""
+    job_name: str = "moe-pretrain"
+    extra_sbatch: list[str] = field(default_factory=list)
+    workdir: str = "."
+
+
+def _header_value(option: str, value: str) -> str:
+    if not SBATCH_TOKEN.match(value):
+        raise ValueError(f"{option}={value!r}: only letters, digits and _.,:=/@+%- may go into an #SBATCH line")
+    return value
+
+
+def _extra(option: str) -> str:
+    if not option.startswith("--") or not SBATCH_TOKEN.match(option):
+        raise ValueError(f"--extra-sbatch {option!r}: give one long option as --name=value, made of plain characters")
+    return option
+
+
+def render(request: JobRequest, cfg: Config) -> str:
+    """The sbatch script (text). Raises ValueError for anything that cannot be put in it safely."""
+    launch, q = cfg.launch, shlex.quote
+    if request.nodes < 1 or request.gpus_per_node < 0:
+        raise ValueError("--nodes must be >= 1 and --gpus-per-node >= 0")
+    procs = request.procs_per_node or request.gpus_per_node
+    if procs < 1:
+        raise ValueError("--procs-per-node is needed when --gpus-per-node is 0 (a CPU job)")
+    if not TIME.match(request.time):
+        raise ValueError(f"--time={request.time!r} must be HH:MM:SS or D-HH:MM:SS")
+    cpus = launch.cpus_per_task or (8 * request.gpus_per_node if request.gpus_per_node else procs)
+    run_dir = Path(cfg.train.run_dir)
+    header = [
+        f"--job-name={_header_value('--job-name', request.job_name)}",
+        f"--chdir={_header_value('working directory', str(Path(request.workdir).resolve()))}",
+        f"--nodes={request.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={cpus}",
+        f"--time={request.time}",
+        f"--output={_header_value('train.run_dir', str(run_dir))}/slurm-%j.out",  # run_dir exists: submit makes it
+        "--requeue",
+        "--open-mode=append",
+        f"--signal=B:{launch.signal}@{launch.signal_lead_s}",
+    ]
+    if request.gpus_per_node:
+        header.append(f"--gpus-per-node={request.gpus_per_node}")
+    if request.partition:
+        header.append(f"--partition={_header_value('--partition', request.partition)}")
+    if request.account:
+        header.append(f"--account={_header_value('--account', request.account)}")
+    header += [_extra(option) for option in request.extra_sbatch]
+    environment = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",   # a failed collective aborts the process instead of hanging
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",        # the flight recorder writes what each rank was doing
+        "OMP_NUM_THREADS": str(max(1, cpus // procs)),
+        **launch.env,
+    }
+    train_args = " ".join(q(arg) for config in request.configs for arg in ("--config", config))
+    train_args += "".join(" " + q(override) for override in request.overrides)
+    torchrun = (f"{q(launch.python)} -m torch.distributed.run --nnodes={request.nodes} --nproc-per-node={procs} "
+                f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:{launch.rdzv_port}\" "
+                f"--max-restarts={launch.max_restarts} --signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
+                f"--shutdown-timeout={launch.signal_lead_s} -m launch.train {train_args}")
+    lines = ["#!/bin/bash", *(f"#SBATCH {h}" for h in header), "",
+             "# Rendered by python -m launch.slurm; every shell value below is quoted.",
+             "set -uo pipefail",
+             f"cd {q(str(Path(request.workdir).resolve()))}",
+             *(f"export {name}={q(value)}" for name, value in environment.items()),
+             f"run_dir={q(str(run_dir))}",
+             'mkdir -p "$run_dir"',
+             'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on $head)"',
+             'rm -f "$run_dir/status.json"  # written again by this run: finished, preempted or failed',
+             "srun_pid=",
+             "forward() {",
+             f'  echo "job $SLURM_JOB_ID: SIG{launch.signal} received, forwarding it to the training processes"',
+             f'  [ -n "$srun_pid" ] && kill -s {launch.signal} "$srun_pid"',
+             "}",
+             f"trap forward {launch.signal}",
+             f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 {torchrun} &",
+             "srun_pid=$!",
+             "# wait returns early when the trap runs: keep waiting until srun has really ended.",
+             'while true; do wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
+             f"state=$({q(launch.python)} -c 'import json, sys; print(json.load(open(sys.argv[1]))[\"state\"])' "
+             '"$run_dir/status.json" 2>/dev/null)',
+             'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
+             'case "$state" in',
+             "  finished) exit 0 ;;",
+             '  preempted) echo "job $SLURM_JOB_ID: requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
+             f"  failed) exit {PERMANENT} ;;",
+             '  *) exit "$code" ;;  # a crash torchrun could not restart away: left to a person',
+             "esac", ""]
+    return "\n".join(lines)
+
+
+def submit(script: str, run_dir: Path) -> str:
+    """Write the script into the run directory (kept beside the run) and sbatch it; -> the job id."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "job.sbatch"
+    path.write_text(script)
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout.strip().split(";")[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=["render", "submit"])
+    parser.add_argument("config", help="YAML config")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--config", dest="more_configs", action="append", default=[], help="more YAML layered on")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--procs-per-node", type=int, default=0, help="default: --gpus-per-node (CPU jobs: set it)")
+    parser.add_argument("--time", required=True, help="HH:MM:SS or D-HH:MM:SS")
+    parser.add_argument("--partition", default="")
+    parser.add_argument("--account", default="")
+    parser.add_argument("--job-name", default="moe-pretrain")
+    parser.add_argument("--extra-sbatch", action="append", default=[], help="one extra option, --name=value")
+    parser.add_argument("--dry-run", action="store_true", help="submit: print the script, do not run sbatch")
+    args = parser.parse_args(argv)
+    configs = [args.config, *args.more_configs]
+    try:
+        cfg = load_config(configs, args.overrides)
+        request = JobRequest(configs, args.overrides, args.nodes, args.gpus_per_node, args.time, args.procs_per_node,
+                             args.partition, args.account, args.job_name, args.extra_sbatch)
+        script = render(request, cfg)
+    except (ConfigError, ValueError) as err:
+        print(f"launch.slurm: {err}", file=sys.stderr)
+        return 2
+    if args.action == "render" or args.dry_run:
+        print(script, end="")
+        return 0
+    try:
+        print(submit(script, Path(cfg.train.run_dir)))
+    except RuntimeError as err:
+        print(f"launch.slurm: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""How a training process ends: documented exit codes, and run_dir/status.json for job scripts.
+
+Exit codes (every rank exits with the same one):
+- 0  FINISHED   the run reached train.steps (or train.exit_at_step); a final checkpoint is committed.
+- 75 REQUEUE    stopped on a preemption signal (SIGUSR2, SIGTERM) after committing a checkpoint:
+                start the same job again and it resumes there (EX_TEMPFAIL).
+- 76 HUNG       the watchdog found a step running far longer than usual and dumped every thread's stack
+                to run_dir/hang/; a restart may help (a stuck peer or link).
+- 78 PERMANENT  bad config, bad data, no checkpoint that verifies, repeated non-finite loss: starting
+                again would fail the same way, so nothing should requeue it (EX_CONFIG).
+- anything else: a crash (a bug, a lost node): torchrun --max-restarts may restart it.
+
+Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint"}), which
+the SLURM job script reads to decide whether to requeue: torchrun does not pass its workers' exit codes on.
+"""
+
+import json
+import os
+from pathlib import Path
+
+FINISHED = 0
+REQUEUE = 75
+HUNG = 76
+PERMANENT = 78
+
+STATES = {FINISHED: "finished", REQUEUE: "preempted", HUNG: "hung", PERMANENT: "failed"}
+
+
+class Preempted(Exception):  # noqa: N818 (an outcome, not an error)
+    """Raised on every rank once a preemption checkpoint is committed."""
+
+    def __init__(self, step: int, checkpoint: Path | None, signal_name: str):
+        super().__init__(f"preempted by {signal_name} at step {step}; checkpoint {checkpoint} committed")
+        self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+
+
+def write_status(run_dir: str | Path, exit_code: int, step: int, message: str, checkpoint: Path | None) -> None:
+    """Atomically replace run_dir/status.json (rank 0 only)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    status = {"state": STATES.get(exit_code, "crashed"), "exit_code": exit_code, "step": step,
+              "message": message, "checkpoint": str(checkpoint) if checkpoint else None}
+    tmp = run_dir / "status.json.tmp"
+    tmp.write_text(json.dumps(status, indent=1) + "\n")
+    os.replace(tmp, run_dir / "status.json")

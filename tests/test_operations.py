@@ -1,0 +1,81 @@
+"""Operations without SLURM: exit codes, the preemption signal, the hang watchdog, and a run whose
+checkpoints all fail verification."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_pretrain.training.outcome import HUNG, PERMANENT, REQUEUE
+from tests.models import TINY
+
+TRAIN = [sys.executable, "-m", "launch.train", "--config", "configs/smoke.yaml", *TINY, "logging.progress=false"]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while steps_done(run_dir) < step:
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        assert time.time() < deadline, "the run did not get going"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_preemption_signal_saves_and_exits_for_requeue(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, "train.steps=400", f"train.run_dir={run_dir}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, run_dir, 3)
+    proc.send_signal(signal.SIGUSR2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE, err[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    step = status["step"]
+    assert status["state"] == "preempted" and 3 <= step < 400 and "SIGUSR2" in status["message"]
+    checkpoint = Path(status["checkpoint"])
+    assert checkpoint.name == f"step_{step:08d}" and (checkpoint / "manifest.json").exists()
+    assert f"preempted by SIGUSR2 at step {step}" in out
+
+
+@pytest.mark.timeout(240)
+def test_watchdog_dumps_stacks_and_names_the_stuck_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(torchrun("-m", "tests.hang_worker", "1", "5", "--config", "configs/smoke.yaml", *TINY,
+                                   "logging.progress=false", "train.steps=50", "train.hang_multiple=5",
+                                   "train.hang_min_s=3", f"train.run_dir={run_dir}"),
+                          capture_output=True, text=True, timeout=200)
+    assert done.returncode != 0
+    assert "watchdog (rank 1): step 5 has run" in done.stderr and f"exiting with code {HUNG}" in done.stderr
+    dump = (run_dir / "hang" / "rank1.txt").read_text()
+    assert "train.hang_multiple=5 x the median step" in dump
+    assert "hang_worker.py" in dump and "train_step" in dump  # the stuck frame, from faulthandler
+    print(dump[:2000])
+
+
+@pytest.mark.timeout(240)
+def test_no_verifiable_checkpoint_is_a_permanent_failure(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.run([*TRAIN, "train.steps=4", "checkpoint.every=2", f"train.run_dir={run_dir}"],
+                           capture_output=True, text=True, timeout=200)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for checkpoint in (run_dir / "checkpoints").glob("step_*"):
+        shard = next(checkpoint.glob("*.distcp"))
+        shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+    again = subprocess.run([*TRAIN, "train.steps=6", "checkpoint.every=2", f"train.run_dir={run_dir}"],
+                           capture_output=True, text=True, timeout=200)
+    assert again.returncode == PERMANENT, again.stderr[-3000:]
+    assert "no checkpoint in" in again.stderr and "verifies" in again.stderr and "not starting over" in again.stderr
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"

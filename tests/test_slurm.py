@@ -1,0 +1,129 @@
+"""launch.slurm: quoting of everything put into the script, and real jobs on a single-node SLURM cluster:
+a job that finishes and checkpoints, and one preempted mid-run that checkpoints, requeues itself, resumes
+and ends at the same loss as the uninterrupted one."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.slurm import JobRequest, render, submit
+from moe_pretrain.config import load_config
+from tests.models import TINY
+from tests.slurm_cluster import Cluster, ClusterUnavailableError
+
+HOSTILE = "$(touch {marker}); `touch {marker}` ' \" ; touch {marker} \n #SBATCH --wrap=x"
+
+
+def request(*overrides: str, **fields) -> tuple[JobRequest, object]:
+    configs = ["configs/smoke.yaml"]
+    values = dict(nodes=1, gpus_per_node=0, time="00:10:00", procs_per_node=2)
+    values.update(fields)
+    return JobRequest(configs, list(overrides), **values), load_config(configs, list(overrides))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("partition", "debug\n#SBATCH --wrap=rm"), ("account", "a b"), ("job_name", "$(x)"), ("time", "1:00:00;x"),
+    ("extra_sbatch", ["--qos=high; touch x"]), ("extra_sbatch", ["-p debug"]),
+])
+def test_header_values_that_sbatch_would_misread_are_refused(field, value):
+    job, cfg = request(**{field: value})
+    with pytest.raises(ValueError, match=r"(only letters|must be HH:MM:SS|plain characters)"):
+        render(job, cfg)
+
+
+@pytest.mark.timeout(60)
+def test_hostile_values_reach_the_training_command_intact(tmp_path):
+    """Run the rendered script with stand-ins for srun and scontrol: the hostile strings arrive as single
+    arguments / values and nothing they contain is executed."""
+    marker = tmp_path / "pwned"
+    hostile = HOSTILE.format(marker=marker)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"srun": f'printf "%s\\n" "$@" > {tmp_path}/argv; env > {tmp_path}/env',
+                       "scontrol": 'echo node1'}.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    job, cfg = request(f"train.resume={hostile}", "launch.env={NCCL_SOCKET_IFNAME: " + json.dumps(hostile) + "}",
+                       f"train.run_dir={tmp_path}/run", workdir=str(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(job, cfg))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
+    argv = (tmp_path / "argv").read_text().split("\n")
+    assert not marker.exists()
+    assert f"train.resume={hostile.splitlines()[0]}" in argv  # printf splits only on the embedded newline
+    assert f"NCCL_SOCKET_IFNAME={hostile.splitlines()[0]}" in (tmp_path / "env").read_text()
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in argv and "--rdzv-id=7" in argv
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        running = Cluster(tmp_path_factory.mktemp("slurm")).start()
+    except ClusterUnavailableError as why:
+        pytest.skip(str(why))
+    yield running
+    running.stop()
+
+
+def job_overrides(run_dir: Path) -> list[str]:
+    return [*TINY, "train.steps=30", "logging.progress=false", f"train.run_dir={run_dir}",
+            f"launch.python={sys.executable}", "launch.signal_lead_s=60"]
+
+
+def final_loss(run_dir: Path) -> float:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["loss"]
+
+
+def start_job(cluster: Cluster, run_dir: Path) -> str:
+    job, cfg = request(*job_overrides(run_dir))
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        return submit(render(job, cfg), run_dir)
+    finally:
+        del os.environ["SLURM_CONF"]
+
+
+@pytest.fixture(scope="module")
+def finished_job(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("plain") / "run"
+    job_id = start_job(cluster, run_dir)
+    info = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    return job_id, info, run_dir
+
+
+@pytest.mark.timeout(400)
+def test_a_job_runs_to_the_end_and_checkpoints(finished_job):
+    job_id, info, run_dir = finished_job
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert (run_dir / "checkpoints" / "step_00000030" / "manifest.json").exists()
+    assert f"job {job_id}: training ended with state finished" in log
+
+
+@pytest.mark.timeout(600)
+def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = start_job(cluster, run_dir)
+    deadline = time.time() + 240
+    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 8:
+        assert time.time() < deadline, "the job did not get going"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], env=cluster.env, check=True)
+    cluster.wait(job_id, {"PENDING"}, timeout=120)  # requeued by its own script
+    info = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=420)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    step = int(log.split("preempted by SIGUSR2 at step ")[1].split(";")[0])
+    assert 8 <= step < 30
+    assert f"job {job_id}: requeueing" in log and f"job {job_id} restart 1" in log
+    assert f"resumed from {run_dir}/checkpoints/step_{step:08d} at step {step}" in log
+    assert final_loss(run_dir) == pytest.approx(final_loss(finished_job[2]), rel=1e-6)
+    print(f"job {job_id}: preempted at step {step}, requeued, resumed, finished; final loss {final_loss(run_dir)}")
