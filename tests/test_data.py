@@ -123,16 +123,19 @@ def test_batches_are_deterministic():
         assert torch.equal(a.patches, b.patches)
 
 
-def test_position_resumes_exactly_from_its_counters():
+def test_position_resumes_exactly_from_its_counters(tmp_path):
     """state() -> a fresh pipeline's load_state() continues with the very next row, even when that row
-    starts with the rest of a cut document."""
+    starts with the rest of a cut document, and even when the embedded corpus is cached elsewhere
+    (another machine's home directory)."""
     cfg = tiny_config("data.image_fraction=0.25", "data.seq_len=128")
     running = PretrainingData(cfg)
     for _ in range(3):
         running.next_batch(8)
     state = running.state()
     assert state["pending"] is not None and state["rows"] == 24
-    resumed = PretrainingData(cfg)
+    assert not state["pending"][0].startswith("/")  # saved by name, not by cache path
+    resumed = PretrainingData(tiny_config("data.image_fraction=0.25", "data.seq_len=128",
+                                          f"data.cache_dir={tmp_path / 'elsewhere'}"))
     resumed.load_state(state)
     for _ in range(3):
         a, b = running.next_batch(8), resumed.next_batch(8)

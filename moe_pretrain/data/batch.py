@@ -100,6 +100,8 @@ class PretrainingData:
         self.cfg = cfg
         self.patch_size, self.patch_dim = cfg.model.vision.patch_size, cfg.model.vision.patch_dim
         self.datasets: dict[str, IndexedDocuments] = {}
+        self.names: dict[str, str] = {}
+        """Dataset path -> the name positions are saved under (cached corpora: their file name)."""
         self._embedded: list[BlendConfig] | None = None
         self.plans = self._plans()
         self.mixtures = [self._mixture(plan) for plan in self.plans]
@@ -161,6 +163,7 @@ class PretrainingData:
                                   "documents with images are never cut")
             # Cached corpora are named by content, so their pools keep their position if the cache moves.
             name = Path(entry.path).name if embedded else entry.path
+            self.names[entry.path] = name
             shares += split_pools(name, dataset, lengths, entry.weight, plan.long_share, long_tokens,
                                   self.cfg.data.seed, plan.where)
         return DocumentMixture(shares)
@@ -217,7 +220,7 @@ class PretrainingData:
         pending = self.packer.pending
         return {"rows": self.rows, "mixture": self.mixture_index, "drawn": dict(self.drawn),
                 "mixture_tokens": self.mixtures[self.mixture_index].tokens.tolist(),
-                "pending": [*pending.origin, pending.offset] if pending else None}
+                "pending": [self.names[pending.origin[0]], pending.origin[1], pending.offset] if pending else None}
 
     def load_state(self, state: dict) -> None:
         self.set_stage(state["mixture"])
@@ -229,4 +232,8 @@ class PretrainingData:
                               "changed; resume with the blend the run was started with")
         mixture.tokens[:] = state["mixture_tokens"]
         pending = state["pending"]
-        self.packer.pending = self._read(pending[0], pending[1], pending[2]) if pending else None
+        if pending:
+            paths = {name: path for path, name in self.names.items()}
+            self.packer.pending = self._read(paths[pending[0]], pending[1], pending[2])
+        else:
+            self.packer.pending = None
