@@ -1,4 +1,8 @@
-"""Shared test helpers: relative-RMS comparison with the tolerance stated at each call site."""
+"""Shared test helpers: relative-RMS comparison with the tolerance stated at each call site, and reading
+a run directory's metrics."""
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -9,3 +13,13 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
     diff = (actual.double() - expected.double()).pow(2).mean().sqrt()
     scale = expected.double().pow(2).mean().sqrt().clamp_min(1e-30)
     return float(diff / scale)
+
+
+def steps_done(run_dir: Path) -> int:
+    """Steps recorded in run_dir/metrics.jsonl so far (0 before the file exists)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def final_loss(run_dir: Path) -> float:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"]

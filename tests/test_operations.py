@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moe_pretrain.training.outcome import HUNG, PERMANENT, REQUEUE
+from tests.helpers import final_loss, steps_done
 from tests.models import TINY
 
 TRAIN = [sys.executable, "-m", "launch.train", "--config", "configs/smoke.yaml", *TINY, "logging.progress=false"]
@@ -19,11 +20,6 @@ TRAIN = [sys.executable, "-m", "launch.train", "--config", "configs/smoke.yaml",
 
 def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-
-
-def steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
@@ -80,10 +76,6 @@ def test_no_verifiable_checkpoint_is_a_permanent_failure(tmp_path):
     assert again.returncode == PERMANENT, again.stderr[-3000:]
     assert "no checkpoint in" in again.stderr and "verifies" in again.stderr and "not starting over" in again.stderr
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
-
-
-def final_loss(run_dir: Path) -> float:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["loss"]
 
 
 @pytest.mark.timeout(500)

@@ -14,6 +14,7 @@ import pytest
 
 from launch.slurm import JobRequest, render, submit
 from moe_pretrain.config import load_config
+from tests.helpers import final_loss, steps_done
 from tests.models import TINY
 from tests.slurm_cluster import Cluster, ClusterUnavailableError
 
@@ -77,10 +78,6 @@ def job_overrides(run_dir: Path) -> list[str]:
             f"launch.python={sys.executable}", "launch.signal_lead_s=60"]
 
 
-def final_loss(run_dir: Path) -> float:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]["loss"]
-
-
 def start_job(cluster: Cluster, run_dir: Path) -> str:
     job, cfg = request(*job_overrides(run_dir))
     os.environ["SLURM_CONF"] = str(cluster.conf)
@@ -113,7 +110,7 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job,
     run_dir = tmp_path / "run"
     job_id = start_job(cluster, run_dir)
     deadline = time.time() + 240
-    while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 8:
+    while steps_done(run_dir) < 8:
         assert time.time() < deadline, "the job did not get going"
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], env=cluster.env, check=True)

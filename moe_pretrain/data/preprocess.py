@@ -21,6 +21,7 @@ import numpy as np
 
 from moe_pretrain.data.indexed import DataError, DatasetWriter
 from moe_pretrain.data.tokenizers import Tokenizer, load_tokenizer
+from moe_pretrain.progress import bar, show
 
 IMAGE_MARKER = "<image>"
 
@@ -31,23 +32,16 @@ class Progress:
     def __init__(self, total: int, stream=sys.stderr, every_s: float = 5.0):
         self.total, self.stream = max(total, 1), stream
         self.start = self.last = time.perf_counter()
-        self.interactive = stream.isatty()
-        self.every_s = 0.2 if self.interactive else every_s
+        self.every_s = 0.2 if stream.isatty() else every_s
 
     def update(self, done: int, documents: int, final: bool = False) -> None:
         now = time.perf_counter()
         if not final and now - self.last < self.every_s:
             return
         self.last = now
-        width = 24
-        filled = width * done // self.total
         rate = done / max(now - self.start, 1e-9) / 2**20
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {done / 2**20:,.1f}/{self.total / 2**20:,.1f} MiB " \
-               f"{documents:,} documents {rate:,.1f} MiB/s"
-        if self.interactive:
-            print("\r" + line, end="\n" if final else "", file=self.stream, flush=True)
-        else:
-            print(line, file=self.stream, flush=True)
+        show(f"{bar(done, self.total)} {done / 2**20:,.1f}/{self.total / 2**20:,.1f} MiB {documents:,} documents "
+             f"{rate:,.1f} MiB/s", self.stream, final)
 
 
 def load_image(path: Path, where: str) -> np.ndarray:

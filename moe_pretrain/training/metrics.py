@@ -8,6 +8,8 @@ from typing import Any, TextIO
 
 import torch
 
+from moe_pretrain.progress import bar, show
+
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
     """FLOP/s of a square matmul on this device and dtype: the MFU denominator where no vendor peak is given."""
@@ -80,12 +82,6 @@ class ProgressBar:
         if not self.enabled:
             return
         done = step + 1
-        width = 24
-        filled = width * done // self.total
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] step {done}/{self.total} "
-                f"loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tok/s")
-        if self.interactive:
-            end = "\n" if done == self.total else ""
-            print("\r" + line, end=end, file=self.stream, flush=True)
-        elif done % self.every == 0 or done == 1 or done == self.total:
-            print(line, file=self.stream, flush=True)
+        if self.interactive or done % self.every == 0 or done == 1 or done == self.total:
+            show(f"{bar(done, self.total)} step {done}/{self.total} loss {loss:.4f} lr {lr:.2e} "
+                 f"{tokens_per_s:,.0f} tok/s", self.stream, final=done == self.total)
