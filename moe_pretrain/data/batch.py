@@ -105,6 +105,7 @@ class PretrainingData:
         self._embedded: list[BlendConfig] | None = None
         self.plans = self._plans()
         self.mixtures = [self._mixture(plan) for plan in self.plans]
+        self._max_patches = self._patch_row_widths()  # per stage, computed once: the pipeline asks every step
         self.drawn: dict[str, int] = {}
         """Documents drawn so far from each pool (by pool key): with the mixture counters, the position."""
         self.mixture_index = 0
@@ -189,13 +190,19 @@ class PretrainingData:
     def max_patches_per_row(self, index: int) -> int:
         """Most patch tokens a row of stage `index` can hold (each image brings its patches and two markers):
         the fixed width of the per-row patch padding a pipeline's first stage receives."""
-        seq_len, most = self.plans[index].seq_len, 0
-        for share in self.mixtures[index].shares:
-            shape = share.pool.dataset.image_shape
-            if shape:
-                per_image = patches_per_image(shape, self.patch_size)
-                most = max(most, min((seq_len + 1) // (per_image + 2) * per_image, seq_len))
-        return most
+        return self._max_patches[index]
+
+    def _patch_row_widths(self) -> list[int]:
+        widths = []
+        for plan, mixture in zip(self.plans, self.mixtures):
+            most = 0
+            for share in mixture.shares:
+                shape = share.pool.dataset.image_shape
+                if shape:
+                    per_image = patches_per_image(shape, self.patch_size)
+                    most = max(most, min((plan.seq_len + 1) // (per_image + 2) * per_image, plan.seq_len))
+            widths.append(most)
+        return widths
 
     def set_stage(self, index: int) -> None:
         """Draw from stage `index`'s mixture and pack at its sequence length; documents continue."""
