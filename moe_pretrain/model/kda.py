@@ -19,6 +19,26 @@ from moe_pretrain.ops import kda, l2_norm, rms_norm
 from moe_pretrain.ops.norms import compute_dtype
 from parallel.linear import LinearStyle, make_linear
 
+DT_RANGE = (1e-3, 1e-1)
+"""Initial per-channel step sizes dt, log-uniform in this range (fla's dt_min, dt_max)."""
+
+
+def initial_dt_bias(channels: int) -> torch.Tensor:
+    """softplus^-1(dt) with log dt ~ U(log 1e-3, log 1e-1) per channel: at f = 0 the gate's argument is dt.
+    With the bounded gate and A_log = 0 the first-step decay is exp(-5 (1 - e^-dt)), spread over
+    (0.62, 0.995) with median 0.95: KDA layers start with memories from a few to a few hundred tokens."""
+    low, high = torch.tensor(DT_RANGE).log().tolist()
+    dt = torch.empty(channels).uniform_(low, high).exp()
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def initial_A_log(heads: int, gate: str) -> torch.Tensor:
+    """0 for the bounded gate (the rate is then 1 and dt_bias alone sets each channel's decay); log U(1, 16)
+    for fla's softplus gate. (log U(1, 16) under the bounded gate would start every channel near decay 0.08.)"""
+    if gate == "lower_bound":
+        return torch.zeros(heads)
+    return torch.empty(heads).uniform_(1, 16).log()
+
 
 class KimiDeltaAttention(nn.Module):
     def __init__(self, dim: int, cfg: KDAConfig, *, norm_eps: float, init_std: float, out_std: float):
@@ -36,9 +56,9 @@ class KimiDeltaAttention(nn.Module):
         self.v_conv = ShortConvolution(inner, cfg.conv_size)
         self.f_a_proj = make_linear(dim, K, style=LinearStyle.REPLICATED, init_std=init_std)
         self.f_b_proj = make_linear(K, inner, style=column, init_std=init_std)
-        # A_log ~ log U(1, 16) per head; dt_bias 0 (MODEL.md). Neither takes weight decay.
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
-        self.dt_bias = nn.Parameter(torch.zeros(inner))
+        # fla's initialisation (MODEL.md): neither takes weight decay.
+        self.A_log = nn.Parameter(initial_A_log(H, cfg.gate))
+        self.dt_bias = nn.Parameter(initial_dt_bias(inner))
         self.b_proj = make_linear(dim, H, style=column, init_std=init_std)
         self.g_proj = make_linear(dim, inner, style=column, init_std=init_std)
         self.o_norm_weight = nn.Parameter(torch.ones(K))
