@@ -6,7 +6,8 @@
 #   docker build -t moe-pretrain:latest .
 #   docker run --gpus all --ipc=host moe-pretrain:latest --config configs/smoke.yaml
 #   (on SLURM: launch.python=/usr/bin/python inside the image, e.g. with pyxis/enroot --container-image)
-FROM nvcr.io/nvidia/pytorch:25.09-py3
+# 25.12: torch 2.10 (pyproject's floor is 2.9), CUDA 13.1, Transformer Engine within megatron-core 0.16.1's range.
+FROM nvcr.io/nvidia/pytorch:25.12-py3
 
 WORKDIR /workspace/moe-pretrain
 COPY pyproject.toml README.md ./

@@ -6,6 +6,8 @@ Every function takes an explicit process group; with group None (a single proces
 import torch
 import torch.distributed as dist
 
+from parallel.torch_compat import all_gather_single, reduce_scatter_single
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -71,7 +73,7 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     x_T = x.transpose(0, 1).contiguous()
     out = x_T.new_empty(x_T.shape[0] * size, *x_T.shape[1:])
-    dist.all_gather_single(out, x_T, group=group)
+    all_gather_single(out, x_T, group=group)
     return out.transpose(0, 1)
 
 
@@ -81,7 +83,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     if x_T.shape[0] % size:
         raise ValueError(f"sequence length {x_T.shape[0]} is not divisible by the {size} sequence-parallel ranks")
     out = x_T.new_empty(x_T.shape[0] // size, *x_T.shape[1:])
-    dist.reduce_scatter_single(out, x_T, group=group)
+    reduce_scatter_single(out, x_T, group=group)
     return out.transpose(0, 1)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_reduce_sum, group_size
+from parallel.torch_compat import all_gather_single, reduce_scatter_single
 
 
 @dataclass
@@ -61,7 +62,7 @@ class _Bucket:
         if self.size == 1:
             return shard[:self.numel]
         full = shard.new_empty(self.padded)
-        dist.all_gather_single(full, shard.contiguous(), group=self.group)
+        all_gather_single(full, shard.contiguous(), group=self.group)
         return full[:self.numel]
 
     def reduce_scatter_gradient(self) -> None:
@@ -71,7 +72,7 @@ class _Bucket:
             self.shard.grad = flat
             return
         shard = flat.new_empty(self.shard_numel)
-        dist.reduce_scatter_single(shard, flat, group=self.group)
+        reduce_scatter_single(shard, flat, group=self.group)
         self.shard.grad = shard
 
     @torch.no_grad()
