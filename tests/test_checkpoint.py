@@ -140,14 +140,29 @@ def test_save_on_tp2_ep2_four_processes_resume_on_pp2_dp2(tmp_path):
         assert rel_rms(state[name], tensor) < 1e-9, name
 
 
+class NoisyTrainer(Trainer):
+    """Draws from the global RNG every step, as dropout or router jitter would. The trainer reseeds at
+    construction, so a resume that forgets the saved RNG state replays the first steps' noise."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.noise: list[float] = []
+
+    def train_step(self):
+        self.noise.append(torch.rand(()).item())
+        return super().train_step()
+
+
 def test_rng_state_is_restored_on_the_same_world(tmp_path):
-    trainer = Trainer(config(tmp_path, "train.exit_at_step=2"))
-    trainer.run()
-    expected = torch.get_rng_state()
-    torch.manual_seed(12345)
-    resumed = Trainer(config(tmp_path, "train.steps=6"))
-    resumed.resume()
-    assert torch.equal(torch.get_rng_state(), expected)
+    straight = NoisyTrainer(config(tmp_path / "straight", "train.steps=4"))
+    straight.run()
+    first = NoisyTrainer(config(tmp_path / "split", "train.steps=4", "train.exit_at_step=2"))
+    first.run()
+    torch.manual_seed(12345)  # whatever happens in between
+    resumed = NoisyTrainer(config(tmp_path / "split", "train.steps=4"))
+    resumed.run()
+    assert len(set(straight.noise)) == 4  # the draws differ step to step, so a replay would show
+    assert first.noise + resumed.noise == straight.noise
 
 
 @pytest.mark.timeout(300)

@@ -79,14 +79,20 @@ def test_packed_mask_blocks_attention_across_documents():
     assert rel_rms(base[:, 6:], alone) < 1e-13
 
 
-def test_output_gate_scales_output():
+def test_output_gate_against_reference():
+    """A strong, varied gate: W_g ~ N(0, 1) puts sigmoid(x W_g) all over (0, 1) channel by channel. The layer
+    equals the reference, which multiplies each head's attention output by it before o_proj (1e-12, fp64),
+    and differs from the same layer with the gate at a constant 1/2."""
     layer, _ = make_layer()
-    x = torch.randn(1, 5, 16, dtype=F64)
-    layout = DocumentLayout.single_documents(1, 5, x.device)
+    x = torch.randn(2, 7, 16, dtype=F64)
+    doc_ids = torch.tensor([[0] * 3 + [1] * 4, [0] * 7])
+    layout = DocumentLayout.from_doc_ids(doc_ids)
     with torch.no_grad():
-        layer.g_proj.weight.zero_()  # sigmoid(0) = 1/2 on every channel
-        half = layer(x, layout)
-        layer.g_proj.weight.fill_(0.0)
-        layer.o_proj.weight.mul_(2.0)
-        full = layer(x, layout)
-    assert rel_rms(full, 2 * half) < 1e-13
+        layer.g_proj.weight.normal_(0.0, 1.0)
+        gate = torch.sigmoid(x @ layer.g_proj.weight.T)
+        assert gate.min() < 0.05 and gate.max() > 0.95  # far from a constant
+        got = layer(x, layout)
+        assert rel_rms(got, reference_mla(layer, x, doc_ids)) < 1e-12
+        layer.g_proj.weight.zero_()
+        constant_half = layer(x, layout)
+    assert rel_rms(got, constant_half) > 0.1

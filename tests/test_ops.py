@@ -108,7 +108,6 @@ def test_quantile_balance_update_follows_the_rule(m, n, k, rate):
 def test_quantile_balance_threshold_is_the_column_quantile():
     gen = torch.Generator().manual_seed(7)
     scores = torch.rand(96, 8, generator=gen, dtype=F64)
-    bias = torch.zeros(8, dtype=F64)
     bias = torch.randn(8, generator=gen, dtype=F64) * 0.2
     new = quantile_balance_update(scores, bias, 2)
     alpha = torch.topk(scores + bias, 3, dim=1).values[:, 2:]
