@@ -1,6 +1,6 @@
 """Print a run's staged schedule, and its duration on a cluster from the sizing FLOPs at an assumed MFU.
 
-    python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --gpu h200
+    python -m launch.plan configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --gpu h200
 
 Per stage: tokens, steps, sequence length, global batch, micro-batches, learning-rate range, and with
 --gpus the training FLOPs per token (which grow with the attention span) and the estimated time.
@@ -9,7 +9,7 @@ Per stage: tokens, steps, sequence length, global batch, micro-batches, learning
 import argparse
 import sys
 
-from moe_pretrain.config import load_config_or_exit
+from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
 from moe_pretrain.sizing import count
 from moe_pretrain.training.schedule import plan
 
@@ -19,17 +19,16 @@ PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "b200": 2250.0, "a100": 312.0}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, action="append", help="YAML config file(s), layered in order")
-    parser.add_argument("overrides", nargs="*")
+    add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, default=0, help="GPUs in the cluster (0: no time estimate)")
     parser.add_argument("--gpu", choices=sorted(PEAK_TFLOPS), default="h200")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
-    args = parser.parse_args(argv)
-    cfg = load_config_or_exit(args.config, args.overrides)
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_config_or_exit(args)
     if not cfg.stages:
         print("config error: the config has no stages section", file=sys.stderr)
-        return 2
+        return EX_CONFIG
     peak = (args.peak_tflops or PEAK_TFLOPS[args.gpu]) * 1e12
     sizes = count(cfg.model, cfg.stages[0].seq_len)
     print(f"model: {sizes['total_params']:.4g} parameters, {sizes['active_params']:.4g} active per token")
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     total_days = 0.0
     for row in plan(cfg):
         line = (f"{row['stage']:8s} {row['tokens']:10.4g} {row['steps']:8d} {row['seq_len']:9d} "
-                f"{row['batch_tokens']:10.4g} {row['sequences']:6d} {row['micro_batches']:6d} "
+                f"{row['batch_tokens']:10.4g} {row['sequences']:6d} {row['micro_batches'] or 'auto':>6} "
                 f"{row['lr_first']:10.3g} -> {row['lr_last']:8.3g}")
         if args.gpus:
             flops = count(cfg.model, row["seq_len"])["flops_per_token"]

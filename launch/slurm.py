@@ -1,8 +1,10 @@
 """SLURM jobs: render an sbatch script for a config, or submit it.
 
-    python -m launch.slurm render CONFIG [--config MORE] --nodes N --gpus-per-node G --time HH:MM:SS
+    python -m launch.slurm render [CONFIG] [--config MORE ...] --nodes N --gpus-per-node G --time HH:MM:SS
         [--partition P] [--account A] [--extra-sbatch=--qos=high ...] [--procs-per-node K] [overrides ...]
     python -m launch.slurm submit ... [--dry-run]        # prints the job id (dry run: only the script)
+
+Configs and overrides are taken as by every command (moe_pretrain/config/cli.py).
 
 The script runs one `srun` task per node, each a torchrun joining a c10d rendezvous on the first node.
 It asks SLURM for the preemption signal launch.signal_lead_s before the time limit (--signal=B:...),
@@ -17,17 +19,20 @@ sbatch parses itself) must be plain tokens and are otherwise refused.
 import argparse
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_pretrain.config import Config, ConfigError, load_config
+from moe_pretrain.config import EX_CONFIG, Config, ConfigError, add_config_arguments, load_config
+from moe_pretrain.config.cli import config_sources
 from moe_pretrain.training.outcome import PERMANENT
 
 SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.,:=/@+%-]+$")
 TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+FR_TRACE_ENTRIES = 20000
 
 
 @dataclass
@@ -89,10 +94,20 @@ def render(request: JobRequest, cfg: Config) -> str:
     if request.account:
         header.append(f"--account={_header_value('--account', request.account)}")
     header += [_extra(option) for option in request.extra_sbatch]
+    hang_dir = Path(request.workdir).resolve() / run_dir / "hang"
     environment = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",   # a failed collective aborts the process instead of hanging
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",        # the flight recorder writes what each rank was doing
+        # NCCL's flight recorder keeps the last FR_TRACE_ENTRIES collectives of every rank (it records
+        # nothing with a buffer of 0, the default) and, on a collective timeout, dumps them beside the
+        # watchdog's stack dumps: <run_dir>/hang/nccl_trace_rank_<rank> (read with torch's fr_trace tool).
+        "TORCH_FR_BUFFER_SIZE": str(FR_TRACE_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(hang_dir / "nccl_trace_rank_"),
         "OMP_NUM_THREADS": str(max(1, cpus // procs)),
+        # How long torchrun lets the workers save after forwarding the signal, before SIGKILL. The variable,
+        # not torchrun's shutdown-timeout flag: torch < 2.11 has none (it would refuse to start) and ignores the
+        # variable, keeping its 30 s (too short for a full-size save; README, "Operations").
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launch.signal_lead_s),
         **launch.env,
     }
     train_args = " ".join(q(arg) for config in request.configs for arg in ("--config", config))
@@ -100,7 +115,7 @@ def render(request: JobRequest, cfg: Config) -> str:
     torchrun = (f"{q(launch.python)} -m torch.distributed.run --nnodes={request.nodes} --nproc-per-node={procs} "
                 f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:{launch.rdzv_port}\" "
                 f"--max-restarts={launch.max_restarts} --signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
-                f"--shutdown-timeout={launch.signal_lead_s} -m launch.train {train_args}")
+                f"-m launch.train {train_args}")
     lines = ["#!/bin/bash", *(f"#SBATCH {h}" for h in header), "",
              "# Rendered by python -m launch.slurm; every shell value below is quoted.",
              "set -uo pipefail",
@@ -108,6 +123,7 @@ def render(request: JobRequest, cfg: Config) -> str:
              *(f"export {name}={q(value)}" for name, value in environment.items()),
              f"run_dir={q(str(run_dir))}",
              'mkdir -p "$run_dir"',
+             f"mkdir -p {q(str(hang_dir))}",
              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
              'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on $head)"',
              'rm -f "$run_dir/status.json"  # written again by this run: finished, preempted or failed',
@@ -133,12 +149,21 @@ def render(request: JobRequest, cfg: Config) -> str:
     return "\n".join(lines)
 
 
+class SbatchNotFoundError(RuntimeError):
+    """SLURM's sbatch is not on PATH (not a SLURM login node, or its module is not loaded)."""
+
+
 def submit(script: str, run_dir: Path) -> str:
     """Write the script into the run directory (kept beside the run) and sbatch it; -> the job id."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "job.sbatch"
     path.write_text(script)
-    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise SbatchNotFoundError(
+            f"SLURM's sbatch was not found on PATH, so nothing was submitted; the script is in {path} (submit it "
+            "with `sbatch` where SLURM is installed; `python -m launch.slurm render ...` prints it without submitting)")
+    done = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout.strip().split(";")[0]
@@ -147,9 +172,7 @@ def submit(script: str, run_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n")[0])
     parser.add_argument("action", choices=["render", "submit"])
-    parser.add_argument("config", help="YAML config")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    parser.add_argument("--config", dest="more_configs", action="append", default=[], help="more YAML layered on")
+    add_config_arguments(parser)
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--procs-per-node", type=int, default=0, help="default: --gpus-per-node (CPU jobs: set it)")
@@ -159,14 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-name", default="moe-pretrain")
     parser.add_argument("--extra-sbatch", action="append", default=[], help="one extra option, --name=value")
     parser.add_argument("--dry-run", action="store_true", help="submit: print the script, do not run sbatch")
-    args = parser.parse_args(argv)
-    configs = [args.config, *args.more_configs]
+    args = parser.parse_intermixed_args(argv)
     try:
-        cfg = load_config(configs, args.overrides)
-        request = JobRequest(configs, args.overrides, args.nodes, args.gpus_per_node, args.time, args.procs_per_node,
+        configs, overrides = config_sources(args)
+        cfg = load_config(configs, overrides)
+    except ConfigError as err:
+        print(f"launch.slurm: config error: {err}", file=sys.stderr)
+        return EX_CONFIG
+    try:
+        request = JobRequest(configs, overrides, args.nodes, args.gpus_per_node, args.time, args.procs_per_node,
                              args.partition, args.account, args.job_name, args.extra_sbatch)
         script = render(request, cfg)
-    except (ConfigError, ValueError) as err:
+    except ValueError as err:
         print(f"launch.slurm: {err}", file=sys.stderr)
         return 2
     if args.action == "render" or args.dry_run:
@@ -174,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         print(submit(script, Path(cfg.train.run_dir)))
+    except SbatchNotFoundError as err:
+        print(f"launch.slurm: {err}", file=sys.stderr)
+        return 127
     except RuntimeError as err:
         print(f"launch.slurm: {err}", file=sys.stderr)
         return 1

@@ -17,7 +17,14 @@ import argparse
 import json
 import sys
 
-from moe_pretrain.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, load_config_or_exit
+from moe_pretrain.config import (
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    add_config_arguments,
+    load_config_or_exit,
+)
 
 
 def kda_params(d: int, c: KDAConfig) -> int:
@@ -119,11 +126,10 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("config", help="YAML config (e.g. configs/full.yaml)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON")
-    args = parser.parse_args(argv)
-    cfg = load_config_or_exit(args.config, args.overrides)
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_config_or_exit(args)
     result = count(cfg.model, cfg.data.seq_len)
     if args.json:
         print(json.dumps(result, indent=2))

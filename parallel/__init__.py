@@ -1,5 +1,2 @@
-"""Parallelism: the linear-layer factory and expert dispatchers the model builds on.
-
-Only the single-process implementations exist yet; the tensor/expert-parallel ones replace them
-behind the same interfaces (STYLE.md rules 1-3).
-"""
+"""Parallelism: process groups, tensor / sequence / expert / pipeline layers and collectives, the
+sharded optimizer; the model builds on its layer factory and dispatchers (STYLE.md rules 1-3)."""

@@ -8,7 +8,6 @@ expert parameters are reduced over the expert-data-parallel group.
 
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -40,8 +39,30 @@ class ParallelLayout:
         return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
 
 
+def derive_micro_batches(cfg: Config, world_size: int) -> list[str]:
+    """Fill in data.micro_batches / stages[i].micro_batches left at 0 (in place); -> what was chosen, in words.
+
+    The smallest count the schedules accept: 1 without pipeline parallelism, else parallel.pp (schedules
+    run whole rounds of pp micro-batches; any valid count is a multiple of pp, and when pp micro-batches do
+    not divide the data-parallel rows, no multiple does: resolve_layout then names the keys).
+    """
+    pp = cfg.parallel.pp
+    why = "no pipeline parallelism" if pp == 1 else f"the smallest count for parallel.pp={pp}: one round"
+    chosen = []
+    if not cfg.stages and not cfg.data.micro_batches:
+        cfg.data.micro_batches = pp
+        chosen.append(f"data.micro_batches={pp} ({why})")
+    for i, stage in enumerate(cfg.stages):
+        if not stage.micro_batches:
+            stage.micro_batches = pp
+            chosen.append(f"stages[{i}].micro_batches={pp} ({why})")
+    return chosen
+
+
 def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
-    """Check the config's parallel section against the world size and the model; no collectives."""
+    """Check the config's parallel section against the world size and the model; no collectives.
+    Micro-batch counts left at 0 are derived first (derive_micro_batches)."""
+    derive_micro_batches(cfg, world_size)
     p, m = cfg.parallel, cfg.model
     layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp)
     problems = []
@@ -155,27 +176,36 @@ def elastic_attempt_store(world_size: int, timeout: timedelta) -> dist.Store | N
     return dist.PrefixStore(f"moe_pretrain/attempt_{attempt}", base)
 
 
+def select_device(cfg: Config, backend: str | None = None) -> tuple[str, torch.device]:
+    """(backend, device) of this process, by one rule for one process and for many: parallel.backend (or
+    the backend argument) decides, auto meaning nccl where CUDA is available; nccl -> the local rank's GPU,
+    gloo -> CPU."""
+    backend = backend or (cfg.parallel.backend if cfg.parallel.backend != "auto" else default_backend())
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallel.backend=nccl needs CUDA, and torch.cuda.is_available() is False here "
+                          "(use parallel.backend=gloo or auto for a CPU run)")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return backend, torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+
+
 def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     """Join the torchrun world (RANK / WORLD_SIZE / MASTER_ADDR in the environment) and build the groups.
 
-    With no WORLD_SIZE (or 1) this is the single-process context and creates no process group.
+    With no WORLD_SIZE (or 1) this is the single-process context and creates no process group; its
+    device follows the same rule as many processes' (select_device).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = resolve_layout(cfg, world_size)
-    if world_size == 1:
-        return ParallelContext.single()
-    backend = backend or (cfg.parallel.backend if cfg.parallel.backend != "auto" else default_backend())
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+    backend, device = select_device(cfg, backend)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
+    if world_size == 1:
+        return ParallelContext.single(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         store = elastic_attempt_store(world_size, timeout)
         rank_args = dict(store=store, rank=int(os.environ["RANK"]), world_size=world_size) if store else {}
         dist.init_process_group(backend, timeout=timeout, **rank_args)
-    # megatron-core warns at import that Transformer Engine and apex are absent; on CPU that is expected.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(

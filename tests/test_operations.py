@@ -30,14 +30,20 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
         time.sleep(0.2)
 
 
+def signal_long_run(command: list[str], run_dir: Path, sig: signal.Signals, step: int = 3
+                    ) -> tuple[subprocess.Popen, str, str]:
+    """Start a long run, send sig once it has recorded `step` steps, and wait for it to end."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, run_dir, step)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=150)
+    return proc, out, err
+
+
 @pytest.mark.timeout(240)
 def test_preemption_signal_saves_and_exits_for_requeue(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*TRAIN, "train.steps=400", f"train.run_dir={run_dir}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for_step(proc, run_dir, 3)
-    proc.send_signal(signal.SIGUSR2)
-    out, err = proc.communicate(timeout=120)
+    proc, out, err = signal_long_run([*TRAIN, "train.steps=400", f"train.run_dir={run_dir}"], run_dir, signal.SIGUSR2)
     assert proc.returncode == REQUEUE, err[-3000:]
     status = json.loads((run_dir / "status.json").read_text())
     step = status["step"]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from moe_pretrain.config import load_config
+from moe_pretrain.config import EX_CONFIG, load_config
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.sizing import count
 from tests.models import tiny_config
@@ -65,7 +65,7 @@ def test_cli_prints_json():
     assert {"total_params", "active_params", "flops_per_token", "breakdown"} <= result.keys()
     bad = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "model.moe.top_k=0"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and "model.moe.top_k=0 must be > 0" in bad.stderr
+    assert bad.returncode == EX_CONFIG and "model.moe.top_k=0 must be > 0" in bad.stderr
 
 
 def test_numel_counts_stacked_experts():

@@ -63,6 +63,52 @@ def test_hostile_values_reach_the_training_command_intact(tmp_path):
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in argv and "--rdzv-id=7" in argv
 
 
+@pytest.mark.timeout(60)
+def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
+    """NCCL's flight recorder records nothing unless its buffer is > 0; its dumps land in run_dir/hang/."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"srun": f"env > {tmp_path}/env", "scontrol": "echo node1"}.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    job, cfg = request("train.run_dir=run", workdir=str(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(job, cfg))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    assert int(seen["TORCH_FR_BUFFER_SIZE"]) > 0 and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert seen["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run/hang/nccl_trace_rank_"
+    assert (tmp_path / "run" / "hang").is_dir()
+    assert seen["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(cfg.launch.signal_lead_s)
+
+
+CLI = [sys.executable, "-m", "launch.slurm"]
+JOB = ["--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2", "--time", "00:10:00"]
+
+
+@pytest.mark.timeout(60)
+def test_submit_without_sbatch_says_so_and_keeps_the_script(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    done = subprocess.run([*CLI, "submit", "--config", "configs/smoke.yaml", *JOB, f"train.run_dir={tmp_path}/run"],
+                          capture_output=True, text=True, timeout=50, env={**os.environ, "PATH": str(empty)})
+    assert done.returncode == 127 and "Traceback" not in done.stderr
+    assert "SLURM's sbatch was not found on PATH" in done.stderr and "render" in done.stderr
+    assert (tmp_path / "run" / "job.sbatch").read_text().startswith("#!/bin/bash")
+
+
+@pytest.mark.timeout(60)
+def test_config_forms_are_those_of_every_command(tmp_path):
+    """Positional CONFIG (as documented) and --config give the same script; overrides may come anywhere."""
+    positional = subprocess.run([*CLI, "render", "configs/smoke.yaml", *JOB, "train.steps=7"],
+                                capture_output=True, text=True, timeout=50)
+    flagged = subprocess.run([*CLI, "render", "train.steps=7", "--config", "configs/smoke.yaml", *JOB],
+                             capture_output=True, text=True, timeout=50)
+    assert positional.returncode == 0, positional.stderr
+    assert positional.stdout == flagged.stdout and "train.steps=7" in positional.stdout
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     try:

@@ -1,8 +1,9 @@
 """Typed configuration: dataclasses per section, loaded from YAML with command-line overrides."""
 
 from moe_pretrain.config.blend import BlendConfig
-from moe_pretrain.config.errors import ConfigError
-from moe_pretrain.config.loader import config_to_dict, load_config, load_config_or_exit
+from moe_pretrain.config.cli import add_config_arguments, load_config_from_args, load_config_or_exit
+from moe_pretrain.config.errors import EX_CONFIG, ConfigError
+from moe_pretrain.config.loader import config_to_dict, load_config
 from moe_pretrain.config.model import (
     AttnResConfig,
     KDAConfig,
@@ -24,6 +25,7 @@ from moe_pretrain.config.run import (
 from moe_pretrain.config.stages import StageConfig
 
 __all__ = [
+    "EX_CONFIG",
     "AttnResConfig",
     "BlendConfig",
     "CheckpointConfig",
@@ -41,7 +43,9 @@ __all__ = [
     "StageConfig",
     "TrainConfig",
     "VisionConfig",
+    "add_config_arguments",
     "config_to_dict",
     "load_config",
+    "load_config_from_args",
     "load_config_or_exit",
 ]

@@ -1,5 +1,8 @@
 """The one exception type for bad configuration, and the checks that raise it with the keys named."""
 
+EX_CONFIG = 78
+"""Exit status of every command for a bad config (sysexits' EX_CONFIG): a permanent failure, never retried."""
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or inconsistent; the message names the keys."""

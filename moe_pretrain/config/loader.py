@@ -7,7 +7,6 @@ nearest valid one.
 
 import dataclasses
 import difflib
-import sys
 import types
 import typing
 from pathlib import Path
@@ -30,8 +29,7 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
     for path in map(Path, paths):
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        with path.open() as f:
-            loaded = yaml.safe_load(f)
+        loaded = _read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
         _merge(raw, loaded or {})
@@ -43,14 +41,18 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
     return build(Config, raw, "")
 
 
-def load_config_or_exit(paths: str | Path | list[str | Path] | None, overrides: list[str] | tuple[str, ...] = ()
-                        ) -> Config:
-    """load_config for command-line tools: a bad config prints one line and exits with status 2."""
+def _read_yaml(path: Path) -> Any:
+    """One YAML file; a syntax error names the file, line and column (1-based, as editors count)."""
     try:
-        return load_config(paths, overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        with path.open() as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or str(err)
+        context = getattr(err, "context", None)
+        raise ConfigError(f"config file {where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+                          ) from None
 
 
 def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:

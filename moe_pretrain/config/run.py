@@ -14,22 +14,24 @@ class ParallelConfig:
     """Parallel layout; the data-parallel size is what the world size leaves: world / (tp * pp * cp)."""
 
     tp: int = 1
-    """Tensor (+ sequence) parallel size (not implemented yet)."""
+    """Tensor + sequence parallel size: attention heads, MLP columns and the vocabulary are split over tp
+    ranks, and activations along T between blocks."""
     pp: int = 1
-    """Pipeline stages (not implemented yet)."""
+    """Pipeline stages (torch.distributed.pipelining; layers split by pipeline_layers or balanced)."""
     ep: int = 1
     """Expert-parallel size: experts are split over ep ranks, folded onto data-parallel ranks."""
     cp: int = 1
-    """Context-parallel size (long-context work)."""
+    """Context-parallel size. Not implemented yet: a value other than 1 is refused at start-up."""
     vpp: int = 1
-    """Virtual pipeline stages per rank (not implemented yet)."""
+    """Virtual pipeline stages per rank (interleaved_1f1b or zero_bubble schedules)."""
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"] = "1f1b"
     """torch.distributed.pipelining schedule; interleaved_1f1b and zero_bubble (interleaved zero bubble)
     run vpp > 1 virtual stages per rank."""
     pipeline_layers: list[int] = field(default_factory=list)
     """Layers per pipeline stage (pp x vpp entries, in stage order); empty = balanced automatically."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """auto: nccl on CUDA machines, gloo elsewhere."""
+    """auto: nccl on CUDA machines, gloo elsewhere. It also picks the device, for one process as for many:
+    nccl -> CUDA (local rank's GPU), gloo -> CPU; so gloo forces a CPU run on a GPU machine."""
     bucket_mb: float = 25.0
     """Gradient reduce-scatter bucket size in MiB."""
     timeout_s: float = 600.0
@@ -49,8 +51,10 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 8
     """Global sequences per optimizer step (split over micro-batches and data-parallel ranks)."""
-    micro_batches: int = 1
-    """Gradient-accumulation steps per optimizer step; batch_size must divide by it."""
+    micro_batches: int = 0
+    """Gradient-accumulation steps per optimizer step; batch_size must divide by it. 0 = derived from the
+    layout at start (said in the start-up line): 1 without pipeline parallelism, else the smallest multiple
+    of parallel.pp that divides each data-parallel rank's rows."""
     blend: list[BlendConfig] = field(default_factory=list)
     """Datasets and their shares of the training tokens; empty = the embedded default corpus."""
     long_doc_share: float | None = None
@@ -73,10 +77,10 @@ class DataConfig:
     """Document order (a fresh permutation of every dataset each epoch) and the synthetic images."""
 
     def __post_init__(self) -> None:
-        require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size,
-                         micro_batches=self.micro_batches, image_size=self.image_size,
+        require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size, image_size=self.image_size,
                          text_doc_bytes=self.text_doc_bytes, embedded_images=self.embedded_images)
-        require(self.batch_size % self.micro_batches == 0,
+        require(self.micro_batches >= 0, f"data.micro_batches={self.micro_batches} must be >= 0 (0 = derived)")
+        require(not self.micro_batches or self.batch_size % self.micro_batches == 0,
                 f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
         require(0.0 <= self.image_fraction <= 1.0, f"data.image_fraction={self.image_fraction} must be in [0, 1]")
         check_long_documents("data", self.long_doc_share, self.long_doc_tokens)
@@ -146,7 +150,10 @@ class CheckpointConfig:
     dir: str = ""
     """Where step_<N>/ directories and `latest` live; empty = <train.run_dir>/checkpoints."""
     every: int = 0
-    """Save every `every` steps; 0 = only at the end of the run and at train.exit_at_step."""
+    """Save every `every` steps; 0 = no step interval (see every_minutes)."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes have passed since the last save (or the start), agreed by all
+    ranks after a step; 0 = no time interval. Either way a run saves at its end and at train.exit_at_step."""
     keep_last: int = 2
     """Committed checkpoints kept (>= 2, so a damaged newest one always has a predecessor)."""
     keep_every: int = 0
@@ -159,6 +166,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
+        require(self.every_minutes >= 0, f"checkpoint.every_minutes={self.every_minutes} must be >= 0")
         require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")
         require(self.keep_every >= 0, f"checkpoint.keep_every={self.keep_every} must be >= 0")
 
@@ -173,6 +181,10 @@ class LoggingConfig:
     expert_load_every: int = 50
     """Record every expert's load per MoE layer at step 1, every this many steps and the last (for
     `python -m launch.report` heatmaps); 0 = never."""
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the training processes; $MOE_PRETRAIN_LOG_LEVEL, when set, wins (moe_pretrain/log.py)."""
+    all_ranks: bool = False
+    """Informational lines from every rank, not only rank 0 (warnings and errors always come from every rank)."""
     tensorboard: bool = True
     """Also write the scalars as TensorBoard event files in <run_dir>/tensorboard when the `tensorboard`
     package is installed (`pip install 'moe-pretrain[tensorboard]'`)."""

@@ -20,7 +20,8 @@ class StageConfig:
     seq_len: int = 8192
     batch_tokens: int = 4096 * 8192
     """Global batch per optimizer step, in tokens (a multiple of seq_len)."""
-    micro_batches: int = 1
+    micro_batches: int = 0
+    """0 = derived from the layout at start, as data.micro_batches."""
     lr_peak: float = 3e-4
     lr_end: float = 3e-5
     warmup_tokens: int = 0
@@ -40,11 +41,12 @@ class StageConfig:
 
     def check(self, where: str) -> None:
         require_positive(where, tokens=self.tokens, seq_len=self.seq_len, batch_tokens=self.batch_tokens,
-                         micro_batches=self.micro_batches, lr_peak=self.lr_peak)
+                         lr_peak=self.lr_peak)
+        require(self.micro_batches >= 0, f"{where}.micro_batches={self.micro_batches} must be >= 0 (0 = derived)")
         require(self.batch_tokens % self.seq_len == 0,
                 f"{where}.batch_tokens={self.batch_tokens} is not a multiple of {where}.seq_len={self.seq_len}")
         rows = self.batch_tokens // self.seq_len
-        require(rows % self.micro_batches == 0,
+        require(not self.micro_batches or rows % self.micro_batches == 0,
                 f"{where}: {rows} sequences per step are not divisible by {where}.micro_batches={self.micro_batches}")
         require(self.tokens % self.batch_tokens == 0,
                 f"{where}.tokens={self.tokens} is not a whole number of {where}.batch_tokens={self.batch_tokens} "

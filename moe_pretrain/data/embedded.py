@@ -8,6 +8,7 @@ node starts at once) serialise on a file lock and the first one's result is shar
 
 import fcntl
 import hashlib
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ from moe_pretrain.data.stdlib_corpus import read_document, stdlib_source_files
 from moe_pretrain.data.synthetic_images import make_image
 from moe_pretrain.data.tokenizer import encode
 from moe_pretrain.data.vocabulary import BYTES
+
+log = logging.getLogger(__name__)
 
 
 def split_text(data: bytes, max_bytes: int) -> list[bytes]:
@@ -57,7 +60,7 @@ def _build_once(prefix: Path, write) -> Path:
         return prefix
     with _locked(Path(f"{prefix}.lock")):
         if not sidecar_path(prefix).is_file():
-            print(f"data: building {prefix} (first use, cached afterwards)", file=sys.stderr, flush=True)
+            log.info(f"data: building {prefix} (first use, cached afterwards)")
             writer = DatasetWriter(prefix, BYTES)
             try:
                 write(writer)

@@ -1,6 +1,7 @@
 """Step metrics: one JSON object per optimizer step in metrics.jsonl, and the terminal progress bar."""
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -9,6 +10,8 @@ from typing import Any, TextIO
 import torch
 
 from moe_pretrain.progress import bar, show
+
+log = logging.getLogger(__name__)
 
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
@@ -42,8 +45,8 @@ def tensorboard_writer(directory: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        print("metrics: the tensorboard package is not installed, so no event files are written "
-              "(pip install 'moe-pretrain[tensorboard]')", file=sys.stderr, flush=True)
+        log.warning("metrics: the tensorboard package is not installed, so no event files are written "
+                    "(pip install 'moe-pretrain[tensorboard]')")
         return None
     return SummaryWriter(str(directory))
 

@@ -8,6 +8,8 @@ Exit codes (every rank exits with the same one):
                 to run_dir/hang/; a restart may help (a stuck peer or link).
 - 78 PERMANENT  bad config, bad data, no checkpoint that verifies, repeated non-finite loss: starting
                 again would fail the same way, so nothing should requeue it (EX_CONFIG).
+- 130 INTERRUPTED  stopped by Ctrl-C (SIGINT) after committing a checkpoint: relaunching resumes there;
+                a person asked for the stop, so nothing requeues it (128 + SIGINT, the shell's convention).
 - anything else: a crash (a bug, a lost node): torchrun --max-restarts may restart it.
 
 Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint"}), which
@@ -18,20 +20,30 @@ import json
 import os
 from pathlib import Path
 
+from moe_pretrain.config.errors import EX_CONFIG
+
 FINISHED = 0
 REQUEUE = 75
 HUNG = 76
-PERMANENT = 78
+PERMANENT = EX_CONFIG
+INTERRUPTED = 130
 
-STATES = {FINISHED: "finished", REQUEUE: "preempted", HUNG: "hung", PERMANENT: "failed"}
+STATES = {FINISHED: "finished", REQUEUE: "preempted", HUNG: "hung", PERMANENT: "failed",
+          INTERRUPTED: "interrupted"}
 
 
 class Preempted(Exception):  # noqa: N818 (an outcome, not an error)
-    """Raised on every rank once a preemption checkpoint is committed."""
+    """Raised on every rank once the checkpoint of a stop signal is committed: a preemption (requeue
+    me) or, when interrupted, a Ctrl-C (a person stopped it)."""
 
-    def __init__(self, step: int, checkpoint: Path | None, signal_name: str):
-        super().__init__(f"preempted by {signal_name} at step {step}; checkpoint {checkpoint} committed")
-        self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+    def __init__(self, step: int, checkpoint: Path | None, signal_name: str, interrupted: bool = False):
+        verb = "interrupted" if interrupted else "preempted"
+        super().__init__(f"{verb} by {signal_name} at step {step}; checkpoint {checkpoint} committed")
+        self.step, self.checkpoint, self.signal_name, self.interrupted = step, checkpoint, signal_name, interrupted
+
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED if self.interrupted else REQUEUE
 
 
 def write_status(run_dir: str | Path, exit_code: int, step: int, message: str, checkpoint: Path | None) -> None:

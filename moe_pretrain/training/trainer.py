@@ -10,8 +10,8 @@ optimizer reduces, clips, steps and gathers, and the routers move their biases o
 import base64
 import contextlib
 import dataclasses
+import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,12 +35,14 @@ from moe_pretrain.training.optim import build_optimizer, learning_rate
 from moe_pretrain.training.outcome import Preempted
 from moe_pretrain.training.parallelize import parallelize_model
 from moe_pretrain.training.pipeline import Pipeline, StepShape
-from moe_pretrain.training.preemption import PreemptionFlag
+from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_sum
 from parallel.state import ParallelContext, resolve_layout
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -190,8 +192,8 @@ class Trainer:
         self.skipped_in_a_row += 1
         step = self.step + 1
         if self.ctx.is_logging_rank:
-            print(f"step {step}: loss {loss}, gradient norm {grad_norm}: not finite, update skipped "
-                  f"({self.skipped_in_a_row} in a row)", file=sys.stderr, flush=True)
+            log.warning(f"step {step}: loss {loss}, gradient norm {grad_norm}: not finite, update skipped "
+                        f"({self.skipped_in_a_row} in a row)")
         if self.skipped_in_a_row >= self.cfg.train.max_skipped_steps:
             raise NonFiniteError(
                 f"{self.skipped_in_a_row} steps in a row up to step {step} had a non-finite loss or gradient "
@@ -315,7 +317,7 @@ class Trainer:
             if self.cfg.checkpoint.on_async_failure == "stop":
                 raise
             if self.ctx.is_logging_rank:
-                print(f"checkpoint: background save failed, training continues: {err}", file=sys.stderr, flush=True)
+                log.error(f"checkpoint: background save failed, training continues: {err}")
             return None
 
     def resume(self) -> Path | None:
@@ -329,7 +331,7 @@ class Trainer:
         path, warnings = found
         if self.ctx.is_logging_rank:
             for warning in warnings:
-                print(f"checkpoint: {warning}", file=sys.stderr, flush=True)
+                log.warning(f"checkpoint: {warning}")
         if path is None:
             return None
         tensors = self.global_state.state_dict()
@@ -340,20 +342,25 @@ class Trainer:
         rng = state.get("rng", [])
         if len(rng) == self.ctx.layout.world_size:  # per-rank streams only mean something on the same world
             torch.set_rng_state(torch.tensor(list(base64.b64decode(rng[self.ctx.rank])), dtype=torch.uint8))
-        if self.ctx.is_logging_rank:
-            print(f"checkpoint: resumed from {path} at step {self.step}", flush=True)
+        log.info(f"checkpoint: resumed from {path} at step {self.step}")
         self.last_checkpoint = Path(path)
         return Path(path)
 
     def run(self) -> list[dict]:
         """Train to train.steps (or train.exit_at_step), resuming per train.resume and saving checkpoints;
-        rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl."""
+        rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl. Returns the steps' records: empty
+        when the resumed checkpoint is already at the end (a relaunch of a finished run)."""
         cfg, ctx = self.cfg, self.ctx
         run_dir = Path(cfg.train.run_dir)
         resumed = self.resume() is not None
         if not resumed and (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run and no "
                               "checkpoint to resume; choose another train.run_dir (nothing was overwritten)")
+        stop = cfg.train.exit_at_step or cfg.train.steps
+        if self.step >= stop:
+            end = "train.steps" if stop == cfg.train.steps else "train.exit_at_step"
+            log.info(f"run already finished at step {self.step} ({end}={stop}); nothing to do")
+            return []
         if ctx.distributed:
             dist.barrier()  # every rank has checked before rank 0 creates anything
         writer = None
@@ -361,11 +368,12 @@ class Trainer:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard)
-        stop = cfg.train.exit_at_step or cfg.train.steps
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []
         saved_at = self.step if resumed else -1
-        preemption = PreemptionFlag()
+        signals = StopSignals()
+        save_interval_s = cfg.checkpoint.every_minutes * 60
+        last_save_time = time.monotonic()
         t = cfg.train
         watchdog = StepWatchdog(run_dir, ctx.rank, t.hang_multiple, t.hang_min_s, t.hang_timeout_s)
         stage = None
@@ -385,22 +393,24 @@ class Trainer:
                 bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
                 if self.async_saver is not None:
                     self.last_checkpoint = self._guard_async(self.async_saver.poll) or self.last_checkpoint
+                time_due = bool(save_interval_s) and time.monotonic() - last_save_time >= save_interval_s
+                agreed = signals.agreed(ctx.distributed, self.device, save_due=time_due)
                 at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
-                if at_boundary or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                at_interval = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
+                if at_boundary or at_interval or agreed.save_due:
                     self.save_checkpoint()
-                    saved_at = self.step
-                signal_name = preemption.agreed(ctx.distributed, self.device)
-                if signal_name and self.step < stop:
+                    saved_at, last_save_time = self.step, time.monotonic()
+                if agreed.signal_name and self.step < stop:
                     if saved_at != self.step:
                         self.save_checkpoint()
                     self._wait_for_async_save()
-                    raise Preempted(self.step, self.last_checkpoint, signal_name)
+                    raise Preempted(self.step, self.last_checkpoint, agreed.signal_name, agreed.interrupted)
             if saved_at != self.step:
                 self.save_checkpoint()
             self._wait_for_async_save()
         finally:
             watchdog.close()
-            preemption.close()
+            signals.close()
             if writer is not None:
                 writer.close()
         return history

@@ -8,15 +8,17 @@ says which rank and step, and ends the process with outcome.HUNG so the launcher
 """
 
 import faulthandler
+import logging
 import os
 import statistics
-import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
 
 from moe_pretrain.training.outcome import HUNG
+
+log = logging.getLogger(__name__)
 
 MIN_STEPS_FOR_MEDIAN = 3
 
@@ -77,7 +79,7 @@ class StepWatchdog:
             dump.write(message + "\n\n")
             dump.flush()
             faulthandler.dump_traceback(dump, all_threads=True)
-        print(message, file=sys.stderr, flush=True)
+        log.critical(message)
         os._exit(HUNG)  # the main thread is stuck: no clean shutdown is possible from here
 
     def close(self) -> None:

@@ -1,0 +1,126 @@
+"""What every command shares: how it takes a config, how a bad one fails, how it logs, which device one
+process uses, and what it derives when a key is left unset."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_pretrain.config import EX_CONFIG, ConfigError, load_config
+from moe_pretrain.log import LEVEL_ENV, setup_logging
+from parallel.state import derive_micro_batches, init_parallel, resolve_layout
+from tests.models import TINY
+
+PY = sys.executable
+
+
+def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", *args], capture_output=True, text=True, timeout=120, **kwargs)
+
+
+@pytest.mark.timeout(200)
+def test_every_config_command_takes_positional_and_repeated_configs():
+    """sizing, plan and train: CONFIG positionally or with --config, layered files, trailing overrides."""
+    positional = run("moe_pretrain.sizing", "configs/full.yaml", "--json")
+    flagged = run("moe_pretrain.sizing", "--config", "configs/full.yaml", "--json")
+    assert positional.returncode == 0, positional.stderr
+    assert json.loads(positional.stdout) == json.loads(flagged.stdout)
+    overridden = run("moe_pretrain.sizing", "--json", "--config", "configs/full.yaml", "model.moe.num_experts=448")
+    assert json.loads(overridden.stdout)["total_params"] < json.loads(positional.stdout)["total_params"]
+    plan_positional = run("launch.plan", "configs/full.yaml", "--config", "configs/stages/full.yaml")
+    plan_flagged = run("launch.plan", "--config", "configs/full.yaml", "--config", "configs/stages/full.yaml")
+    assert plan_positional.returncode == 0, plan_positional.stderr
+    assert plan_positional.stdout == plan_flagged.stdout and "231250" in plan_positional.stdout
+    for command in ("moe_pretrain.sizing", "launch.plan", "launch.train"):
+        missing = run(command)
+        assert missing.returncode == EX_CONFIG and "no config file given" in missing.stderr, command
+
+
+BAD_YAML = "model:\n  hidden_size: 64\n  num_layers: [1, 2\ntrain:\n  steps: 3\n"
+
+
+@pytest.mark.timeout(120)
+def test_malformed_yaml_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_YAML)
+    with pytest.raises(ConfigError, match=rf"config file {bad}, line 4, column 6: not valid YAML"):
+        load_config(bad)
+    for command in ("launch.train", "moe_pretrain.sizing"):
+        done = run(command, "--config", str(bad))
+        assert done.returncode == EX_CONFIG, command
+        assert f"{bad}, line 4, column 6" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_log_lines_carry_time_and_rank_and_other_ranks_only_warn(capsys, monkeypatch):
+    log = logging.getLogger("moe_pretrain.test")
+    monkeypatch.delenv(LEVEL_ENV, raising=False)
+    setup_logging(rank=0)
+    log.info("hello")
+    log.debug("hidden")
+    setup_logging(rank=3)
+    log.info("rank 3 info is dropped")
+    log.warning("rank 3 warns")
+    out, err = capsys.readouterr()
+    assert "[rank 0] INFO hello" in out and out[:4].isdigit() and "hidden" not in out
+    assert "rank 3 info" not in out + err and "[rank 3] WARNING rank 3 warns" in err
+    setup_logging(rank=3, all_ranks=True)
+    log.info("now every rank")
+    monkeypatch.setenv(LEVEL_ENV, "debug")  # the environment wins over logging.level
+    setup_logging(rank=0, level="warning")
+    log.debug("debugging")
+    out, _ = capsys.readouterr()
+    assert "[rank 3] INFO now every rank" in out and "[rank 0] DEBUG debugging" in out
+    monkeypatch.setenv(LEVEL_ENV, "loud")
+    with pytest.raises(ConfigError, match=LEVEL_ENV):
+        setup_logging(rank=0)
+    monkeypatch.delenv(LEVEL_ENV)
+    setup_logging(rank=0)
+
+
+def test_one_process_uses_the_same_device_rule_as_many(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_parallel(load_config("configs/smoke.yaml", TINY)).device == torch.device("cpu")  # no CUDA here
+    # On a machine with a GPU (simulated): CUDA, like every rank of a torchrun job...
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    ctx = init_parallel(load_config("configs/smoke.yaml", TINY))
+    assert ctx.device == torch.device("cuda:0") and chosen == [torch.device("cuda:0")]
+    # ...unless parallel.backend=gloo forces the CPU.
+    assert init_parallel(load_config("configs/smoke.yaml", [*TINY, "parallel.backend=gloo"])).device.type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"parallel\.backend=nccl needs CUDA"):
+        init_parallel(load_config("configs/smoke.yaml", [*TINY, "parallel.backend=nccl"]))
+
+
+@pytest.mark.parametrize(("world", "layout", "batch", "expected"), [
+    (1, [], 8, 1), (2, ["parallel.pp=2"], 8, 2), (4, ["parallel.pp=2"], 8, 2), (4, ["parallel.pp=4"], 8, 4),
+    (2, ["parallel.pp=2"], 6, 2), (8, ["parallel.pp=2"], 24, 2), (4, ["parallel.pp=2", "parallel.tp=2"], 4, 2),
+])
+def test_micro_batches_are_derived_when_unset(world, layout, batch, expected):
+    cfg = load_config("configs/smoke.yaml", [*TINY, *layout, f"data.batch_size={batch}", "model.num_layers=6"])
+    assert cfg.data.micro_batches == 0
+    chosen = derive_micro_batches(cfg, world)
+    assert cfg.data.micro_batches == expected and chosen and f"data.micro_batches={expected}" in chosen[0]
+    resolve_layout(cfg, world)  # valid
+
+
+def test_micro_batches_for_stages_and_when_none_fits():
+    stages = "stages=[{tokens: 64, seq_len: 8, batch_tokens: 32}, {tokens: 64, seq_len: 16, batch_tokens: 64}]"
+    cfg = load_config("configs/full.yaml", ["parallel.pp=4", stages, "train.steps=3"])
+    assert derive_micro_batches(cfg, 4) == [f"stages[{i}].micro_batches=4 (the smallest count for parallel.pp=4: "
+                                            "one round)" for i in (0, 1)]
+    odd = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.batch_size=3"])
+    with pytest.raises(ConfigError, match=r"data.batch_size=3 must be divisible by data-parallel size 1 x "
+                                          r"data.micro_batches=2"):
+        resolve_layout(odd, 2)
+
+
+def test_an_explicit_micro_batch_count_is_kept_and_checked():
+    cfg = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.micro_batches=1"])
+    assert derive_micro_batches(cfg, 2) == []
+    with pytest.raises(ConfigError, match=r"data\.micro_batches=1 must be a multiple of parallel\.pp=2"):
+        resolve_layout(cfg, 2)

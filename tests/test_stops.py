@@ -1,0 +1,155 @@
+"""How runs stop and start again: a relaunch of a finished run, Ctrl-C (SIGINT) on one process and under
+torchrun, and timed checkpoints agreed by all ranks."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_pretrain.config import CheckpointConfig
+from moe_pretrain.training.outcome import INTERRUPTED
+from moe_pretrain.training.preemption import StopSignals
+from tests.helpers import steps_done
+from tests.test_operations import TRAIN, signal_long_run, torchrun, wait_for_step
+
+
+def status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_relaunching_a_finished_run_says_so_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, "train.steps=3", f"train.run_dir={run_dir}"]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=200)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Start-up says which fast paths are on, and megatron-core's import-time warnings are gone.
+    assert "fast paths: KDA: PyTorch chunk form" in first.stdout and "FP8: off" in first.stdout
+    assert "Warning" not in first.stderr, first.stderr[-3000:]
+    again = subprocess.run(args, capture_output=True, text=True, timeout=200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "run already finished at step 3 (train.steps=3); nothing to do" in again.stdout
+    assert "Traceback" not in again.stderr
+    assert status(run_dir)["state"] == "finished" and status(run_dir)["step"] == 3
+    assert steps_done(run_dir) == 3  # nothing appended
+
+
+@pytest.mark.timeout(300)
+def test_relaunching_a_finished_pipeline_run_under_torchrun(tmp_path):
+    """parallel.pp=2 alone (no data.micro_batches): the count is derived and said at start-up."""
+    run_dir = tmp_path / "run"
+    args = torchrun("-m", "launch.train", *TRAIN[3:], "parallel.pp=2", "train.steps=3", f"train.run_dir={run_dir}")
+    first = subprocess.run(args, capture_output=True, text=True, timeout=200)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "data.micro_batches=2 (the smallest count for parallel.pp=2: one round)" in first.stdout
+    again = subprocess.run(args, capture_output=True, text=True, timeout=200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "run already finished at step 3" in again.stdout and "Traceback" not in again.stderr
+    assert status(run_dir)["state"] == "finished"
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_saves_exits_130_and_the_run_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc, out, err = signal_long_run([*TRAIN, "train.steps=400", f"train.run_dir={run_dir}"], run_dir, signal.SIGINT)
+    assert proc.returncode == INTERRUPTED, err[-3000:]
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err
+    state = status(run_dir)
+    step = state["step"]
+    assert state["state"] == "interrupted" and state["exit_code"] == INTERRUPTED and 3 <= step < 400
+    assert Path(state["checkpoint"]).name == f"step_{step:08d}"
+    assert f"interrupted by SIGINT at step {step}" in out
+    resumed = subprocess.run([*TRAIN, "train.steps=400", f"train.exit_at_step={step + 2}", f"train.run_dir={run_dir}"],
+                             capture_output=True, text=True, timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {state['checkpoint']} at step {step}" in resumed.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_exits_at_once(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "stderr.txt"
+    # Long steps (seq_len 1024), so the second signal lands while the first one's step is still running.
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([*TRAIN, "train.steps=400", "data.seq_len=1024", f"train.run_dir={run_dir}"],
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        wait_for_step(proc, run_dir, 2)
+        proc.send_signal(signal.SIGINT)
+        # Python merges signals that arrive before its handler runs: wait until the first was handled.
+        deadline = time.time() + 30
+        while "SIGINT: finishing this step" not in log.read_text():
+            assert time.time() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == INTERRUPTED
+    assert "second SIGINT: exiting at once" in log.read_text()
+    assert not (run_dir / "status.json").exists()  # nothing was saved or written
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_under_torchrun_checkpoints_on_every_rank(tmp_path):
+    """torchrun forwards one SIGINT to its workers (they run in sessions of their own): they agree on a step,
+    save it together and exit 130."""
+    run_dir = tmp_path / "run"
+    command = torchrun("-m", "launch.train", *TRAIN[3:], "train.steps=400", f"train.run_dir={run_dir}")
+    proc, out, err = signal_long_run(command, run_dir, signal.SIGINT)
+    assert proc.returncode != 0  # torchrun reports the signal it got
+    state = status(run_dir)
+    assert state["state"] == "interrupted", err[-3000:]
+    checkpoint = Path(state["checkpoint"])
+    assert (checkpoint / "manifest.json").exists() and checkpoint.name == f"step_{state['step']:08d}"
+    assert f"exiting with {INTERRUPTED}" in out
+
+
+def test_timed_checkpoints_are_on_by_default():
+    assert CheckpointConfig().every_minutes == 30.0
+
+
+@pytest.mark.timeout(200)
+def test_timed_checkpoint_interval_saves(tmp_path):
+    run_dir = tmp_path / "run"
+    # 0.0001 minutes: due after every step. No step interval; keep them all.
+    done = subprocess.run([*TRAIN, "train.steps=4", "checkpoint.every=0", "checkpoint.every_minutes=0.0001",
+                           "checkpoint.keep_last=10", f"train.run_dir={run_dir}"], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved == [f"step_{s:08d}" for s in (1, 2, 3, 4)]
+    off = subprocess.run([*TRAIN, "train.steps=4", "checkpoint.every_minutes=0", "checkpoint.keep_last=10",
+                          f"train.run_dir={tmp_path / 'off'}"], capture_output=True, text=True, timeout=180)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "off" / "checkpoints").glob("step_*")] == ["step_00000004"]
+
+
+def _agreement_worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    signals = StopSignals()
+    try:
+        if rank == 1:
+            signals.received = "SIGINT"
+        # Only rank 0's clock says a timed save is due; only rank 1 got the signal.
+        agreed = signals.agreed(True, torch.device("cpu"), save_due=rank == 0)
+        results[rank] = (agreed.save_due, agreed.interrupted, agreed.signal_name)
+    finally:
+        signals.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_agrees_on_timed_saves_and_signals():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_agreement_worker, args=(port, results), nprocs=2, join=True)
+    assert results[0] == (True, True, "SIGINT on another rank")
+    assert results[1] == (True, True, "SIGINT")
