@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_pretrain.config import EX_CONFIG, ConfigError, load_config
-from moe_pretrain.log import LEVEL_ENV, setup_logging
+from moe_pretrain.log import LEVEL_ENV, PACKAGES, setup_logging
 from parallel.state import derive_micro_batches, init_parallel, resolve_layout
 from tests.models import TINY
 
@@ -54,7 +54,18 @@ def test_malformed_yaml_names_file_line_and_column(tmp_path):
         assert f"{bad}, line 4, column 6" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_log_lines_carry_time_and_rank_and_other_ranks_only_warn(capsys, monkeypatch):
+@pytest.fixture
+def restore_logging():
+    """setup_logging binds handlers to this test's captured streams: undo it, so later tests log as before."""
+    yield
+    for package in PACKAGES:
+        logger = logging.getLogger(package)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+
+
+def test_log_lines_carry_time_and_rank_and_other_ranks_only_warn(capsys, monkeypatch, restore_logging):
     log = logging.getLogger("moe_pretrain.test")
     monkeypatch.delenv(LEVEL_ENV, raising=False)
     setup_logging(rank=0)
@@ -76,8 +87,6 @@ def test_log_lines_carry_time_and_rank_and_other_ranks_only_warn(capsys, monkeyp
     monkeypatch.setenv(LEVEL_ENV, "loud")
     with pytest.raises(ConfigError, match=LEVEL_ENV):
         setup_logging(rank=0)
-    monkeypatch.delenv(LEVEL_ENV)
-    setup_logging(rank=0)
 
 
 def test_one_process_uses_the_same_device_rule_as_many(monkeypatch):

@@ -258,19 +258,20 @@ def test_preprocess_command_line(tmp_path):
 @pytest.mark.timeout(120)
 def test_embedded_corpus_is_built_once_under_concurrency(tmp_path):
     """Two processes building the same cache at once: one builds, both use the same finished dataset."""
-    code = ("import sys; from moe_pretrain.config import DataConfig; "
-            "from moe_pretrain.data.embedded import synthetic_image_dataset as s; "
+    code = ("import sys; from moe_pretrain.config import DataConfig; from moe_pretrain.log import setup_logging; "
+            "from moe_pretrain.data.embedded import synthetic_image_dataset as s; setup_logging(); "
             f"print(s(DataConfig(cache_dir={str(tmp_path)!r}, embedded_images=3000), 3))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=100) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
-    assert outputs[0][0] == outputs[1][0]
-    assert sum("building" in err for _, err in outputs) == 1
-    assert len(IndexedDocuments(outputs[0][0].strip())) == 3000
+    built = [out.strip().splitlines()[-1] for out, _ in outputs]  # the log line, if any, comes first
+    assert built[0] == built[1]
+    assert sum("INFO data: building" in out for out, _ in outputs) == 1
+    assert len(IndexedDocuments(built[0])) == 3000
     assert not list(tmp_path.glob("*.tmp*"))
     prefix = synthetic_image_dataset(DataConfig(cache_dir=str(tmp_path), embedded_images=3000), 3)
-    assert str(prefix) == outputs[0][0].strip()  # reused, not rebuilt
+    assert str(prefix) == built[0]  # reused, not rebuilt
 
 
 def test_training_reads_a_preprocessed_blend(tmp_path):
