@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from launch import plan, train
+from moe_pretrain import sizing
 from moe_pretrain.config import EX_CONFIG, ConfigError, load_config
 from moe_pretrain.log import LEVEL_ENV, PACKAGES, setup_logging
 from parallel.state import derive_micro_batches, init_parallel, resolve_layout
@@ -21,22 +23,44 @@ def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", *args], capture_output=True, text=True, timeout=120, **kwargs)
 
 
-@pytest.mark.timeout(200)
-def test_every_config_command_takes_positional_and_repeated_configs():
+@pytest.fixture
+def restore_logging():
+    """setup_logging binds handlers to this test's captured streams: undo it, so later tests log as before."""
+    yield
+    for package in PACKAGES:
+        logger = logging.getLogger(package)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+
+
+def output_of(main, argv: list[str], capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command's main(argv), in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_every_config_command_takes_positional_and_repeated_configs(capsys, restore_logging):
     """sizing, plan and train: CONFIG positionally or with --config, layered files, trailing overrides."""
-    positional = run("moe_pretrain.sizing", "configs/full.yaml", "--json")
-    flagged = run("moe_pretrain.sizing", "--config", "configs/full.yaml", "--json")
-    assert positional.returncode == 0, positional.stderr
-    assert json.loads(positional.stdout) == json.loads(flagged.stdout)
-    overridden = run("moe_pretrain.sizing", "--json", "--config", "configs/full.yaml", "model.moe.num_experts=448")
-    assert json.loads(overridden.stdout)["total_params"] < json.loads(positional.stdout)["total_params"]
-    plan_positional = run("launch.plan", "configs/full.yaml", "--config", "configs/stages/full.yaml")
-    plan_flagged = run("launch.plan", "--config", "configs/full.yaml", "--config", "configs/stages/full.yaml")
-    assert plan_positional.returncode == 0, plan_positional.stderr
-    assert plan_positional.stdout == plan_flagged.stdout and "231250" in plan_positional.stdout
-    for command in ("moe_pretrain.sizing", "launch.plan", "launch.train"):
-        missing = run(command)
-        assert missing.returncode == EX_CONFIG and "no config file given" in missing.stderr, command
+    code, positional, _ = output_of(sizing.main, ["configs/full.yaml", "--json"], capsys)
+    assert code == 0
+    assert json.loads(positional) == json.loads(output_of(sizing.main, ["--config", "configs/full.yaml", "--json"],
+                                                          capsys)[1])
+    overridden = output_of(sizing.main, ["--json", "--config", "configs/full.yaml", "model.moe.num_experts=448"],
+                           capsys)[1]
+    assert json.loads(overridden)["total_params"] < json.loads(positional)["total_params"]
+    code, plan_positional, _ = output_of(plan.main, ["configs/full.yaml", "--config", "configs/stages/full.yaml"],
+                                         capsys)
+    assert code == 0 and "231250" in plan_positional
+    assert plan_positional == output_of(plan.main, ["--config", "configs/full.yaml", "--config",
+                                                    "configs/stages/full.yaml"], capsys)[1]
+    for main in (sizing.main, plan.main, train.main):
+        code, _, err = output_of(main, [], capsys)
+        assert code == EX_CONFIG and "no config file given" in err, main.__module__
 
 
 BAD_YAML = "model:\n  hidden_size: 64\n  num_layers: [1, 2\ntrain:\n  steps: 3\n"
@@ -52,17 +76,6 @@ def test_malformed_yaml_names_file_line_and_column(tmp_path):
         done = run(command, "--config", str(bad))
         assert done.returncode == EX_CONFIG, command
         assert f"{bad}, line 4, column 6" in done.stderr and "Traceback" not in done.stderr
-
-
-@pytest.fixture
-def restore_logging():
-    """setup_logging binds handlers to this test's captured streams: undo it, so later tests log as before."""
-    yield
-    for package in PACKAGES:
-        logger = logging.getLogger(package)
-        logger.handlers.clear()
-        logger.propagate = True
-        logger.setLevel(logging.NOTSET)
 
 
 def test_log_lines_carry_time_and_rank_and_other_ranks_only_warn(capsys, monkeypatch, restore_logging):
