@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(rank)
         cfg = load_config_from_args(args)
         setup_logging(rank, cfg.logging.level, cfg.logging.all_ranks)
-        derived = derive_micro_batches(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        derived = derive_micro_batches(cfg)
         ctx = init_parallel(cfg)
     except ConfigError as err:
         return permanent_failure(err, rank, None)

@@ -39,7 +39,7 @@ class ParallelLayout:
         return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
 
 
-def derive_micro_batches(cfg: Config, world_size: int) -> list[str]:
+def derive_micro_batches(cfg: Config) -> list[str]:
     """Fill in data.micro_batches / stages[i].micro_batches left at 0 (in place); -> what was chosen, in words.
 
     The smallest count the schedules accept: 1 without pipeline parallelism, else parallel.pp (schedules
@@ -62,7 +62,7 @@ def derive_micro_batches(cfg: Config, world_size: int) -> list[str]:
 def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     """Check the config's parallel section against the world size and the model; no collectives.
     Micro-batch counts left at 0 are derived first (derive_micro_batches)."""
-    derive_micro_batches(cfg, world_size)
+    derive_micro_batches(cfg)
     p, m = cfg.parallel, cfg.model
     layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp)
     problems = []
