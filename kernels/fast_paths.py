@@ -5,9 +5,10 @@ parts ran on fla / Transformer Engine kernels or on the PyTorch reference paths.
 """
 
 import importlib.util
-import os
 
 import torch
+
+from kernels.kda import fla_unavailable_reason
 
 
 def _installed(module: str) -> bool:
@@ -15,14 +16,9 @@ def _installed(module: str) -> bool:
 
 
 def kda_backend(device: torch.device) -> str:
-    """The KDA implementation ops.kda picks for tensors on this device (kernels/kda/fla_backend.py's rule)."""
-    if os.environ.get("MOE_PRETRAIN_KDA_BACKEND", "auto") == "torch":
-        return "PyTorch chunk form (MOE_PRETRAIN_KDA_BACKEND=torch)"
-    if device.type != "cuda":
-        return f"PyTorch chunk form (fla's Triton kernels need CUDA; device {device.type})"
-    if not _installed("fla"):
-        return "PyTorch chunk form (fla is not installed: pip install 'moe-pretrain[gpu]')"
-    return "fla chunk_kda (Triton)"
+    """The KDA implementation ops.kda picks for tensors on this device (the rule of kernels/kda)."""
+    reason = fla_unavailable_reason(device)
+    return f"PyTorch chunk form ({reason})" if reason else "fla chunk_kda (Triton)"
 
 
 def fast_paths(device: torch.device) -> dict[str, str]:

@@ -23,7 +23,7 @@ from moe_pretrain.log import setup_logging
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.outcome import FINISHED, INTERRUPTED, PERMANENT, Preempted, write_status
 from moe_pretrain.training.trainer import NonFiniteError
-from parallel.state import derive_micro_batches, destroy_parallel, init_parallel
+from parallel.state import destroy_parallel, init_parallel
 
 log = logging.getLogger("launch.train")
 
@@ -39,12 +39,12 @@ def permanent_failure(err: Exception, rank: int, run_dir: str | None, step: int 
     return PERMANENT
 
 
-def start_line(cfg: Config, trainer: Trainer, derived: list[str]) -> str:
+def start_line(cfg: Config, trainer: Trainer) -> str:
     ctx = trainer.ctx
     steps = (f"{len(cfg.stages)} stages (seq_len {' -> '.join(str(s.seq_len) for s in cfg.stages)})"
              if cfg.stages else f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens")
-    micro = (", ".join(derived) if derived else
-             f"{cfg.data.micro_batches} micro-batches per step" if not cfg.stages else "micro-batches per stage")
+    counts = [s.micro_batches for s in cfg.stages] if cfg.stages else [cfg.data.micro_batches]
+    micro = f"{' / '.join(map(str, counts))} micro-batches per step"
     return (f"moe-pretrain: {sum(p.numel() for p in trainer.model.parameters()):,} parameters on rank 0, "
             f"{ctx.layout.describe()}, device {ctx.device}, {cfg.train.steps} steps of {steps}, {micro}, "
             f"dtype {cfg.train.dtype}, run dir {cfg.train.run_dir}")
@@ -61,14 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(rank)
         cfg = load_config_from_args(args)
         setup_logging(rank, cfg.logging.level, cfg.logging.all_ranks)
-        derived = derive_micro_batches(cfg)
         ctx = init_parallel(cfg)
     except ConfigError as err:
         return permanent_failure(err, rank, None)
     trainer = None
     try:
         trainer = Trainer(cfg, ctx)
-        log.info(start_line(cfg, trainer, derived))
+        log.info(start_line(cfg, trainer))
         log.info(describe_fast_paths(ctx.device))
         history = trainer.run()
     except Preempted as stop:

@@ -6,6 +6,7 @@ folding with expert tensor parallel 1: the expert-parallel group spans data-para
 expert parameters are reduced over the expert-data-parallel group.
 """
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class ParallelLayout:
 
 
 def derive_micro_batches(cfg: Config) -> list[str]:
-    """Fill in data.micro_batches / stages[i].micro_batches left at 0 (in place); -> what was chosen, in words.
+    """Fill in data.micro_batches / stages[i].micro_batches left at 0 (in place) and log the choice (the
+    first start-up line); -> what was chosen, in words.
 
     The smallest count the schedules accept: 1 without pipeline parallelism, else parallel.pp (schedules
     run whole rounds of pp micro-batches; any valid count is a multiple of pp, and when pp micro-batches do
@@ -56,6 +60,8 @@ def derive_micro_batches(cfg: Config) -> list[str]:
         if not stage.micro_batches:
             stage.micro_batches = pp
             chosen.append(f"stages[{i}].micro_batches={pp} ({why})")
+    if chosen:
+        log.info("not set, so derived: " + ", ".join(chosen))
     return chosen
 
 

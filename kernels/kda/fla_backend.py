@@ -17,11 +17,21 @@ def _fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def fla_chunk_kda_supported(q: torch.Tensor) -> bool:
-    """True when q lives on CUDA and fla is importable; MOE_PRETRAIN_KDA_BACKEND=torch forces the reference."""
+def fla_unavailable_reason(device: torch.device) -> str | None:
+    """Why tensors on this device take the PyTorch reference instead of fla's kernel; None when they do not.
+    MOE_PRETRAIN_KDA_BACKEND=torch forces the reference."""
     if os.environ.get("MOE_PRETRAIN_KDA_BACKEND", "auto") == "torch":
-        return False
-    return q.is_cuda and _fla_installed()
+        return "MOE_PRETRAIN_KDA_BACKEND=torch"
+    if device.type != "cuda":
+        return f"fla's Triton kernels need CUDA; device {device.type}"
+    if not _fla_installed():
+        return "fla is not installed: pip install 'moe-pretrain[gpu]'"
+    return None
+
+
+def fla_chunk_kda_supported(q: torch.Tensor) -> bool:
+    """True when q lives on CUDA and fla is importable (fla_unavailable_reason's rule)."""
+    return fla_unavailable_reason(q.device) is None
 
 
 def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state):

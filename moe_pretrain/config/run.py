@@ -53,8 +53,8 @@ class DataConfig:
     """Global sequences per optimizer step (split over micro-batches and data-parallel ranks)."""
     micro_batches: int = 0
     """Gradient-accumulation steps per optimizer step; batch_size must divide by it. 0 = derived from the
-    layout at start (said in the start-up line): 1 without pipeline parallelism, else the smallest multiple
-    of parallel.pp that divides each data-parallel rank's rows."""
+    layout at start (logged at start-up): 1 without pipeline parallelism, else parallel.pp, the smallest
+    count the pipeline schedules accept."""
     blend: list[BlendConfig] = field(default_factory=list)
     """Datasets and their shares of the training tokens; empty = the embedded default corpus."""
     long_doc_share: float | None = None

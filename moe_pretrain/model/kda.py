@@ -8,6 +8,8 @@ Under tensor parallelism the layer holds H / tp heads (shard_heads) and its colu
 return the whole sequence, so head counts and T are read from the tensors, not the config.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +29,7 @@ def initial_dt_bias(channels: int) -> torch.Tensor:
     """softplus^-1(dt) with log dt ~ U(log 1e-3, log 1e-1) per channel: at f = 0 the gate's argument is dt.
     With the bounded gate and A_log = 0 the first-step decay is exp(-5 (1 - e^-dt)), spread over
     (0.62, 0.995) with median 0.95: KDA layers start with memories from a few to a few hundred tokens."""
-    low, high = torch.tensor(DT_RANGE).log().tolist()
+    low, high = (math.log(d) for d in DT_RANGE)
     dt = torch.empty(channels).uniform_(low, high).exp()
     return dt + torch.log(-torch.expm1(-dt))
 
