@@ -22,7 +22,9 @@ import torch.distributed as dist
 from launch.local import run_distributed
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.moe import LatentMoE
-from moe_pretrain.training.parallelize import parallelize_model
+from moe_pretrain.training.parallelize import describe_parameters, materialize, shard_parameters
+from parallel.plan import ShardingPlan
+from parallel.state import ParallelContext, ParallelLayout
 
 D = 128
 MOE = MoEConfig(num_experts=16, top_k=4, expert_intermediate=64, latent_size=64, num_shared_experts=2,
@@ -30,27 +32,31 @@ MOE = MoEConfig(num_experts=16, top_k=4, expert_intermediate=64, latent_size=64,
 
 
 class _Holder(torch.nn.Module):
-    """parallelize_model walks a model's modules and routers; give it one MoE layer."""
+    """One MoE layer under the path the sharding plan names (layers.1.mlp), with the routers() hook."""
 
     def __init__(self, moe: LatentMoE):
         super().__init__()
-        self.moe = moe
+        self.layers = torch.nn.ModuleDict({"1": torch.nn.Module()})
+        self.layers["1"].mlp = moe
 
     def routers(self):
-        return {1: self.moe.router}
+        return {1: self.layers["1"].mlp.router}
 
 
 def measure(rank: int, world_size: int, tokens: int, repeats: int) -> dict:
-    from parallel.state import ParallelContext, ParallelLayout
-
-    torch.manual_seed(0)
-    moe = LatentMoE(D, MOE, norm_eps=1e-5, init_std=0.02, out_std=0.02)
+    with torch.device("meta"):
+        holder = _Holder(LatentMoE(D, MOE, norm_eps=1e-5, init_std=0.02, out_std=0.02))
+    parameters = describe_parameters(holder)
+    ctx = ParallelContext.single()
     if world_size > 1:
         dist.init_process_group("gloo")
         group = dist.group.WORLD
         ctx = ParallelContext(ParallelLayout(world_size, ep=world_size), rank=rank, dp_group=group,
-                              ep_group=group, edp_group=None, dp_rank=rank, ep_rank=rank)
-        parallelize_model(_Holder(moe), ctx)
+                              ep_group=group, edp_group=None, tp_dp_group=group, dp_rank=rank, ep_rank=rank)
+    plan = ShardingPlan()
+    shard_parameters(holder, plan, ctx)
+    materialize(holder, parameters, plan, ctx, seed=0, dtype=torch.float32)
+    moe = holder.layers["1"].mlp
     x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(rank))
     times = []
     for _ in range(repeats + 1):

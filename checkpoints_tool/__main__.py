@@ -109,21 +109,23 @@ def main(argv: list[str] | None = None) -> int:
         return inspect(args.dir)
     if args.command == "verify":
         return verify_command(args.dir)
-    if args.command == "reshard":
-        from moe_pretrain.training.reshard import reshard
-
-        source = resolve(args.dir)
-        world = args.tp * args.pp * args.dp
-        overrides = [f"parallel.{d}={getattr(args, d)}" for d in ("tp", "pp", "ep", "vpp")] + args.set
-        print(f"wrote {reshard(source, args.out, world, overrides)} ({world} processes)")
-        return 0
-    if args.command == "export":
+    if args.command in ("reshard", "export"):
         source = resolve(args.dir)
         problems = verify(source)
         if problems:
-            print("checkpoints_tool: refusing to export an unverified checkpoint:\n  " + "\n  ".join(problems),
-                  file=sys.stderr)
+            print(f"checkpoints_tool: refusing to {args.command} an unverified checkpoint:\n  "
+                  + "\n  ".join(problems), file=sys.stderr)
             return 1
+    if args.command == "reshard":
+        from moe_pretrain.training.reshard import reshard
+
+        world = args.tp * args.pp * args.dp
+        overrides = [f"parallel.{d}={getattr(args, d)}" for d in ("tp", "pp", "ep", "vpp")] + args.set
+        result = reshard(source, args.out, world, overrides)
+        print(f"wrote {result.path} ({world} processes; rank 0 peaked at {result.peak_bytes / 1e9:.2f} GB above "
+              f"its start for {result.state_bytes / 1e9:.2f} GB of state)")
+        return 0
+    if args.command == "export":
         if args.out.exists():
             print(f"checkpoints_tool: {args.out} exists; export never overwrites", file=sys.stderr)
             return 2

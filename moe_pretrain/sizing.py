@@ -1,4 +1,5 @@
-"""Parameter and FLOP counter from the model's own formulas: `python -m moe_pretrain.sizing CONFIG --json`.
+"""Parameter and FLOP counter from the model's own formulas: `python -m moe_pretrain.sizing CONFIG --json`;
+with `--layout tp=8,pp=16,ep=128,dp=32`, also each pipeline stage's per-rank state bytes (rank_memory.py).
 
 Counts mirror the modules in moe_pretrain/model one for one (tests check total == sum(p.numel()) on
 instantiated models), so the full-size figures (MODEL.md: ~2.8T total, ~104B active) come from the
@@ -18,6 +19,8 @@ import json
 import sys
 
 from moe_pretrain.config import (
+    EX_CONFIG,
+    ConfigError,
     KDAConfig,
     MLAConfig,
     ModelConfig,
@@ -128,9 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--layout", metavar="tp=A,pp=B,ep=C,dp=D",
+                        help="add each pipeline stage's worst rank's parameter, gradient and optimizer bytes")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config_or_exit(args)
     result = count(cfg.model, cfg.data.seq_len)
+    if args.layout:
+        from moe_pretrain.rank_memory import describe, per_rank_bytes
+
+        try:
+            result["per_rank"] = per_rank_bytes(cfg, args.layout)
+        except ConfigError as err:
+            print(f"sizing: {err}", file=sys.stderr)
+            return EX_CONFIG
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -139,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train FLOPs/token at T={result['seq_len']}  {result['flops_per_token']:.4e}")
         for key, value in result["breakdown"].items():
             print(f"  {key:22s} {value:.4e}")
+        if args.layout:
+            print(describe(result["per_rank"]))
     return 0
 
 

@@ -1,11 +1,15 @@
 """ZeRO-1: AdamW whose state each data-parallel rank keeps only for its slice of the parameters.
 
-Parameters are flattened into buckets per (reduction group, weight decay, dtype), in model order,
-each at most bucket_bytes. Per step and bucket: reduce-scatter the flat gradient over the bucket's
-group (dense parameters over data parallel, expert parameters over expert-data parallel), so each rank
-receives the summed gradient of its 1/size slice; clip all slices by the global norm; run AdamW on the
-slice (its master copy and the Adam moments live only here); all-gather the updated slices back into
-the parameters. With a group of one (a single process) the collectives vanish and this is AdamW.
+Parameters live in flat buckets per (reduction group, weight decay, dtype), in model order, each at most
+bucket_bytes: a bucket owns one flat parameter buffer and one flat gradient buffer, and every parameter
+and its .grad are views into them (Megatron's param-and-grad buffers), so nothing is stored twice. Each
+rank's optimizer "master" slice is a view of its range of the parameter buffer (parameters are >= fp32:
+bf16 training keeps fp32 parameters under autocast), and the Adam moments exist for that range only.
+Per step and bucket: reduce-scatter the flat gradient over the bucket's group (dense parameters over data
+parallel, expert parameters over expert-data parallel), so each rank receives the summed gradient of its
+1/size slice; clip all slices by the global norm; run AdamW on the slice in place; all-gather the slices
+back into the parameter buffer. With a group of one (a single process) the collectives vanish and this is
+AdamW on the parameters themselves.
 
 Gradients are summed, not averaged: the trainer already divides every loss by the global token count.
 The global norm counts every element once: within a group the slices are disjoint, dense parameters
@@ -41,47 +45,57 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.padded = -(-self.numel // self.size) * self.size
         self.shard_numel = self.padded // self.size
-        self.shard = nn.Parameter(self.my_slice(torch.cat([p.detach().reshape(-1) for p in params])).clone())
+        self.start = self.rank * self.shard_numel
+        """This rank's range of the flat buffer: [start, start + shard_numel) (the tail may be padding)."""
+        like = params[0]
+        self.data = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+        self.grad_data: torch.Tensor | None = None
+        """Allocated by the first zero_grad (a state only loaded and saved, by tools, never has one)."""
+        self.offsets = []
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                self.data[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.data[offset:offset + p.numel()].view_as(p)
+                self.offsets.append(offset)
+                offset += p.numel()
+        self.shard = nn.Parameter(self.data[self.start:self.start + self.shard_numel])
 
-    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, self.padded - self.numel))
-
-    def my_slice(self, flat_unpadded: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a flat [numel] tensor laid out like the bucket."""
-        start = self.rank * self.shard_numel
-        return torch.nn.functional.pad(flat_unpadded, (0, self.padded - self.numel))[start:start + self.shard_numel]
-
-    @torch.no_grad()
-    def reload_from_parameters(self) -> None:
-        """Reset the master slice from the parameters (after they were loaded)."""
-        self.shard.copy_(self.my_slice(torch.cat([p.detach().reshape(-1) for p in self.params])))
-
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """All ranks' slices of a shard-shaped tensor, concatenated and unpadded: [numel]."""
-        if self.size == 1:
-            return shard[:self.numel]
-        full = shard.new_empty(self.padded)
-        all_gather_single(full, shard.contiguous(), group=self.group)
-        return full[:self.numel]
+    def attach_gradients(self) -> None:
+        """Point every parameter's .grad at its view of the zeroed gradient buffer (autograd accumulates
+        into an existing .grad in place)."""
+        if self.grad_data is None:
+            self.grad_data = torch.zeros_like(self.data)
+        self.grad_data.zero_()
+        for p, offset in zip(self.params, self.offsets):
+            p.grad = self.grad_data[offset:offset + p.numel()].view_as(p)
 
     def reduce_scatter_gradient(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flat(grads)
+        if self.grad_data is None:
+            raise RuntimeError("ShardedAdamW.step before any zero_grad(): call zero_grad() before the first "
+                               "backward, so gradients accumulate into the optimizer's buffers")
         if self.size == 1:
-            self.shard.grad = flat
+            self.shard.grad = self.grad_data
             return
-        shard = flat.new_empty(self.shard_numel)
-        reduce_scatter_single(shard, flat, group=self.group)
+        shard = self.grad_data.new_empty(self.shard_numel)
+        reduce_scatter_single(shard, self.grad_data, group=self.group)
         self.shard.grad = shard
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
-        full = self.gather(self.shard.detach())
-        offset = 0
-        for p in self.params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        if self.size > 1:
+            all_gather_single(self.data, self.shard.detach().clone(), group=self.group)
+
+    def pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
+        """(parameter, its first and end element in this rank's range, where that part starts in the range)
+        for each parameter this rank's range touches, in flat order."""
+        result = []
+        end = min(self.start + self.shard_numel, self.numel)
+        for p, offset in zip(self.params, self.offsets):
+            lo, hi = max(self.start, offset), min(end, offset + p.numel())
+            if lo < hi:
+                result.append((p, lo - offset, hi - offset, lo - self.start))
+        return result
 
 
 class ShardedAdamW:
@@ -96,7 +110,11 @@ class ShardedAdamW:
             if spec_buckets:
                 adam_groups.append({"params": [b.shard for b in spec_buckets], "weight_decay": spec.weight_decay})
         self.adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=True)
-        self._model_params = [p for b in self.buckets for p in b.params]
+        for bucket in self.buckets:
+            # Created now (AdamW would at its first step) so a checkpoint can load into them in place.
+            self.adamw.state[bucket.shard] = {
+                "step": torch.zeros((), dtype=torch.float32, device=bucket.shard.device),
+                "exp_avg": torch.zeros_like(bucket.shard), "exp_avg_sq": torch.zeros_like(bucket.shard)}
 
     @staticmethod
     def _bucketize(spec: ParamGroupSpec, bucket_bytes: int) -> list[_Bucket]:
@@ -117,8 +135,8 @@ class ShardedAdamW:
         return self.adamw.param_groups
 
     def zero_grad(self) -> None:
-        for p in self._model_params:
-            p.grad = None
+        for bucket in self.buckets:
+            bucket.attach_gradients()
 
     def step(self, max_norm: float, skip: bool = False) -> float:
         """Reduce, clip to max_norm (<= 0: no clipping), update, gather. Returns the global gradient norm.
@@ -128,7 +146,7 @@ class ShardedAdamW:
         for bucket in self.buckets:
             bucket.reduce_scatter_gradient()
         grads = [b.shard.grad for b in self.buckets]
-        local = torch.stack([g.pow(2).sum() for g in grads]).sum()
+        local = torch.stack(torch._foreach_norm(grads, 2)).pow(2).sum()  # no squared copy of any gradient
         total_norm = float(all_reduce_sum(local, self.norm_group).sqrt())
         if skip or not math.isfinite(total_norm):
             return total_norm
@@ -142,8 +160,17 @@ class ShardedAdamW:
         return total_norm
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: master slices plus Adam moments."""
-        total = sum(b.shard.numel() * b.shard.element_size() for b in self.buckets)
+        """Bytes of optimizer state on this rank: the Adam moments of its slices (the master slice is a
+        view of the parameters)."""
+        return sum(t.numel() * t.element_size() for state in self.adamw.state.values()
+                   for t in state.values() if torch.is_tensor(t) and t.dim())
+
+    def moment(self, bucket: "_Bucket", name: str) -> torch.Tensor:
+        """This rank's slice of an Adam moment ("exp_avg" / "exp_avg_sq") of a bucket, [shard_numel]."""
+        return self.adamw.state[bucket.shard][name]
+
+    @torch.no_grad()
+    def set_step(self, step: int) -> None:
+        """The Adam step count (bias correction) after loading a checkpoint of `step` optimizer steps."""
         for state in self.adamw.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim())
-        return total
+            state["step"].fill_(step)

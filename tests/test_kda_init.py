@@ -6,13 +6,13 @@ import math
 import torch
 
 from moe_pretrain.config import KDAConfig
+from moe_pretrain.model.init import initialize
 from moe_pretrain.model.kda import DT_RANGE, KimiDeltaAttention
 
 
 def fresh_layer(gate: str, heads: int = 16, head_dim: int = 128) -> KimiDeltaAttention:
-    torch.manual_seed(0)
     cfg = KDAConfig(num_heads=heads, head_dim=head_dim, gate=gate)
-    return KimiDeltaAttention(64, cfg, norm_eps=1e-6, init_std=0.02, out_std=0.02)
+    return initialize(KimiDeltaAttention(64, cfg, norm_eps=1e-6, init_std=0.02, out_std=0.02), seed=0)
 
 
 def decay_at_dt(dt: float) -> float:

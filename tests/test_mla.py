@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_pretrain.config import MLAConfig
+from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA, rotate
 from tests.helpers import rel_rms
@@ -49,7 +50,7 @@ def make_layer(position="nope"):
     torch.manual_seed(0)
     cfg = MLAConfig(num_heads=3, q_lora_rank=12, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
                     v_head_dim=5, position=position)
-    return GatedMLA(16, cfg, init_std=0.3, out_std=0.3).to(F64), cfg
+    return initialize(GatedMLA(16, cfg, init_std=0.3, out_std=0.3).to(F64), seed=0), cfg
 
 
 @pytest.mark.parametrize("position", ["nope", "rope"])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moe_pretrain.model import DocumentLayout, MoETransformer
+from moe_pretrain.model.init import initialize
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.ops import rms_norm
@@ -16,7 +17,7 @@ F64 = torch.float64
 def build(*overrides, seed=0, dtype=F64):
     torch.manual_seed(seed)
     cfg = tiny_config(*overrides)
-    model = MoETransformer(cfg.model).to(dtype)
+    model = initialize(MoETransformer(cfg.model).to(dtype), seed)
     # Non-zero pseudo-queries so the mixes are real softmaxes, not plain averages.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,7 +79,7 @@ def test_packed_documents_do_not_see_each_other():
 def test_short_convolution_respects_document_starts():
     torch.manual_seed(0)
     cfg = tiny_config().model
-    layer = KimiDeltaAttention(32, cfg.kda, norm_eps=1e-5, init_std=0.3, out_std=0.3).to(F64)
+    layer = initialize(KimiDeltaAttention(32, cfg.kda, norm_eps=1e-5, init_std=0.3, out_std=0.3).to(F64), seed=0)
     x = torch.randn(1, 10, 32, dtype=F64)
     layout = DocumentLayout.from_doc_ids(torch.tensor([[0] * 3 + [1] * 7]))
     got = layer(x, layout)

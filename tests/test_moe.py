@@ -3,6 +3,7 @@
 import torch
 
 from moe_pretrain.config import MoEConfig
+from moe_pretrain.model.init import initialize
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.ops import situ_glu
 from parallel.dispatch import LocalTokenDispatcher
@@ -15,7 +16,7 @@ def make_moe(**overrides):
     torch.manual_seed(0)
     cfg = MoEConfig(**{"num_experts": 6, "top_k": 2, "expert_intermediate": 5, "latent_size": 4,
                        "num_shared_experts": 2, "shared_intermediate": 3, "routed_scaling": 1.5, **overrides})
-    return LatentMoE(12, cfg, norm_eps=1e-5, init_std=0.5, out_std=0.5).to(F64), cfg
+    return initialize(LatentMoE(12, cfg, norm_eps=1e-5, init_std=0.5, out_std=0.5).to(F64), seed=0), cfg
 
 
 @torch.no_grad()
@@ -86,3 +87,31 @@ def test_aux_loss_balancing_returns_a_loss():
     moe, _ = make_moe(balancing="aux_loss", aux_loss_coef=0.1)
     _, loss = moe(torch.randn(16, 12, dtype=F64))
     assert loss is not None and loss.requires_grad and 0.0 < float(loss.detach()) < 0.1 * 6
+
+
+def test_expert_weights_are_cast_once_per_update_under_autocast():
+    """bf16 autocast: two micro-batches reuse one compute copy of the stacked expert weights, their
+    gradients equal those of a fresh cast per micro-batch (exactly: the same bf16 values), and an
+    in-place update (the optimizer step) makes a fresh copy."""
+    moe = make_moe()[0].float()
+    experts = moe.experts
+    x = [torch.randn(2, 7, 12) for _ in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = experts.compute_weights("cpu")
+        for xb in x:
+            moe(xb)[0].float().pow(2).sum().backward()
+        assert experts.compute_weights("cpu")[0] is first[0]
+    cached = [p.grad.clone() for p in experts.parameters()]
+    moe.zero_grad()
+    experts._compute_copies = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for xb in x:
+            experts._compute_copies = None  # a fresh cast for every micro-batch: the per-use reference
+            moe(xb)[0].float().pow(2).sum().backward()
+    for got, expected in zip(cached, [p.grad for p in experts.parameters()]):
+        assert torch.equal(got, expected)
+    with torch.no_grad():
+        experts.w_up.add_(1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts.compute_weights("cpu")[1] is not first[1]
+    assert experts.compute_weights("cpu")[0] is experts.w_gate  # no autocast: the parameters themselves

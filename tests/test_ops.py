@@ -42,6 +42,18 @@ def test_situ_glu_gradcheck():
     assert torch.autograd.gradcheck(situ_glu, (gate.detach().requires_grad_(), up.detach().requires_grad_()))
 
 
+def test_situ_glu_gradients_match_the_formula_autograd():
+    """The saved-inputs backward against autograd through MODEL.md's formula (float64, 1e-12)."""
+    gate = (torch.randn(64, 33, dtype=F64) * 4).requires_grad_()
+    up = (torch.randn(64, 33, dtype=F64) * 40).requires_grad_()
+    grad = torch.randn(64, 33, dtype=F64)
+    formula = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * (25.0 * torch.tanh(up / 25.0))
+    expected = torch.autograd.grad(formula, (gate, up), grad)
+    got = torch.autograd.grad(situ_glu(gate, up), (gate, up), grad)
+    for a, b in zip(got, expected):
+        assert rel_rms(a, b) < 1e-12
+
+
 def test_situ_glu_runs_fp32_inside_bf16():
     gate = torch.randn(64, dtype=torch.bfloat16)
     up = torch.randn(64, dtype=torch.bfloat16)
@@ -153,3 +165,24 @@ def test_load_balancing_loss_is_one_when_balanced():
     peaked = torch.tensor([[0.9, 0.9, 0.1, 0.1]] * 8, dtype=F64)
     skewed = torch.tensor([[0, 1]] * 8)
     assert load_balancing_loss(peaked, skewed).item() == pytest.approx(1.8)
+
+
+def test_grouped_mm_matches_per_expert_matmuls_forward_and_backward():
+    """Against x_e @ W_e^T per expert (float64, exact to 1e-12), with an expert that gets no rows."""
+    from moe_pretrain.ops import grouped_mm
+
+    torch.manual_seed(0)
+    counts = [3, 0, 5, 1]
+    x = torch.randn(sum(counts), 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 7, 6, dtype=torch.float64, requires_grad=True)
+    y = grouped_mm(x, w, counts)
+    reference = torch.cat([part @ w[e].T for e, part in enumerate(torch.split(x, counts))])
+    assert rel_rms(y, reference) < 1e-12
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), grad)
+    expected = torch.autograd.grad(reference, (x, w), grad)
+    for a, b in zip(got, expected):
+        assert rel_rms(a, b) < 1e-12
+    assert torch.equal(got[1][1], torch.zeros(7, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="summing to"):
+        grouped_mm(x, w, [1, 1, 1, 1])

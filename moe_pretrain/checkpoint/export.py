@@ -3,10 +3,13 @@
 Works from the DCP metadata alone (global shapes and dtypes), in one process: no model is built.
 Writes model-0000i-of-0000n.safetensors (each at most max_shard_bytes, tensors whole),
 model.safetensors.index.json (weight_map, as the Hugging Face convention) and config.json, whose
-field names follow MODEL.md.
+field names follow MODEL.md. It streams: the files are planned from the metadata, and each is read
+(only its tensors) and written before the next, so memory peaks at one file (or one tensor larger
+than max_shard_bytes), never the model.
 """
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +22,18 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 PREFIX = "model."
 
 
-def read_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint as a whole (consolidated) tensor, keyed without the prefix."""
-    reader = FileSystemReader(path)
-    metadata = reader.read_metadata()
-    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in metadata.state_dict_metadata.items()
-               if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+def model_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
+    """Global shape and dtype of every model tensor of a checkpoint, keyed with the prefix."""
+    metadata = FileSystemReader(path).read_metadata()
+    return {key: meta for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)}
+
+
+def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The named model tensors, whole (consolidated from every rank's shards), keyed without the prefix."""
+    metadata = model_tensor_metadata(path)
+    tensors = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype) for key in keys}
+    dcp.load(tensors, storage_reader=FileSystemReader(path), no_dist=True)
     return {key[len(PREFIX):]: tensor for key, tensor in tensors.items()}
 
 
@@ -55,26 +62,32 @@ def model_card(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _nbytes(meta: TensorStorageMetadata) -> int:
+    return math.prod(meta.size) * meta.properties.dtype.itemsize
+
+
 def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30) -> list[Path]:
-    tensors = read_model_tensors(path)
+    metadata = model_tensor_metadata(path)
     config = json.loads((path / "trainer_state.json").read_text())["config"]
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    plan: list[list[str]] = [[]]
     size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for key in sorted(metadata):
+        nbytes = _nbytes(metadata[key])
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
             size = 0
-        shards[-1][name] = tensors[name].contiguous()
+        plan[-1].append(key)
         size += nbytes
     out.mkdir(parents=True, exist_ok=False)
     files, weight_map = [], {}
-    for i, shard in enumerate(shards, start=1):
-        file = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    for i, keys in enumerate(plan, start=1):
+        file = out / f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+        shard = read_tensors(path, keys)
         save_file(shard, str(file), metadata={"format": "pt"})
+        del shard
         files.append(file)
-        weight_map.update({name: file.name for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({key[len(PREFIX):]: file.name for key in keys})
+    total = sum(_nbytes(meta) for meta in metadata.values())
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
     (out / "config.json").write_text(json.dumps(model_card(config), indent=1))

@@ -3,10 +3,10 @@
 Parameters keep their global names (global layer index; experts stacked along dim 0 with global
 indices). A parameter sliced over tensor or expert parallelism becomes a DTensor sharded on a mesh
 built from that megatron-core group; a replicated one stays a plain tensor (DCP keeps one copy).
-Adam moments are stored per parameter, shaped and sharded like it: the ZeRO-1 buckets are
-layout-specific, so at save each bucket's moments are all-gathered over its group and cut back into
-parameters, and at load the new layout's buckets take their slices. The master copy is the
-parameter itself (the optimizer copies it back every step), so it is not stored twice.
+Adam moments are stored per parameter under the parameter's global shape, but each rank saves only
+the flat range its ZeRO-1 slice holds, as boxes of the global tensor (parallel/flat_shards.py): nothing
+is gathered or copied at save, and at load DCP fills each new layout's boxes, in place, from whichever
+boxes were saved. The master copy is the parameter itself, so it is not stored twice.
 """
 
 import torch
@@ -15,16 +15,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from parallel.flat_shards import BoxedTensor
 from parallel.optimizer import ShardedAdamW
-from parallel.params import is_expert_parameter, tensor_parallel_dim
+from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class GlobalState:
-    def __init__(self, model: nn.Module, optimizer: ShardedAdamW, ctx: ParallelContext):
-        self.model, self.optimizer, self.ctx = model, optimizer, ctx
+    def __init__(self, model: nn.Module, optimizer: ShardedAdamW, ctx: ParallelContext, plan: ShardingPlan):
+        self.model, self.optimizer, self.ctx, self.plan = model, optimizer, ctx, plan
         self._meshes: dict[int, DeviceMesh] = {}
         self.names = {id(p): name for name, p in model.named_parameters()}
 
@@ -34,63 +35,55 @@ class GlobalState:
             self._meshes[key] = DeviceMesh.from_group(group, self.ctx.device.type)
         return self._meshes[key]
 
-    def _placement(self, param: nn.Parameter) -> tuple[dist.ProcessGroup, int] | None:
-        if tensor_parallel_dim(param) is not None and self.ctx.layout.tp > 1:
-            return self.ctx.tp_group, tensor_parallel_dim(param)
-        if is_expert_parameter(param) and self.ctx.layout.ep > 1:
-            return self.ctx.ep_group, 0
+    def _placement(self, name: str) -> tuple[dist.ProcessGroup, int] | None:
+        placement = self.plan.placement(name)
+        if placement.tensor_dim is not None and self.ctx.layout.tp > 1:
+            return self.ctx.tp_group, placement.tensor_dim
+        if placement.expert_dim is not None and self.ctx.layout.ep > 1:
+            return self.ctx.ep_group, placement.expert_dim
         return None
 
-    def _wrap(self, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
-        placement = self._placement(param)
+    def _wrap(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        placement = self._placement(name)
         if placement is None:
             return local
         group, dim = placement
-        shape = list(local.shape)
-        shape[dim] *= dist.get_world_size(group)
+        shape = self._global(name, tuple(local.shape))[0]
         return DTensor.from_local(local, self._mesh(group), [Shard(dim)], shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride())
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors to save (or to load into: same keys and shapes for this layout)."""
+    def _global(self, name: str, local: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(global shape, offsets of this rank's block) of the parameter `name` held here as `local`."""
+        placement = self._placement(name)
+        if placement is None:
+            return local, (0,) * len(local)
+        group, dim = placement
+        shape, offsets = list(local), [0] * len(local)
+        shape[dim] *= dist.get_world_size(group)
+        offsets[dim] = dist.get_rank(group) * local[dim]
+        return tuple(shape), tuple(offsets)
+
+    def state_dict(self) -> dict[str, torch.Tensor | BoxedTensor]:
+        """Tensors to save (or to load into, in place: same keys and global shapes for every layout)."""
         state = {}
         for name, tensor in self.model.state_dict().items():
             state[f"model.{name}"] = tensor
         params = dict(self.model.named_parameters())
         for name, param in params.items():
-            state[f"model.{name}"] = self._wrap(param, param.detach())
-        for moment, per_param in self._moments().items():
-            for param, tensor in per_param:
-                state[f"optim.{moment}.{self.names[id(param)]}"] = self._wrap(param, tensor)
+            state[f"model.{name}"] = self._wrap(name, param.detach())
+            for moment in MOMENTS:  # replaced below by the boxes this rank holds, if any
+                state[f"optim.{moment}.{name}"] = BoxedTensor(torch.Size(self._global(name, param.shape)[0]), [])
+        for bucket in self.optimizer.buckets:
+            for moment in MOMENTS:
+                flat = self.optimizer.moment(bucket, moment)
+                for param, lo, hi, at in bucket.pieces():
+                    name = self.names[id(param)]
+                    global_shape, offsets = self._global(name, tuple(param.shape))
+                    state[f"optim.{moment}.{name}"] = BoxedTensor.from_flat_range(
+                        global_shape, tuple(param.shape), offsets, lo, flat[at:at + hi - lo])
         return state
 
-    def _moments(self) -> dict[str, list[tuple[nn.Parameter, torch.Tensor]]]:
-        result = {m: [] for m in MOMENTS}
-        for bucket in self.optimizer.buckets:
-            adam = self.optimizer.adamw.state.get(bucket.shard, {})
-            for moment in MOMENTS:
-                shard = adam.get(moment, torch.zeros_like(bucket.shard))
-                flat = bucket.gather(shard.detach())
-                offset = 0
-                for p in bucket.params:
-                    result[moment].append((p, flat[offset:offset + p.numel()].view_as(p).clone()))
-                    offset += p.numel()
-        return result
-
     @torch.no_grad()
-    def apply(self, loaded: dict[str, torch.Tensor], step: int) -> None:
-        """Copy a loaded state_dict() into the model and rebuild the optimizer's buckets and moments."""
-
-        def local(t):
-            return t.to_local() if isinstance(t, DTensor) else t
-
-        for name, tensor in self.model.state_dict().items():
-            tensor.copy_(local(loaded[f"model.{name}"]))
-        for bucket in self.optimizer.buckets:
-            bucket.reload_from_parameters()
-            state = {"step": torch.tensor(float(step), dtype=torch.float32)}
-            for moment in MOMENTS:
-                parts = [local(loaded[f"optim.{moment}.{self.names[id(p)]}"]).reshape(-1) for p in bucket.params]
-                state[moment] = bucket.my_slice(torch.cat(parts)).clone()
-            if step > 0:
-                self.optimizer.adamw.state[bucket.shard] = state
+    def after_load(self, step: int) -> None:
+        """The state was loaded in place: only the Adam step count is left to set."""
+        self.optimizer.set_step(step)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
 from moe_pretrain.checkpoint.manifest import fsync_dir, read_manifest, verify, write_durably, write_manifest
+from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -105,13 +106,13 @@ def _commit(root: Path, final: Path, local_failures: list[str], trainer_state: d
     return final
 
 
-def save(root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+def save(root: Path, step: int, tensors: dict[str, torch.Tensor | BoxedTensor], trainer_state: dict[str, Any],
          info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
     """Synchronous save: write, vote, commit."""
     final, tmp = _prepare(root, step)
     local_failures: list[str] = []
     try:
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False))
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False), planner=BoxedSavePlanner())
     except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
         local_failures = _describe(err, _rank())
     return _commit(root, final, local_failures, trainer_state, info, keep_last, keep_every)
@@ -137,9 +138,10 @@ class AsyncSaver:
         final, tmp = _prepare(root, step)
         # Stage: copy every tensor to host memory now. The parameters are live and the next step
         # updates them in place, so the background writer must only ever see these copies.
-        staged = {key: tensor.detach().to("cpu", copy=True) for key, tensor in tensors.items()}
+        staged = {key: tensor.staged() if isinstance(tensor, BoxedTensor) else tensor.detach().to("cpu", copy=True)
+                  for key, tensor in tensors.items()}
         future = dcp.async_save(staged, storage_writer=FileSystemWriter(tmp, overwrite=False),
-                                process_group=self.group)
+                                process_group=self.group, planner=BoxedSavePlanner())
         self.pending = (future, root, final, trainer_state, info, keep_last, keep_every)
 
     def poll(self) -> Path | None:
@@ -205,7 +207,7 @@ def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:
 
 def load(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Fill `tensors` in place from the checkpoint (resharding as needed); return the trainer state."""
-    dcp.load(tensors, storage_reader=FileSystemReader(path))
+    dcp.load(tensors, storage_reader=FileSystemReader(path), planner=BoxedLoadPlanner())
     return json.loads((path / TRAINER_STATE).read_text())
 
 

@@ -6,16 +6,18 @@ The pseudo-query starts at zero, so at initialisation a mix is the plain average
 import torch
 from torch import nn
 
+from moe_pretrain.model.init import Constant
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.ops import attn_res_mix
-from parallel.linear import LinearStyle, make_linear
 
 
 class AttnResMix(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.pseudo_query = make_linear(dim, 1, style=LinearStyle.REPLICATED, init_std=0.0)
-        self.norm_weight = nn.Parameter(torch.ones(dim))
+        self.pseudo_query = make_linear(dim, 1, init_std=0.0)
+        self.norm_weight = nn.Parameter(torch.empty(dim))
+        self.param_init = {"norm_weight": Constant(1.0)}
 
     def forward(self, bank: list[torch.Tensor]) -> torch.Tensor:
         """bank: N tensors [B, T, d] -> [B, T, d]."""

@@ -1,13 +1,19 @@
 """Routed SiTU-GLU experts, stored stacked and computed only on the rows routed to each expert.
 
-Shape legend: E experts, L latent width (experts read and write latent vectors), F expert
-intermediate, R routed rows grouped by expert. w_gate_EFL, w_up_EFL, w_down_ELF.
+Shape legend: E experts (E / ep on an expert-parallel rank), L latent width (experts read and write
+latent vectors), F expert intermediate, R routed rows grouped by expert. w_gate_EFL, w_up_EFL, w_down_ELF.
+
+Under autocast the stacked weights are cast to the compute dtype once and reused until they change (the
+optimizer step, or a load, bumps their version): autocast's own weight cache only holds leaf tensors, and
+an expert's slice w[e] is not one, so every micro-batch would otherwise cast every expert again. The
+matmuls are ops.grouped_mm, whose backward writes the stacked weight gradients directly.
 """
 
 import torch
 from torch import nn
 
-from moe_pretrain.ops import situ_glu
+from moe_pretrain.model.init import Normal
+from moe_pretrain.ops import grouped_mm, situ_glu
 
 
 class GroupedExperts(nn.Module):
@@ -15,35 +21,32 @@ class GroupedExperts(nn.Module):
                  linear_beta: float, init_std: float, out_std: float):
         super().__init__()
         self.beta, self.linear_beta = beta, linear_beta
-        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, latent).normal_(0, init_std))
-        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, latent).normal_(0, init_std))
-        self.w_down = nn.Parameter(torch.empty(num_experts, latent, intermediate).normal_(0, out_std))
-        self.first_expert = 0
-        """Global index of this module's first expert (non-zero when experts are split over ranks)."""
-        self._mark_expert_parameters()
+        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+        self.w_down = nn.Parameter(torch.empty(num_experts, latent, intermediate))
+        self.param_init = {"w_gate": Normal(init_std), "w_up": Normal(init_std), "w_down": Normal(out_std)}
+        self._compute_copies: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
-    def _mark_expert_parameters(self) -> None:
-        # Expert parameters reduce over the expert-data-parallel group, not the data-parallel one.
-        for p in self.parameters():
-            p.is_expert = True
-
-    def keep_experts(self, first: int, count: int) -> None:
-        """Keep only experts [first, first + count) (expert parallelism); global indices are preserved."""
-        for name in ("w_gate", "w_up", "w_down"):
-            full = getattr(self, name)
-            setattr(self, name, nn.Parameter(full.detach()[first:first + count].clone()))
-        self.first_expert = first
-        self._mark_expert_parameters()
+    def compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate, w_up, w_down) in autocast's dtype, cast once per weight update (differentiable: each
+        micro-batch's backward flows through the same cast into the parameters); the parameters themselves
+        outside autocast."""
+        weights = (self.w_gate, self.w_up, self.w_down)
+        if not torch.is_autocast_enabled(device_type):
+            return weights
+        dtype = torch.get_autocast_dtype(device_type)
+        key = (dtype, torch.is_grad_enabled(), *(w._version for w in weights), *(id(w) for w in weights))
+        if self._compute_copies is None or self._compute_copies[0] != key:
+            self._compute_copies = (key, tuple(w.to(dtype) for w in weights))
+        return self._compute_copies[1]
 
     def forward(self, x_RL: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_RL: rows grouped by expert; counts [E] rows per expert (summing to R) -> [R, L].
 
-        A grouped loop: experts with no rows cost nothing. (On GPU the grouped GEMM replaces it.)
+        Grouped matmuls: experts with no rows cost nothing. (On GPU a grouped GEMM kernel replaces them.)
         """
-        outputs = []
-        for e, rows in enumerate(torch.split(x_RL, counts.tolist())):
-            if rows.shape[0] == 0:
-                continue
-            h = situ_glu(rows @ self.w_gate[e].T, rows @ self.w_up[e].T, self.beta, self.linear_beta)
-            outputs.append(h @ self.w_down[e].T)
-        return torch.cat(outputs) if outputs else x_RL.new_zeros(0, self.w_down.shape[1])
+        w_gate, w_up, w_down = self.compute_weights(x_RL.device.type)
+        split = counts.tolist()
+        x_RL = x_RL.to(w_gate.dtype)
+        h = situ_glu(grouped_mm(x_RL, w_gate, split), grouped_mm(x_RL, w_up, split), self.beta, self.linear_beta)
+        return grouped_mm(h.to(w_down.dtype), w_down, split)

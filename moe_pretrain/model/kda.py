@@ -4,42 +4,37 @@ Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
 q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
 low-rank f = W_fb W_fa x; beta = sigmoid(W_b x); y = W_o [sigmoid(W_g x) * RMSNorm_head(o)].
 The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments.
-Under tensor parallelism the layer holds H / tp heads (shard_heads) and its column projections
+Under tensor parallelism the layer holds H / tp heads (parallel/plan.py) and its column projections
 return the whole sequence, so head counts and T are read from the tensors, not the config.
 """
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_pretrain.config import KDAConfig
+from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, LogUniform
 from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops import kda, l2_norm, rms_norm
 from moe_pretrain.ops.norms import compute_dtype
-from parallel.linear import LinearStyle, make_linear
 
 DT_RANGE = (1e-3, 1e-1)
 """Initial per-channel step sizes dt, log-uniform in this range (fla's dt_min, dt_max)."""
 
 
-def initial_dt_bias(channels: int) -> torch.Tensor:
+def dt_bias_init() -> InverseSoftplusLogUniform:
     """softplus^-1(dt) with log dt ~ U(log 1e-3, log 1e-1) per channel: at f = 0 the gate's argument is dt.
     With the bounded gate and A_log = 0 the first-step decay is exp(-5 (1 - e^-dt)), spread over
     (0.62, 0.995) with median 0.95: KDA layers start with memories from a few to a few hundred tokens."""
-    low, high = (math.log(d) for d in DT_RANGE)
-    dt = torch.empty(channels).uniform_(low, high).exp()
-    return dt + torch.log(-torch.expm1(-dt))
+    return InverseSoftplusLogUniform(*DT_RANGE)
 
 
-def initial_A_log(heads: int, gate: str) -> torch.Tensor:
+def a_log_init(gate: str) -> Constant | LogUniform:
     """0 for the bounded gate (the rate is then 1 and dt_bias alone sets each channel's decay); log U(1, 16)
     for fla's softplus gate. (log U(1, 16) under the bounded gate would start every channel near decay 0.08.)"""
-    if gate == "lower_bound":
-        return torch.zeros(heads)
-    return torch.empty(heads).uniform_(1, 16).log()
+    return Constant(0.0) if gate == "lower_bound" else LogUniform(1.0, 16.0, log=True)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -49,35 +44,22 @@ class KimiDeltaAttention(nn.Module):
         self.norm_eps = norm_eps
         H, K = cfg.num_heads, cfg.head_dim
         inner = H * K
-        column = LinearStyle.COLUMN
-        self.q_proj = make_linear(dim, inner, style=column, init_std=init_std)
-        self.k_proj = make_linear(dim, inner, style=column, init_std=init_std)
-        self.v_proj = make_linear(dim, inner, style=column, init_std=init_std)
+        self.q_proj = make_linear(dim, inner, init_std=init_std)
+        self.k_proj = make_linear(dim, inner, init_std=init_std)
+        self.v_proj = make_linear(dim, inner, init_std=init_std)
         self.q_conv = ShortConvolution(inner, cfg.conv_size)
         self.k_conv = ShortConvolution(inner, cfg.conv_size)
         self.v_conv = ShortConvolution(inner, cfg.conv_size)
-        self.f_a_proj = make_linear(dim, K, style=LinearStyle.REPLICATED, init_std=init_std)
-        self.f_b_proj = make_linear(K, inner, style=column, init_std=init_std)
+        self.f_a_proj = make_linear(dim, K, init_std=init_std)
+        self.f_b_proj = make_linear(K, inner, init_std=init_std)
         # fla's initialisation (MODEL.md): neither takes weight decay.
-        self.A_log = nn.Parameter(initial_A_log(H, cfg.gate))
-        self.dt_bias = nn.Parameter(initial_dt_bias(inner))
-        self.b_proj = make_linear(dim, H, style=column, init_std=init_std)
-        self.g_proj = make_linear(dim, inner, style=column, init_std=init_std)
-        self.o_norm_weight = nn.Parameter(torch.ones(K))
-        self.o_proj = make_linear(inner, dim, style=LinearStyle.ROW, init_std=out_std)
-
-    def shard_heads(self, rank: int, size: int) -> None:
-        """Keep heads [rank * H/size, (rank + 1) * H/size) of the per-head parameters (tensor parallel);
-        the projections are sliced by the parallel set-up."""
-        heads = self.cfg.num_heads // size
-        channels = heads * self.cfg.head_dim
-        with torch.no_grad():
-            self.A_log = nn.Parameter(self.A_log[rank * heads:(rank + 1) * heads].clone())
-            self.dt_bias = nn.Parameter(self.dt_bias[rank * channels:(rank + 1) * channels].clone())
-            for conv in (self.q_conv, self.k_conv, self.v_conv):
-                conv.weight = nn.Parameter(conv.weight[rank * channels:(rank + 1) * channels].clone())
-        for p in (self.A_log, self.dt_bias, self.q_conv.weight, self.k_conv.weight, self.v_conv.weight):
-            p.tensor_parallel_dim = 0
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(inner))
+        self.b_proj = make_linear(dim, H, init_std=init_std)
+        self.g_proj = make_linear(dim, inner, init_std=init_std)
+        self.o_norm_weight = nn.Parameter(torch.empty(K))
+        self.param_init = {"A_log": a_log_init(cfg.gate), "dt_bias": dt_bias_init(), "o_norm_weight": Constant(1.0)}
+        self.o_proj = make_linear(inner, dim, init_std=out_std)
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""

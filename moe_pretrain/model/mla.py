@@ -15,8 +15,8 @@ from torch import nn
 
 from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
-from parallel.linear import LinearStyle, make_linear
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -40,16 +40,14 @@ class GatedMLA(nn.Module):
         H = cfg.num_heads
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self.scale = qk_dim**-0.5
-        rep, column = LinearStyle.REPLICATED, LinearStyle.COLUMN
-        self.q_down = make_linear(dim, cfg.q_lora_rank, style=rep, init_std=init_std)
+        self.q_down = make_linear(dim, cfg.q_lora_rank, init_std=init_std)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.lora_norm_eps)
-        self.q_up = make_linear(cfg.q_lora_rank, H * qk_dim, style=column, init_std=init_std)
-        self.kv_down = make_linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, style=rep, init_std=init_std)
+        self.q_up = make_linear(cfg.q_lora_rank, H * qk_dim, init_std=init_std)
+        self.kv_down = make_linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, init_std=init_std)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.lora_norm_eps)
-        self.kv_up = make_linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                 style=column, init_std=init_std)
-        self.g_proj = make_linear(dim, H * cfg.v_head_dim, style=column, init_std=init_std)
-        self.o_proj = make_linear(H * cfg.v_head_dim, dim, style=LinearStyle.ROW, init_std=out_std)
+        self.kv_up = make_linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), init_std=init_std)
+        self.g_proj = make_linear(dim, H * cfg.v_head_dim, init_std=init_std)
+        self.o_proj = make_linear(H * cfg.v_head_dim, dim, init_std=out_std)
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         cfg = self.cfg

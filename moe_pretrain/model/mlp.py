@@ -8,8 +8,8 @@ is their concatenation, so the shared experts are built as one MLP of num_shared
 import torch
 from torch import nn
 
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.ops import situ_glu
-from parallel.linear import LinearStyle, make_linear
 
 
 class SiTUGLUMLP(nn.Module):
@@ -17,9 +17,9 @@ class SiTUGLUMLP(nn.Module):
                  init_std: float, out_std: float):
         super().__init__()
         self.beta, self.linear_beta = beta, linear_beta
-        self.gate_proj = make_linear(dim, intermediate, style=LinearStyle.COLUMN, init_std=init_std)
-        self.up_proj = make_linear(dim, intermediate, style=LinearStyle.COLUMN, init_std=init_std)
-        self.down_proj = make_linear(intermediate, dim, style=LinearStyle.ROW, init_std=out_std)
+        self.gate_proj = make_linear(dim, intermediate, init_std=init_std)
+        self.up_proj = make_linear(dim, intermediate, init_std=init_std)
+        self.down_proj = make_linear(intermediate, dim, init_std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)

@@ -10,11 +10,11 @@ from torch import nn
 
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.router import Router
 from parallel.dispatch import LocalTokenDispatcher
-from parallel.linear import LinearStyle, make_linear
 
 
 class LatentMoE(nn.Module):
@@ -22,13 +22,13 @@ class LatentMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = Router(dim, cfg, init_std)
-        self.latent_down = make_linear(dim, cfg.latent_size, style=LinearStyle.REPLICATED, init_std=init_std)
+        self.latent_down = make_linear(dim, cfg.latent_size, init_std=init_std)
         self.experts = GroupedExperts(
             cfg.num_experts, cfg.latent_size, cfg.expert_intermediate, beta=cfg.situ_beta,
             linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std,
         )
         self.latent_norm = RMSNorm(cfg.latent_size, norm_eps)
-        self.latent_up = make_linear(cfg.latent_size, dim, style=LinearStyle.REPLICATED, init_std=out_std)
+        self.latent_up = make_linear(cfg.latent_size, dim, init_std=out_std)
         self.shared = None
         if cfg.num_shared_experts > 0:
             self.shared = SiTUGLUMLP(

@@ -10,16 +10,16 @@ from torch import nn
 
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.balancing import make_balancer
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.ops import expert_load, route, router_scores
 from moe_pretrain.ops.norms import compute_dtype
-from parallel.linear import LinearStyle, make_linear
 
 
 class Router(nn.Module):
     def __init__(self, dim: int, cfg: MoEConfig, init_std: float):
         super().__init__()
         self.cfg = cfg
-        self.gate = make_linear(dim, cfg.num_experts, style=LinearStyle.REPLICATED, init_std=init_std)
+        self.gate = make_linear(dim, cfg.num_experts, init_std=init_std)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         self.register_buffer("load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         # Health counters since the last pop_stats: summed per-token routing entropy, and (int64, exact at

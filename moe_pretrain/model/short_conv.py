@@ -7,13 +7,16 @@ document boundary of a packed sequence: tap j contributes only where position_in
 import torch
 from torch import nn
 
+from moe_pretrain.model.init import Uniform
+
 
 class ShortConvolution(nn.Module):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
         self.kernel_size = kernel_size
         bound = kernel_size**-0.5  # conv1d's default fan-in scale for a depthwise kernel
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size).uniform_(-bound, bound))
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+        self.param_init = {"weight": Uniform(-bound, bound)}
 
     def forward(self, x_BTC: torch.Tensor, position_in_doc: torch.Tensor) -> torch.Tensor:
         """x [B, T, C], position_in_doc [B, T] -> [B, T, C]; weight[:, -1] multiplies the current token."""

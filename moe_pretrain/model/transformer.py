@@ -14,15 +14,16 @@ from torch import nn
 
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
+from moe_pretrain.model.init import Normal
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.vision import PatchEmbedding
-from parallel.linear import LinearStyle, make_linear
 from parallel.sequence import NoSequenceParallel
 
 
@@ -64,13 +65,13 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.hidden_size
-        self.embedding = nn.Embedding(cfg.vocab_size, d)
-        nn.init.normal_(self.embedding.weight, 0.0, cfg.init_std)
+        self.embedding = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
+        self.embedding.param_init = {"weight": Normal(cfg.init_std)}
         self.patch_embedding = PatchEmbedding(cfg.vision.patch_dim, d, cfg.init_std)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.final_mix = AttnResMix(d, cfg.norm_eps)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
-        self.head = make_linear(d, cfg.vocab_size, style=LinearStyle.COLUMN, init_std=cfg.init_std)
+        self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
         self.sequence = NoSequenceParallel()
         """Set by the parallel set-up: activations between layers hold this rank's shard of T."""
 

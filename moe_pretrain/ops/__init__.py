@@ -4,6 +4,7 @@ Later layers (parallel wrappers, kernels, tests) call these by name; keep the si
 """
 
 from moe_pretrain.ops.attn_res import attn_res_mix
+from moe_pretrain.ops.grouped_mm import grouped_mm
 from moe_pretrain.ops.kda import kda, kda_recurrent
 from moe_pretrain.ops.norms import l2_norm, rms_norm
 from moe_pretrain.ops.routing import (
@@ -21,6 +22,7 @@ __all__ = [
     "attn_res_mix",
     "aux_free_update",
     "expert_load",
+    "grouped_mm",
     "kda",
     "kda_recurrent",
     "l2_norm",

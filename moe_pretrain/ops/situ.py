@@ -16,6 +16,34 @@ def situ(gate: torch.Tensor, beta: float = 4.0) -> torch.Tensor:
     return (beta * torch.tanh(g / beta) * torch.sigmoid(g)).to(gate.dtype)
 
 
+class _SiTUGLU(torch.autograd.Function):
+    """h = SiTU_b(g) * u' saving only g and u (in their own dtype): the backward recomputes the few
+    elementwise factors, so a routed expert keeps two [R, F] tensors for backward instead of about ten
+    (the expert activations grow with tokens x top-k x F)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, beta, linear_beta):
+        ctx.save_for_backward(gate, up)
+        ctx.betas = beta, linear_beta
+        dtype = compute_dtype(gate.dtype)
+        g, u = gate.to(dtype), up.to(dtype)
+        return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+                ).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gate, up = ctx.saved_tensors
+        beta, linear_beta = ctx.betas
+        dtype = compute_dtype(gate.dtype)
+        g, u, grad = gate.to(dtype), up.to(dtype), grad_h.to(dtype)
+        t, s = torch.tanh(g / beta), torch.sigmoid(g)
+        tu = torch.tanh(u / linear_beta)
+        # d SiTU/dg = (1 - t^2) s + b t s (1 - s);  d u'/du = 1 - tanh^2(u / b_lin)
+        grad_gate = grad * linear_beta * tu * ((1 - t * t) * s + beta * t * s * (1 - s))
+        grad_up = grad * beta * t * s * (1 - tu * tu)
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+
+
 def situ_glu(
     gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
 ) -> torch.Tensor:
@@ -24,8 +52,4 @@ def situ_glu(
         raise ValueError(f"situ_glu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
     if beta <= 0 or linear_beta <= 0:
         raise ValueError(f"situ_glu: beta ({beta}) and linear_beta ({linear_beta}) must be positive")
-    dtype = compute_dtype(gate.dtype)
-    g = gate.to(dtype)
-    u = up.to(dtype)
-    h = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-    return h.to(gate.dtype)
+    return _SiTUGLU.apply(gate, up, beta, linear_beta)

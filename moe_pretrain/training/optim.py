@@ -2,9 +2,8 @@
 
 Vectors (norm weights, biases, A_log, dt_bias, AttnRes norm weights) take no weight decay: decaying
 them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias.
-Reduction groups: expert parameters over expert-data parallel; tensor-parallel slices over data
-parallel; replicated parameters, whose gradients are partial over the sequence shards, over tensor x
-data parallel.
+Reduction groups come from the sharding plan (parallel/plan.py): expert shards over expert-data
+parallel, tensor-parallel slices over data parallel, replicated parameters over tensor x data parallel.
 """
 
 import math
@@ -14,23 +13,18 @@ from torch import nn
 
 from moe_pretrain.config import Config, OptimConfig
 from parallel.optimizer import ParamGroupSpec, ShardedAdamW
-from parallel.params import is_expert_parameter, tensor_parallel_dim
+from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
 
-def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ShardedAdamW:
-    def reduction(p):
-        if is_expert_parameter(p):
-            return "expert"
-        return "sharded" if tensor_parallel_dim(p) is not None else "replicated"
-
-    groups = {"expert": ctx.edp_group, "sharded": ctx.dp_group, "replicated": ctx.tp_dp_group}
+def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: ShardingPlan) -> ShardedAdamW:
+    reduce_group = {name: plan.placement(name).reduce_group for name, _ in model.named_parameters()}
     specs = []
-    for kind, group in groups.items():
+    for group_name in ("edp_group", "dp_group", "tp_dp_group"):
         for decay in (True, False):
-            params = [p for p in model.parameters()
-                      if p.requires_grad and reduction(p) == kind and (p.dim() >= 2) == decay]
-            specs.append(ParamGroupSpec(params, group, cfg.optim.weight_decay if decay else 0.0))
+            params = [p for name, p in model.named_parameters()
+                      if p.requires_grad and reduce_group[name] == group_name and (p.dim() >= 2) == decay]
+            specs.append(ParamGroupSpec(params, getattr(ctx, group_name), cfg.optim.weight_decay if decay else 0.0))
     o = cfg.optim
     return ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                         bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),

@@ -1,59 +1,148 @@
-"""Apply the parallel layout to a model built whole, from outside its math (torchtitan's approach).
+"""Build this rank's part of the model: on the meta device, placed by the sharding plan, then materialised.
 
-Every rank builds the full model from the same seed, so the initial weights never depend on the
-layout; then each rank keeps its share:
-- tensor + sequence parallel: column/row projections sliced by their declared style, KDA's per-head
-  parameters sliced by head, the vocab-parallel embedding, and activations split along T between
-  the tensor-parallel regions;
-- expert parallel: its contiguous block of experts and an all-to-all dispatcher;
-- balancing statistics over every token of the global batch (tensor x data parallel group).
-(At full size the whole model does not fit one host: building on the meta device with per-parameter
-seeded initialisation is the planned replacement; see README.)
+1. The whole model is constructed on the meta device (no memory, seconds even at full size), and every
+   parameter's global shape and declared initialisation are recorded under its global name.
+2. parallel/plan.py's placements shrink each sharded parameter to this rank's shape (still meta), and the
+   modules that communicate are swapped: column / row projections, the vocab-parallel embedding, the
+   all-to-all expert dispatcher, sequence parallelism, balancing statistics over the tensor x data group.
+3. A pipeline rank keeps its chunks' layers (and the embeddings / head when it holds the first / last).
+4. Only then is anything allocated: each kept parameter directly on the device in its dtype, filled with
+   exactly its slice of the layout-independent initial values (moe_pretrain/model/init.py), in slabs
+   along dimension 0 so the float64 draw never exceeds a few MB beyond the parameter itself.
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
-from moe_pretrain.model.kda import KimiDeltaAttention
+from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
-from parallel.linear import LinearStyle
-from parallel.params import is_expert_parameter, tensor_parallel_dim
+from parallel.plan import ShardingPlan, Style, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
 from parallel.statistics import GroupStatistics
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_embedding
 
-TP_LAYERS = {LinearStyle.COLUMN: ColumnParallelLinear, LinearStyle.ROW: RowParallelLinear}
+TP_MODULES = {Style.COLUMN: ColumnParallelLinear, Style.ROW: RowParallelLinear}
+SLAB_ELEMENTS = 1 << 22
+"""Elements drawn at a time when materialising (float64: 32 MB)."""
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def apply_tensor_parallel(model: MoETransformer, ctx: ParallelContext) -> None:
-    group = ctx.tp_group
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            style = getattr(child, "parallel_style", None)
-            if isinstance(child, nn.Linear) and style in TP_LAYERS:
-                setattr(parent, name, TP_LAYERS[style](child, group))
-        if isinstance(parent, KimiDeltaAttention):
-            parent.shard_heads(ctx.tp_rank, ctx.layout.tp)
-    model.embedding = vocab_parallel_embedding(model.embedding, group)
-    model.sequence = SequenceParallel(group)
+def parameter_dtype(cfg: Config) -> torch.dtype:
+    """bf16 keeps fp32 master weights and runs the matmuls under autocast (Megatron's recipe); fp32 and fp64
+    run the whole model in that dtype."""
+    dtype = DTYPES[cfg.train.dtype]
+    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
-def parallelize_model(model: MoETransformer, ctx: ParallelContext) -> MoETransformer:
-    if not ctx.distributed:
-        return model
-    if ctx.layout.tp > 1:
-        apply_tensor_parallel(model, ctx)
+@dataclass(frozen=True)
+class GlobalParameter:
+    shape: tuple[int, ...]
+    init: Init
+
+
+def describe_parameters(model: nn.Module) -> dict[str, GlobalParameter]:
+    """Every parameter's global shape and initialisation (call before sharding)."""
+    inits = parameter_inits(model)
+    return {name: GlobalParameter(tuple(p.shape), inits[name]) for name, p in model.named_parameters()}
+
+
+def meta_model(cfg: Config) -> tuple[MoETransformer, dict[str, GlobalParameter]]:
+    """The whole model on the meta device, and every parameter's global shape and initialisation."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model)
+    return model, describe_parameters(model)
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
+
+
+def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext) -> None:
+    """Every sharded parameter becomes this rank's (meta) shard; communicating modules are swapped in."""
+    layout = ctx.layout
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    problems = plan.check_divisible(shapes, layout.tp, layout.ep)
+    if problems:
+        raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
+    for name, shape in shapes.items():
+        local = plan.placement(name).local_shape(shape, layout.tp, layout.ep)
+        if local != shape:
+            _set_parameter(model, name, torch.empty(local, device="meta"))
+    if layout.tp > 1:
+        for path, module in list(model.named_modules()):
+            style = plan.style(path)
+            if style in TP_MODULES and isinstance(module, nn.Linear):
+                parent, _, leaf = path.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, TP_MODULES[style](module, ctx.tp_group))
+        model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
+        model.sequence = SequenceParallel(ctx.tp_group)
     for module in model.modules():
-        if isinstance(module, LatentMoE) and ctx.layout.ep > 1:
-            dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)
-            module.dispatcher = dispatcher
-            module.experts.keep_experts(dispatcher.first_local_expert, dispatcher.num_local_experts)
-    for router in model.routers().values():
-        router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
+        if isinstance(module, LatentMoE) and layout.ep > 1:
+            module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)
+    if ctx.distributed:
+        for router in model.routers().values():
+            router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
+
+
+def keep_pipeline_stage(model: MoETransformer, cfg: Config, ctx: ParallelContext) -> MoETransformer:
+    """This pipeline rank's chunks (interleaved: chunks r, r + pp, ...) under their global names."""
+    chunks = pipeline_chunks(cfg)
+    pp = ctx.layout.pp
+    mine = range(ctx.pp_rank, len(chunks), pp)
+    return MoETransformer.stage_of(model, [i for c in mine for i in chunks[c]], first=ctx.pp_rank == 0,
+                                   last=(len(chunks) - 1) % pp == ctx.pp_rank)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, parameters: dict[str, GlobalParameter], plan: ShardingPlan,
+                ctx: ParallelContext, seed: int, dtype: torch.dtype, *, draw_values: bool = True) -> None:
+    """Allocate every (meta) parameter of `model` on ctx.device in `dtype`, holding its slice of the initial
+    values (or left empty with draw_values=False, for a state about to be loaded); buffers start at zero."""
+    layout = ctx.layout
+    for name, param in list(model.named_parameters()):
+        spec = parameters[name]
+        placement = plan.placement(name)
+        local = tuple(param.shape)
+        if local != placement.local_shape(spec.shape, layout.tp, layout.ep):
+            raise RuntimeError(f"{name}: local shape {local} does not follow the plan for {spec.shape}")
+        tensor = torch.empty(local, dtype=dtype, device=ctx.device)
+        if draw_values and tensor.numel():
+            offsets = placement.local_offsets(local, ctx.tp_rank, ctx.ep_rank)
+            rows = max(1, SLAB_ELEMENTS // max(1, math.prod(local[1:])))
+            for start in range(0, local[0], rows):
+                count = min(rows, local[0] - start)
+                values = draw(spec.init, seed, name, spec.shape, (offsets[0] + start, *offsets[1:]),
+                              (count, *local[1:]))
+                tensor[start:start + count] = values.to(dtype)
+        _set_parameter(model, name, tensor)
+    for module in model.modules():
+        for leaf, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                kind = dtype if buffer.is_floating_point() else buffer.dtype
+                module._buffers[leaf] = torch.zeros(buffer.shape, dtype=kind, device=ctx.device)
+
+
+def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingPlan | None = None, *,
+                draw_values: bool = True) -> MoETransformer:
+    """This rank's part of the model, materialised: the whole model on one process, else its tensor /
+    expert shards of its pipeline stage's layers. Initial values never depend on the layout."""
+    ctx = ctx or ParallelContext.single()
+    plan = plan or ShardingPlan()
+    model, parameters = meta_model(cfg)
+    shard_parameters(model, plan, ctx)
+    if ctx.layout.pp > 1:
+        model = keep_pipeline_stage(model, cfg, ctx)
+    materialize(model, parameters, plan, ctx, cfg.train.seed, parameter_dtype(cfg), draw_values=draw_values)
     return model
 
 
@@ -64,16 +153,18 @@ def _all_gather_cat(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) ->
 
 
 @torch.no_grad()
-def gather_full_state(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
-    """The single-process state dict (global expert indices, whole tensors), assembled on every rank."""
-    params = dict(model.named_parameters())
+def gather_full_state(model: nn.Module, ctx: ParallelContext, plan: ShardingPlan | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The single-process state dict (global expert indices, whole tensors), assembled on every rank
+    (for tests and small models: it holds the whole model)."""
+    plan = plan or ShardingPlan()
     state = {}
     for name, tensor in model.state_dict().items():
-        param = params.get(name)
-        if param is not None and tensor_parallel_dim(param) is not None and ctx.layout.tp > 1:
-            tensor = _all_gather_cat(tensor, tensor_parallel_dim(param), ctx.tp_group)
-        if param is not None and is_expert_parameter(param) and ctx.layout.ep > 1:
-            tensor = _all_gather_cat(tensor, 0, ctx.ep_group)
+        placement = plan.placement(name)
+        if placement.tensor_dim is not None and ctx.layout.tp > 1:
+            tensor = _all_gather_cat(tensor, placement.tensor_dim, ctx.tp_group)
+        if placement.expert_dim is not None and ctx.layout.ep > 1:
+            tensor = _all_gather_cat(tensor, placement.expert_dim, ctx.ep_group)
         state[name] = tensor.clone()
     if ctx.layout.pp > 1:  # every stage holds other layers: merge them
         stages: list[dict] = [{} for _ in range(ctx.layout.pp)]

@@ -1,7 +1,7 @@
 """Pipeline parallelism over torch.distributed.pipelining (1F1B, interleaved 1F1B, zero bubble, GPipe).
 
-The layers are cut into pp x vpp contiguous chunks (parallel.pipeline_layers, or balanced); rank r
-holds chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
+The layers are cut into pp x vpp contiguous chunks (parallel/plan.py, pipeline_chunks); rank r holds
+chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
 boundary need not align with an AttnRes block: the bank stacked as [B, N, T, D], the running block
 sum (zeros when a block has just closed; the receiver knows this from its first layer index), and the
 document ids every stage needs for its masks. The first stage reads tokens, document ids, the image
@@ -27,20 +27,12 @@ from torch.distributed.pipelining import (
 
 from moe_pretrain.config import Config
 from moe_pretrain.model import MoETransformer
+from parallel.plan import pipeline_chunks
 from parallel.state import ParallelContext
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble}
 MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
-
-
-def chunk_layers(cfg: Config) -> list[list[int]]:
-    """Global layer indices of each of the pp x vpp chunks, in pipeline order."""
-    chunks = cfg.parallel.pp * cfg.parallel.vpp
-    counts = cfg.parallel.pipeline_layers or [
-        cfg.model.num_layers // chunks + (1 if c < cfg.model.num_layers % chunks else 0) for c in range(chunks)]
-    starts = [sum(counts[:c]) for c in range(chunks)]
-    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
 
 
 @dataclass(frozen=True)
@@ -130,19 +122,19 @@ class Pipeline:
     """This rank's pipeline chunks, and a schedule per step shape: the chunks are cut once, while the
     boundary shapes (declared statically, see below) change with each context-extension stage."""
 
-    def __init__(self, full: MoETransformer, cfg: Config, ctx: ParallelContext,
+    def __init__(self, model: MoETransformer, cfg: Config, ctx: ParallelContext,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        """model: this rank's chunks' modules under their global names (training/parallelize.py)."""
         self.cfg, self.ctx, self.loss_fn = cfg, ctx, loss_fn
-        self.layers = chunk_layers(cfg)
+        self.layers = pipeline_chunks(cfg)
         pp, vpp = ctx.layout.pp, ctx.layout.vpp
         self.num_stages = pp * vpp
         self.mine = [ctx.pp_rank + pp * v for v in range(vpp)]
         self.forwards = {index: StageForward(
-            MoETransformer.stage_of(full, self.layers[index], first=index == 0, last=index == self.num_stages - 1),
+            MoETransformer.stage_of(model, self.layers[index], first=index == 0, last=index == self.num_stages - 1),
             self.layers[index][0], index == 0, index == self.num_stages - 1) for index in self.mine}
         self.holds_first, self.holds_last = 0 in self.mine, self.num_stages - 1 in self.mine
-        self.model = MoETransformer.stage_of(full, [i for index in self.mine for i in self.layers[index]],
-                                             first=self.holds_first, last=self.holds_last)
+        self.model = model
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
         self._schedules: dict[StepShape, object] = {}
 

@@ -5,11 +5,10 @@ data-parallel rank takes its slice of every global micro-batch; every loss is di
 global count of loss tokens, so summing gradients over ranks and micro-batches gives exactly the
 gradient of the token-mean loss of the whole global batch, whatever the layout. Then the sharded
 optimizer reduces, clips, steps and gathers, and the routers move their biases on global statistics.
+The trainer is the loop; what it advances, and what checkpoints hold, is a TrainingState (state.py).
 """
 
-import base64
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -23,29 +22,26 @@ import torch.nn.functional as F
 import yaml
 
 from moe_pretrain import checkpoint
-from moe_pretrain.checkpoint import GlobalState
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
-from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
-from moe_pretrain.training.optim import build_optimizer, learning_rate
+from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
-from moe_pretrain.training.parallelize import parallelize_model
+from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
 from moe_pretrain.training.pipeline import Pipeline, StepShape
 from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
+from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_sum
+from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 @dataclass
 class StepResult:
@@ -93,21 +89,12 @@ class Trainer:
         check_vocabulary(cfg, self.data)
         self.device = self.ctx.device
         self.dtype = DTYPES[cfg.train.dtype]
-        torch.manual_seed(cfg.train.seed)
-        model = MoETransformer(cfg.model)
-        # bf16 keeps fp32 master weights and runs the matmuls under autocast (Megatron's recipe);
-        # fp32 and fp64 run the whole model in that dtype.
-        param_dtype = torch.float32 if self.dtype == torch.bfloat16 else self.dtype
-        model = parallelize_model(model.to(device=self.device, dtype=param_dtype), self.ctx)
+        torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
+        self.state = TrainingState(cfg, self.ctx)
         self.pipeline = None
         if self.ctx.layout.pp > 1:
-            self.pipeline = Pipeline(model, cfg, self.ctx, self._pipeline_loss)
-            model = self.pipeline.model
-        self.boundary_dtype = param_dtype
-        self.model = model
-        """This rank's model: the whole model, or its pipeline chunks under their global names."""
-        self.optimizer = build_optimizer(self.model, cfg, self.ctx)
-        self.global_state = GlobalState(self.model, self.optimizer, self.ctx)
+            self.pipeline = Pipeline(self.state.model, cfg, self.ctx, self._pipeline_loss)
+        self.boundary_dtype = parameter_dtype(cfg)
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
         self.async_saver = None
         if cfg.checkpoint.async_save:
@@ -118,11 +105,34 @@ class Trainer:
         self._loss_tokens = 1
         self.skipped_total = self.skipped_in_a_row = 0
         self.last_checkpoint: Path | None = None
-        peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, param_dtype)
+        peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, self.boundary_dtype)
         self.peak_flops = peak * self.ctx.layout.world_size
         self._flops_per_token: dict[int, float] = {}
-        self.step = 0
-        self.tokens_seen = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's model: the whole model, or its pipeline chunks under their global names."""
+        return self.state.model
+
+    @property
+    def optimizer(self) -> ShardedAdamW:
+        return self.state.optimizer
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.state.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.state.tokens_seen = value
 
     def autocast(self):
         if self.dtype == torch.bfloat16:
@@ -287,27 +297,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
-        layout = self.ctx.layout
-        # Snapshots only: an async save writes this JSON at commit time, steps later.
-        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data.state(),
-                         "config": config_to_dict(self.cfg), "rng": self._rng_states()}
-        info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
-        args = (self.checkpoint_root, self.step, self.global_state.state_dict(), trainer_state, info,
-                self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+        self.state.data_position = self.data.state()
         if self.async_saver is None:
-            self.last_checkpoint = checkpoint.save(*args)
+            self.last_checkpoint = self.state.save(self.checkpoint_root)
             return self.last_checkpoint
-        self._guard_async(self.async_saver.start, *args)
+        c = self.cfg.checkpoint
+        # Snapshots only: an async save writes this JSON at commit time, steps later.
+        self._guard_async(self.async_saver.start, self.checkpoint_root, self.step, *self.state.snapshot(),
+                          c.keep_last, c.keep_every)
         return None
-
-    def _rng_states(self) -> list[str]:
-        """Every rank's torch RNG state, base64 (JSON, no pickles), in rank order."""
-        mine = base64.b64encode(bytes(torch.get_rng_state().tolist())).decode()
-        if not self.ctx.distributed:
-            return [mine]
-        states: list = [None] * self.ctx.layout.world_size
-        dist.all_gather_object(states, mine)
-        return states
 
     def _guard_async(self, operation, *args):
         """Run an async-save operation; a failed background save stops the run or, by config, is reported."""
@@ -334,14 +332,9 @@ class Trainer:
                 log.warning(f"checkpoint: {warning}")
         if path is None:
             return None
-        tensors = self.global_state.state_dict()
-        state = checkpoint.load(Path(path), tensors)
-        self.global_state.apply(tensors, state["step"])
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.data.load_state(state["data"])
-        rng = state.get("rng", [])
-        if len(rng) == self.ctx.layout.world_size:  # per-rank streams only mean something on the same world
-            torch.set_rng_state(torch.tensor(list(base64.b64decode(rng[self.ctx.rank])), dtype=torch.uint8))
+        self.state.load(Path(path))
+        self.data.load_state(self.state.data_position)
+        self.state.restore_rng()
         log.info(f"checkpoint: resumed from {path} at step {self.step}")
         self.last_checkpoint = Path(path)
         return Path(path)

@@ -1,0 +1,89 @@
+"""Per-rank peak memory against the state each rank holds, for one process and for pp2 x ep4 (8 processes).
+
+Run: .venv/bin/python bench/memory.py [--config configs/probe_memory.yaml] [--set key=value ...]
+
+Each rank measures its resident memory (Linux VmHWM, reset between phases) in three phases: build (the
+trainer: data loader, model built on the meta device and materialised for this rank, optimizer with its
+moments), step (two optimizer steps: gradients, activations, collectives) and save (a synchronous
+checkpoint). Printed per rank: parameters held, the baseline (resident memory after imports and process
+groups, before the trainer: the interpreter, torch and megatron-core, not state), and for each phase the
+peak and the ratio (peak - baseline) / (16 B x parameters held): fp32 parameters, gradients and two Adam
+moments are 16 bytes a parameter, so 1.0 is a rank holding nothing but its state. Goal: <= 1.3 everywhere.
+"""
+
+import argparse
+import tempfile
+
+import torch.distributed as dist
+
+from launch.local import run_distributed
+from moe_pretrain.config import load_config
+from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.training import Trainer
+from parallel.state import destroy_parallel, init_parallel
+
+PHASES = ("build", "step", "save")
+STATE_BYTES_PER_PARAM = 16
+
+
+def measure(rank: int, world_size: int, config: str, overrides: list[str]) -> list[dict]:
+    """Every rank's row (collective; rank 0's return value is what run_distributed hands back)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "checkpoint.async_save=false",
+                                   "logging.progress=false"])
+        ctx = init_parallel(cfg)
+        try:
+            row = {"rank": rank, "baseline": resident_bytes()}
+            reset_peak()
+            trainer = Trainer(cfg, ctx)
+            row["build"] = peak_resident_bytes()
+            reset_peak()
+            for _ in range(2):
+                trainer.train_step()
+            row["step"] = peak_resident_bytes()
+            reset_peak()
+            trainer.save_checkpoint()
+            row["save"] = peak_resident_bytes()
+            row["params"] = sum(p.numel() for p in trainer.model.parameters())
+            row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank
+            rows = [row]
+            if ctx.distributed:
+                rows = [None] * world_size
+                dist.all_gather_object(rows, row)
+            return rows
+        finally:
+            destroy_parallel()
+
+
+def ratio(row: dict, phase: str) -> float:
+    return (row[phase] - row["baseline"]) / (STATE_BYTES_PER_PARAM * row["params"])
+
+
+def run_layout(config: str, world_size: int, overrides: list[str]) -> list[dict]:
+    """Rows of every rank of a layout, each process fresh (so its memory is its own)."""
+    return run_distributed(measure, world_size, config, overrides, timeout=1800)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/probe_memory.yaml")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    args = parser.parse_args()
+    layouts = [("1 process", 1, []), ("pp2 x ep4", 8, ["parallel.pp=2", "parallel.ep=4"])]
+    gb = 1e9
+    print(f"{args.config} {' '.join(args.set)}: peak resident GB per phase, and (peak - baseline) / "
+          f"({STATE_BYTES_PER_PARAM} B x params held)")
+    print(f"{'layout':>10} {'rank':>4} {'pp':>2} {'ep':>2} {'params':>11} {'base':>5} "
+          + " ".join(f"{phase:>13}" for phase in PHASES))
+    worst = 0.0
+    for name, world, overrides in layouts:
+        for row in run_layout(args.config, world, [*args.set, *overrides]):
+            cells = " ".join(f"{row[p] / gb:5.2f} ({ratio(row, p):4.2f})" for p in PHASES)
+            print(f"{name:>10} {row['rank']:>4} {row['pp_rank']:>2} {row['ep_rank']:>2} {row['params']:>11,} "
+                  f"{row['baseline'] / gb:5.2f} {cells}")
+            worst = max(worst, *(ratio(row, p) for p in PHASES))
+    print(f"worst ratio {worst:.2f} (goal <= 1.3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Per-rank state memory of a layout, from the sharding plan and the meta model: nothing is allocated.
+
+For each pipeline rank (stage), the worst rank of that stage holds: parameters (its tensor / expert shards
+of the stage's layers, in the parameter dtype: fp32 under bf16 training), gradients (one buffer of the same
+size: parallel/optimizer.py keeps them flat), and Adam's two moments for its ZeRO-1 slice, i.e. each
+parameter's moments divided over its gradient-reduce group (data parallel for tensor shards, tensor x data
+parallel for replicated parameters, expert-data parallel for routed experts). The optimizer's master slice
+is a view of the parameters and costs nothing. Activations, communication buffers and the allocator's
+slack are not counted. Within a stage every rank holds the same amounts (even splits), so a stage's worst
+rank is any of them; the first global rank of the stage is reported (megatron-core orders ranks
+tp-cp-ep-dp-pp, so pipeline rank p starts at p x world / pp).
+"""
+
+import copy
+import math
+
+import torch
+
+from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.model import MoETransformer
+from parallel.plan import ShardingPlan, pipeline_chunks, pipeline_ranks_of
+from parallel.state import resolve_layout
+
+PARAM_BYTES = {"bfloat16": 4, "float32": 4, "float64": 8}
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """'tp=8,pp=16,ep=128,dp=32' -> {'tp': 8, ...}; cp and vpp default to 1."""
+    sizes = {"tp": 1, "pp": 1, "ep": 1, "dp": 1, "cp": 1, "vpp": 1}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() not in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"--layout {text!r}: expected comma-separated tp=, pp=, ep=, dp=, cp=, vpp= "
+                              f"positive integers, got {item!r}")
+        sizes[key.strip()] = int(value)
+    return sizes
+
+
+def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
+    sizes = parse_layout(layout_text)
+    cfg = copy.deepcopy(cfg)
+    for key in ("tp", "pp", "ep", "cp", "vpp"):
+        setattr(cfg.parallel, key, sizes[key])
+    world = sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["dp"]
+    layout = resolve_layout(cfg, world)
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model)
+    plan = ShardingPlan()
+    problems = plan.check_divisible({n: tuple(p.shape) for n, p in model.named_parameters()}, layout.tp, layout.ep)
+    if problems:
+        raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
+    group_size = {"dp_group": layout.dp, "tp_dp_group": layout.tp * layout.dp, "edp_group": layout.edp}
+    width = PARAM_BYTES[cfg.train.dtype]
+    chunks = pipeline_chunks(cfg)
+    stages = []
+    for pp_rank in range(layout.pp):
+        params = 0
+        reduced = dict.fromkeys(group_size, 0)
+        for name, p in model.named_parameters():
+            if pp_rank not in pipeline_ranks_of(name, cfg):
+                continue
+            placement = plan.placement(name)
+            numel = math.prod(placement.local_shape(tuple(p.shape), layout.tp, layout.ep))
+            params += numel
+            reduced[placement.reduce_group] += numel
+        moments = sum(2 * math.ceil(n / group_size[g]) for g, n in reduced.items())
+        stage = {"pp_rank": pp_rank, "rank": pp_rank * world // layout.pp,
+                 "layers": [i for c in range(pp_rank, len(chunks), layout.pp) for i in chunks[c]],
+                 "params": params, "param_bytes": params * width, "grad_bytes": params * width,
+                 "optimizer_bytes": moments * width}
+        stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
+        stages.append(stage)
+    worst = max(stages, key=lambda s: s["total_bytes"])
+    return {"layout": {**sizes, "world_size": world, "edp": layout.edp}, "param_dtype_bytes": width,
+            "stages": stages, "worst": worst}
+
+
+def describe(result: dict) -> str:
+    gb = 1e9
+    lay = result["layout"]
+    lines = [f"layout tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} dp={lay['dp']} (world {lay['world_size']}, "
+             f"expert-data parallel {lay['edp']}); per rank, GB (1e9 B): params + grads + Adam moments",
+             f"{'stage':>5} {'rank':>6} {'layers':>9} {'params':>12} {'params':>8} {'grads':>8} {'optim':>8} "
+             f"{'total':>8}"]
+    for s in result["stages"]:
+        layers = f"{s['layers'][0]}-{s['layers'][-1]}" if s["layers"] else "-"
+        lines.append(f"{s['pp_rank']:>5} {s['rank']:>6} {layers:>9} {s['params']:>12.4e} "
+                     f"{s['param_bytes'] / gb:>8.2f} {s['grad_bytes'] / gb:>8.2f} {s['optimizer_bytes'] / gb:>8.2f} "
+                     f"{s['total_bytes'] / gb:>8.2f}")
+    w = result["worst"]
+    lines.append(f"worst: rank {w['rank']} (pipeline stage {w['pp_rank']}), {w['total_bytes'] / gb:.2f} GB")
+    return "\n".join(lines)

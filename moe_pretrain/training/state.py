@@ -1,0 +1,90 @@
+"""The checkpointable training state, usable without a trainer (resharding, tools, the memory bench).
+
+It holds this rank's model (built on the meta device and materialised for this rank only: its pipeline
+stage, its tensor and expert shards), the sharded optimizer, and the counters and positions a run resumes
+from: optimizer step, tokens seen (which also fix the context-extension stage), the data loader's position,
+every rank's RNG state and, inside the model, the routers' balancing biases. Saving and loading work on
+this object; the training loop (trainer.py) advances it.
+"""
+
+import base64
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_pretrain import checkpoint
+from moe_pretrain.checkpoint import GlobalState
+from moe_pretrain.config import Config, config_to_dict
+from moe_pretrain.training.optim import build_optimizer
+from moe_pretrain.training.parallelize import build_model
+from parallel.plan import ShardingPlan
+from parallel.state import ParallelContext
+
+
+def rng_states(ctx: ParallelContext) -> list[str]:
+    """Every rank's torch RNG state, base64 (JSON, no pickles), in rank order (collective)."""
+    mine = base64.b64encode(bytes(torch.get_rng_state().tolist())).decode()
+    if not ctx.distributed:
+        return [mine]
+    states: list = [None] * ctx.layout.world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
+class TrainingState:
+    def __init__(self, cfg: Config, ctx: ParallelContext, plan: ShardingPlan | None = None, *,
+                 draw_values: bool = True):
+        """draw_values=False leaves the parameters uninitialised: for a state about to be loaded."""
+        self.cfg, self.ctx = cfg, ctx
+        self.plan = plan or ShardingPlan()
+        self.model = build_model(cfg, ctx, self.plan, draw_values=draw_values)
+        """This rank's model: the whole model, or its pipeline chunks under their global names."""
+        self.optimizer = build_optimizer(self.model, cfg, ctx, self.plan)
+        self.tensors = GlobalState(self.model, self.optimizer, ctx, self.plan)
+        self.step = 0
+        self.tokens_seen = 0
+        self.data_position: dict[str, Any] = {}
+        """The data loader's position (PretrainingData.state()) as of the last save or load."""
+        self.rng: list[str] | None = None
+        """Every rank's RNG state as loaded (None: take the live ones at save)."""
+
+    def snapshot(self) -> tuple[dict, dict[str, Any], dict[str, Any]]:
+        """(tensors, trainer_state JSON, manifest info) of this step, as checkpoint.save takes them.
+        Collective (RNG states)."""
+        layout = self.ctx.layout
+        rng = self.rng if self.rng is not None else rng_states(self.ctx)
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data_position,
+                         "config": config_to_dict(self.cfg), "rng": rng}
+        info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
+        return self.tensors.state_dict(), trainer_state, info
+
+    def save(self, root: Path) -> Path:
+        """Save synchronously into the checkpoint root; returns the committed step directory."""
+        tensors, trainer_state, info = self.snapshot()
+        c = self.cfg.checkpoint
+        return checkpoint.save(root, self.step, tensors, trainer_state, info, c.keep_last, c.keep_every)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state."""
+        state = checkpoint.load(path, self.tensors.state_dict())
+        self.tensors.after_load(state["step"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.data_position = state["data"]
+        self.rng = state.get("rng")
+        return state
+
+    def restore_rng(self) -> None:
+        """This rank's saved RNG stream, when the checkpoint was written by the same world size (per-rank
+        streams mean nothing on another); afterwards saves take the live states again."""
+        if self.rng is not None and len(self.rng) == self.ctx.layout.world_size:
+            torch.set_rng_state(torch.tensor(list(base64.b64decode(self.rng[self.ctx.rank])), dtype=torch.uint8))
+        self.rng = None
+
+
+def checkpoint_config(path: Path) -> dict[str, Any]:
+    """The resolved config a checkpoint was written with."""
+    return json.loads((path / checkpoint.TRAINER_STATE).read_text())["config"]

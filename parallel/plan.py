@@ -1,0 +1,175 @@
+"""The sharding plan: how every parameter of the model is placed, declared once, by module path.
+
+Shape legend: tp tensor-parallel ranks, ep expert-parallel ranks, E experts, O / I out / in features.
+A style maps a module (matched by a pattern on its path) to a placement of its parameters:
+- COLUMN: nn.Linear whose output features split over tp (weight [O/tp, I], bias [O/tp]); becomes a
+  ColumnParallelLinear (sequence all-gather in front);
+- ROW: nn.Linear whose input features split over tp (weight [O, I/tp]); becomes a RowParallelLinear
+  (reduce-scatter behind);
+- VOCAB: the embedding's rows split over tp (megatron-core's VocabParallelEmbedding);
+- HEADS: every parameter of the module split along dimension 0 over tp, the module unchanged (KDA's
+  per-head decay parameters and short convolutions: the heads a rank holds);
+- EXPERTS: every parameter split along dimension 0 (experts) over ep;
+- anything unmatched is replicated.
+Placements use DTensor's vocabulary (Shard(dim) / Replicate() per mesh dimension tp and ep). They also fix
+each gradient's reduce group: expert shards over expert-data parallel; tensor shards, complete on each
+rank for their slice, over data parallel; replicated parameters, whose gradients are partial over the
+sequence shards, over tensor x data parallel. Pipeline stages follow the layer index in the name.
+Everything that needs the layout reads this: parallelize, the optimizer's groups, checkpoint wrapping,
+full-state gathering, layout validation and per-rank sizing.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from moe_pretrain.config import Config, ConfigError
+
+
+class Style(StrEnum):
+    COLUMN = "column"
+    ROW = "row"
+    VOCAB = "vocab"
+    HEADS = "heads"
+    EXPERTS = "experts"
+
+
+MODEL_PLAN: tuple[tuple[str, Style], ...] = (
+    ("embedding", Style.VOCAB),
+    ("head", Style.COLUMN),
+    # KDA (MODEL.md): projections to heads, per-head parameters, output projection.
+    ("layers.*.mixer.q_proj", Style.COLUMN), ("layers.*.mixer.k_proj", Style.COLUMN),
+    ("layers.*.mixer.v_proj", Style.COLUMN), ("layers.*.mixer.f_b_proj", Style.COLUMN),
+    ("layers.*.mixer.b_proj", Style.COLUMN),
+    ("layers.*.mixer.q_conv", Style.HEADS), ("layers.*.mixer.k_conv", Style.HEADS),
+    ("layers.*.mixer.v_conv", Style.HEADS), ("layers.*.mixer.A_log", Style.HEADS),
+    ("layers.*.mixer.dt_bias", Style.HEADS),
+    # Gated MLA: the low-rank down projections stay replicated, the up projections split heads.
+    ("layers.*.mixer.q_up", Style.COLUMN), ("layers.*.mixer.kv_up", Style.COLUMN),
+    # Both mixers: output gate and output projection.
+    ("layers.*.mixer.g_proj", Style.COLUMN), ("layers.*.mixer.o_proj", Style.ROW),
+    # Dense MLP and the MoE's shared experts.
+    ("layers.*.mlp.gate_proj", Style.COLUMN), ("layers.*.mlp.up_proj", Style.COLUMN),
+    ("layers.*.mlp.down_proj", Style.ROW),
+    ("layers.*.mlp.shared.gate_proj", Style.COLUMN), ("layers.*.mlp.shared.up_proj", Style.COLUMN),
+    ("layers.*.mlp.shared.down_proj", Style.ROW),
+    # Routed experts; router, latent projections, norms and AttnRes mixes are replicated.
+    ("layers.*.mlp.experts", Style.EXPERTS),
+)
+"""Pattern -> style. A pattern names a module (its own parameters take the style) or one parameter; `*`
+stands for one path component. The first match wins; KDA's o_norm_weight, shared by heads, stays replicated."""
+
+TENSOR_DIM = {Style.COLUMN: 0, Style.ROW: 1, Style.VOCAB: 0, Style.HEADS: 0}
+FIRST_STAGE_MODULES = ("embedding", "patch_embedding")
+LAST_STAGE_MODULES = ("final_mix", "final_norm", "head")
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """One parameter's placement: over the tensor-parallel and the expert-parallel mesh dimension."""
+
+    tensor: Placement = field(default_factory=Replicate)
+    expert: Placement = field(default_factory=Replicate)
+
+    @property
+    def tensor_dim(self) -> int | None:
+        return self.tensor.dim if isinstance(self.tensor, Shard) else None
+
+    @property
+    def expert_dim(self) -> int | None:
+        return self.expert.dim if isinstance(self.expert, Shard) else None
+
+    @property
+    def reduce_group(self) -> str:
+        """Name of the group its gradient is summed over (a ParallelContext attribute)."""
+        if self.expert_dim is not None:
+            return "edp_group"
+        return "dp_group" if self.tensor_dim is not None else "tp_dp_group"
+
+    def local_shape(self, shape: tuple[int, ...], tp: int, ep: int) -> tuple[int, ...]:
+        local = list(shape)
+        for dim, size in ((self.tensor_dim, tp), (self.expert_dim, ep)):
+            if dim is not None:
+                local[dim] //= size
+        return tuple(local)
+
+    def local_offsets(self, local_shape: tuple[int, ...], tp_rank: int, ep_rank: int) -> tuple[int, ...]:
+        """Where this rank's shard starts in the global tensor."""
+        offsets = [0] * len(local_shape)
+        for dim, rank in ((self.tensor_dim, tp_rank), (self.expert_dim, ep_rank)):
+            if dim is not None:
+                offsets[dim] = rank * local_shape[dim]
+        return tuple(offsets)
+
+
+class ShardingPlan:
+    def __init__(self, rules: tuple[tuple[str, Style], ...] = MODEL_PLAN):
+        self.rules = rules
+
+        self._patterns = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$"), style)
+                          for pattern, style in rules]
+
+    def style(self, path: str) -> Style | None:
+        """The style declared for the module or parameter at `path` (global name), None when replicated."""
+        for pattern, style in self._patterns:
+            if pattern.match(path):
+                return style
+        return None
+
+    def placement(self, name: str) -> ParamPlacement:
+        """The placement of the parameter with this global name."""
+        module_path = name.rsplit(".", 1)[0] if "." in name else ""
+        style = self.style(name) or self.style(module_path)
+        if style is Style.EXPERTS:
+            return ParamPlacement(expert=Shard(0))
+        if style is None:
+            return ParamPlacement()
+        return ParamPlacement(tensor=Shard(TENSOR_DIM[style]))
+
+    def check_divisible(self, shapes: dict[str, tuple[int, ...]], tp: int, ep: int) -> list[str]:
+        """Layout problems: every sharded dimension must split evenly over its ranks."""
+        problems = []
+        for name, shape in shapes.items():
+            placement = self.placement(name)
+            splits = ((placement.tensor_dim, tp, "parallel.tp"), (placement.expert_dim, ep, "parallel.ep"))
+            for dim, size, what in splits:
+                if dim is not None and shape[dim] % size:
+                    problems.append(f"{name} dimension {dim} ({shape[dim]}) is not divisible by {what}={size}")
+        return problems
+
+
+def pipeline_chunks(cfg: Config) -> list[list[int]]:
+    """Global layer indices of each of the pp x vpp chunks, in pipeline order (parallel.pipeline_layers,
+    or as even as the layer count allows, earlier chunks taking the remainder)."""
+    chunks = cfg.parallel.pp * cfg.parallel.vpp
+    counts = cfg.parallel.pipeline_layers or [
+        cfg.model.num_layers // chunks + (1 if c < cfg.model.num_layers % chunks else 0) for c in range(chunks)]
+    starts = [sum(counts[:c]) for c in range(chunks)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def pipeline_ranks_of(name: str, cfg: Config) -> list[int]:
+    """The pipeline rank(s) that hold the parameter with this global name: a layer's chunk owner, the first
+    chunk's for the embeddings, the last chunk's for the final mix, norm and head."""
+    chunks = pipeline_chunks(cfg)
+    pp = cfg.parallel.pp
+    if match := LAYER.match(name):
+        layer = int(match.group(1))
+        return [next(c for c, layers in enumerate(chunks) if layer in layers) % pp]
+    top = name.split(".", 1)[0]
+    if top in FIRST_STAGE_MODULES:
+        return [0]
+    if top in LAST_STAGE_MODULES:
+        return [(len(chunks) - 1) % pp]
+    raise ConfigError(f"parameter {name} belongs to no pipeline stage (parallel/plan.py)")
+
+
+def local_numel(shape: tuple[int, ...], placement: ParamPlacement, tp: int, ep: int) -> int:
+    return math.prod(placement.local_shape(shape, tp, ep))
