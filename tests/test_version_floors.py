@@ -23,6 +23,8 @@ FIRST_TORCH = {
     r"ScheduleInterleavedZeroBubble": "2.5",
     r"from torch\.distributed\.pipelining import": "2.4",
     r"fused=True": "2.4",                       # fused AdamW on CPU
+    r"torch\.get_autocast_dtype\(": "2.4",      # pytorch#124479, device-generic autocast queries (2024-04)
+    r"torch\.is_autocast_enabled\(\w": "2.4",   # the same PR: is_autocast_enabled(device_type)
     r"dcp\.async_save": "2.3",
 }
 ALLOWED_ANYWHERE = {"parallel/torch_compat.py"}
