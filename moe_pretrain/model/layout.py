@@ -4,7 +4,6 @@ Shape legend: B sequences, T positions. Packed sequences hold several documents;
 state, the short convolutions stop, and MLA masks attention at every document boundary.
 """
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -44,12 +43,3 @@ class DocumentLayout:
         """Every row one document (no packing)."""
         doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
         return cls.from_doc_ids(doc_ids, sequence)
-
-    @functools.cached_property
-    def attention_mask(self) -> torch.Tensor:
-        """[B, 1, T, T] bool: causal and within the same document (built once per forward, shared by
-        every MLA layer)."""
-        T = self.doc_ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_ids.device).tril()
-        same_doc = self.doc_ids.unsqueeze(2) == self.doc_ids.unsqueeze(1)
-        return (same_doc & causal).unsqueeze(1)

@@ -3,20 +3,21 @@
 Shape legend: B batch, T positions, D hidden, H heads, Dn nope dims, Dr rope dims, Dv value dims.
 c_Q = RMSNorm(W_DQ x); q = W_UQ c_Q -> [q_nope | q_rope]; [c_KV | k_rope] = W_DKV x;
 [k_nope | v] = W_UKV RMSNorm(c_KV); k = [k_nope | k_rope shared by all heads];
-out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document.
+out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
+(ops.document_causal_attention: no T x T mask).
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
 down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.ops.document_attention import document_causal_attention
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -62,9 +63,7 @@ class GatedMLA(nn.Module):
             q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
             k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=layout.attention_mask, scale=self.scale,
-        ).transpose(1, 2)  # [B, T, H, Dv]
+        attn = document_causal_attention(q.reshape(B * T, H, -1), k.reshape(B * T, H, -1), v.reshape(B * T, H, Dv),
+                                         layout.cu_seqlens, self.scale).reshape(B, T, H, Dv)
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, H * Dv))

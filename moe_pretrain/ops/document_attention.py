@@ -1,0 +1,30 @@
+"""Causal attention within each packed document, with memory linear in the sequence (no T x T mask).
+
+Shape legend: N positions of the flattened packed batch ([B, T] -> B*T; documents never cross rows), H heads,
+D / Dv query-key / value dims. Documents are the cu_seqlens segments (fla's convention). Each document is
+one causal SDPA call on [1, H, L, D]: with 4-D inputs and no mask, PyTorch picks its flash kernel on CPU
+(and on CUDA), which tiles the scores and saves only the log-sum-exp for the backward, so memory grows with
+T, never with T^2 (bench/attention.py measures it against the dense [T, T] mask this replaced). A GPU
+varlen kernel (flash / Transformer Engine THD with cu_seqlens) would do all documents in one call.
+"""
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+
+def document_causal_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
+                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of each position over the earlier positions of its document -> [N, H, Dv]."""
+    if not (q_NHD.shape[:2] == k_NHD.shape[:2] == v_NHD.shape[:2]):
+        raise ValueError(f"document_causal_attention: q {tuple(q_NHD.shape)}, k {tuple(k_NHD.shape)} and "
+                         f"v {tuple(v_NHD.shape)} must agree on [N, H]")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q_NHD.shape[0]:
+        raise ValueError(f"document_causal_attention: cu_seqlens must run from 0 to N={q_NHD.shape[0]}")
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, D]
+    outputs = [F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                                              is_causal=True, scale=scale)
+               for start, end in itertools.pairwise(bounds)]
+    return torch.cat(outputs, dim=2)[0].transpose(0, 1)
