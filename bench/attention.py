@@ -21,7 +21,7 @@ path, T, H, D = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]
 q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))
 start = resident_bytes(); reset_peak(); t0 = time.perf_counter()
 if path == "document":
-    out = document_causal_attention(q, k, v, torch.tensor([0, T]), D ** -0.5)
+    out = document_causal_attention(q, k, v, [0, T], D ** -0.5)
 else:
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     out = F.scaled_dot_product_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), attn_mask=mask,

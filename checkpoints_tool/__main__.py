@@ -12,7 +12,6 @@ every committed checkpoint of a root).
 """
 
 import argparse
-import json
 import re
 import sys
 from collections import defaultdict
@@ -21,7 +20,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moe_pretrain.checkpoint import committed_checkpoints, prune, verify
+from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
 from moe_pretrain.checkpoint.export import export
 from moe_pretrain.checkpoint.manifest import read_manifest
 from moe_pretrain.checkpoint.store import LATEST
@@ -53,7 +52,7 @@ def inspect(path: Path) -> int:
         if key.startswith("model.") and meta.properties.dtype.is_floating_point and "expert_bias" not in key:
             params += numel
         per_component[component(key)] += numel * meta.properties.dtype.itemsize
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = read_trainer_state(path)
     print(f"checkpoint  {path}")
     data = state["data"]
     print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {data['rows']:,}   "

@@ -18,7 +18,7 @@ import torch
 
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
-from parallel.plan import ShardingPlan, pipeline_chunks, pipeline_ranks_of
+from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks, pipeline_rank_of
 from parallel.state import resolve_layout
 
 PARAM_BYTES = {"bfloat16": 4, "float32": 4, "float64": 8}
@@ -52,22 +52,21 @@ def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
     group_size = {"dp_group": layout.dp, "tp_dp_group": layout.tp * layout.dp, "edp_group": layout.edp}
     width = PARAM_BYTES[cfg.train.dtype]
     chunks = pipeline_chunks(cfg)
+    params = [0] * layout.pp
+    reduced = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
+    for name, p in model.named_parameters():
+        pp_rank = pipeline_rank_of(name, chunks, layout.pp)
+        placement = plan.placement(name)
+        numel = math.prod(placement.local_shape(tuple(p.shape), layout.tp, layout.ep))
+        params[pp_rank] += numel
+        reduced[pp_rank][placement.reduce_group] += numel
     stages = []
     for pp_rank in range(layout.pp):
-        params = 0
-        reduced = dict.fromkeys(group_size, 0)
-        for name, p in model.named_parameters():
-            if pp_rank not in pipeline_ranks_of(name, cfg):
-                continue
-            placement = plan.placement(name)
-            numel = math.prod(placement.local_shape(tuple(p.shape), layout.tp, layout.ep))
-            params += numel
-            reduced[placement.reduce_group] += numel
-        moments = sum(2 * math.ceil(n / group_size[g]) for g, n in reduced.items())
+        moments = sum(2 * math.ceil(n / group_size[g]) for g, n in reduced[pp_rank].items())
         stage = {"pp_rank": pp_rank, "rank": pp_rank * world // layout.pp,
-                 "layers": [i for c in range(pp_rank, len(chunks), layout.pp) for i in chunks[c]],
-                 "params": params, "param_bytes": params * width, "grad_bytes": params * width,
-                 "optimizer_bytes": moments * width}
+                 "layers": [i for c in chunks_of_rank(len(chunks), layout.pp, pp_rank) for i in chunks[c]],
+                 "params": params[pp_rank], "param_bytes": params[pp_rank] * width,
+                 "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
     worst = max(stages, key=lambda s: s["total_bytes"])

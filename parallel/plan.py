@@ -19,7 +19,6 @@ Everything that needs the layout reads this: parallelize, the optimizer's groups
 full-state gathering, layout validation and per-rank sizing.
 """
 
-import math
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -97,6 +96,14 @@ class ParamPlacement:
                 local[dim] //= size
         return tuple(local)
 
+    def global_shape(self, local_shape: tuple[int, ...], tp: int, ep: int) -> tuple[int, ...]:
+        """The whole tensor's shape, from one rank's shard (the inverse of local_shape)."""
+        shape = list(local_shape)
+        for dim, size in ((self.tensor_dim, tp), (self.expert_dim, ep)):
+            if dim is not None:
+                shape[dim] *= size
+        return tuple(shape)
+
     def local_offsets(self, local_shape: tuple[int, ...], tp_rank: int, ep_rank: int) -> tuple[int, ...]:
         """Where this rank's shard starts in the global tensor."""
         offsets = [0] * len(local_shape)
@@ -109,9 +116,9 @@ class ParamPlacement:
 class ShardingPlan:
     def __init__(self, rules: tuple[tuple[str, Style], ...] = MODEL_PLAN):
         self.rules = rules
-
         self._patterns = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$"), style)
                           for pattern, style in rules]
+        self._placements: dict[str, ParamPlacement] = {}
 
     def style(self, path: str) -> Style | None:
         """The style declared for the module or parameter at `path` (global name), None when replicated."""
@@ -121,7 +128,13 @@ class ShardingPlan:
         return None
 
     def placement(self, name: str) -> ParamPlacement:
-        """The placement of the parameter with this global name."""
+        """The placement of the parameter with this global name (matched once per name: every save and
+        the optimizer ask again)."""
+        if name not in self._placements:
+            self._placements[name] = self._match(name)
+        return self._placements[name]
+
+    def _match(self, name: str) -> ParamPlacement:
         module_path = name.rsplit(".", 1)[0] if "." in name else ""
         style = self.style(name) or self.style(module_path)
         if style is Style.EXPERTS:
@@ -152,24 +165,24 @@ def pipeline_chunks(cfg: Config) -> list[list[int]]:
     return [list(range(start, start + count)) for start, count in zip(starts, counts)]
 
 
+def chunks_of_rank(num_chunks: int, pp: int, pp_rank: int) -> list[int]:
+    """The chunks pipeline rank pp_rank holds: pp_rank, pp_rank + pp, ... (interleaved placement)."""
+    return list(range(pp_rank, num_chunks, pp))
+
+
 LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
-def pipeline_ranks_of(name: str, cfg: Config) -> list[int]:
-    """The pipeline rank(s) that hold the parameter with this global name: a layer's chunk owner, the first
-    chunk's for the embeddings, the last chunk's for the final mix, norm and head."""
-    chunks = pipeline_chunks(cfg)
-    pp = cfg.parallel.pp
+def pipeline_rank_of(name: str, chunks: list[list[int]], pp: int) -> int:
+    """The pipeline rank that holds the parameter with this global name (chunks: pipeline_chunks): its
+    layer's chunk owner, the first chunk's for the embeddings, the last chunk's for the final mix, norm
+    and head."""
     if match := LAYER.match(name):
         layer = int(match.group(1))
-        return [next(c for c, layers in enumerate(chunks) if layer in layers) % pp]
+        return next(c for c, layers in enumerate(chunks) if layer in layers) % pp
     top = name.split(".", 1)[0]
     if top in FIRST_STAGE_MODULES:
-        return [0]
+        return 0
     if top in LAST_STAGE_MODULES:
-        return [(len(chunks) - 1) % pp]
+        return (len(chunks) - 1) % pp
     raise ConfigError(f"parameter {name} belongs to no pipeline stage (parallel/plan.py)")
-
-
-def local_numel(shape: tuple[int, ...], placement: ParamPlacement, tp: int, ep: int) -> int:
-    return math.prod(placement.local_shape(shape, tp, ep))

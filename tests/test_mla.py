@@ -122,7 +122,7 @@ def test_document_attention_matches_the_dense_mask():
     v = torch.randn(B, T, H, Dv, dtype=F64, requires_grad=True)
     expected = dense_mask_attention(q, k, v, doc_ids, 0.3)
     got = document_causal_attention(q.reshape(B * T, H, D), k.reshape(B * T, H, D), v.reshape(B * T, H, Dv),
-                                    layout.cu_seqlens, 0.3).reshape(B, T, H, Dv)
+                                    layout.document_bounds, 0.3).reshape(B, T, H, Dv)
     assert rel_rms(got, expected) < 1e-12
     grad = torch.randn_like(expected)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
@@ -136,7 +136,7 @@ from moe_pretrain.ops.document_attention import document_causal_attention
 T = int(sys.argv[1])
 q, k, v = (torch.randn(T, 2, 48, requires_grad=True) for _ in range(3))
 start = resident_bytes(); reset_peak()
-document_causal_attention(q, k, v, torch.tensor([0, T]), 0.1).sum().backward()
+document_causal_attention(q, k, v, [0, T], 0.1).sum().backward()
 print(peak_resident_bytes() - start)
 """
 

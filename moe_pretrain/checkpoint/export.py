@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from moe_pretrain.checkpoint.store import read_trainer_state
+
 PREFIX = "model."
 
 
@@ -29,9 +31,9 @@ def model_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
             if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)}
 
 
-def read_tensors(path: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """The named model tensors, whole (consolidated from every rank's shards), keyed without the prefix."""
-    metadata = model_tensor_metadata(path)
+def read_tensors(path: Path, metadata: dict[str, TensorStorageMetadata], keys: list[str]) -> dict[str, torch.Tensor]:
+    """The named model tensors (metadata: model_tensor_metadata's), whole (consolidated from every rank's
+    shards), keyed without the prefix."""
     tensors = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype) for key in keys}
     dcp.load(tensors, storage_reader=FileSystemReader(path), no_dist=True)
     return {key[len(PREFIX):]: tensor for key, tensor in tensors.items()}
@@ -68,7 +70,7 @@ def _nbytes(meta: TensorStorageMetadata) -> int:
 
 def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30) -> list[Path]:
     metadata = model_tensor_metadata(path)
-    config = json.loads((path / "trainer_state.json").read_text())["config"]
+    config = read_trainer_state(path)["config"]
     plan: list[list[str]] = [[]]
     size = 0
     for key in sorted(metadata):
@@ -82,7 +84,7 @@ def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30) -> list[Path]:
     files, weight_map = [], {}
     for i, keys in enumerate(plan, start=1):
         file = out / f"model-{i:05d}-of-{len(plan):05d}.safetensors"
-        shard = read_tensors(path, keys)
+        shard = read_tensors(path, metadata, keys)
         save_file(shard, str(file), metadata={"format": "pt"})
         del shard
         files.append(file)

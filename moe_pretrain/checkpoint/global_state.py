@@ -54,14 +54,9 @@ class GlobalState:
 
     def _global(self, name: str, local: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(global shape, offsets of this rank's block) of the parameter `name` held here as `local`."""
-        placement = self._placement(name)
-        if placement is None:
-            return local, (0,) * len(local)
-        group, dim = placement
-        shape, offsets = list(local), [0] * len(local)
-        shape[dim] *= dist.get_world_size(group)
-        offsets[dim] = dist.get_rank(group) * local[dim]
-        return tuple(shape), tuple(offsets)
+        placement, layout = self.plan.placement(name), self.ctx.layout
+        return (placement.global_shape(local, layout.tp, layout.ep),
+                placement.local_offsets(local, self.ctx.tp_rank, self.ctx.ep_rank))
 
     def state_dict(self) -> dict[str, torch.Tensor | BoxedTensor]:
         """Tensors to save (or to load into, in place: same keys and global shapes for every layout)."""

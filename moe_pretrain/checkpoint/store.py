@@ -205,9 +205,14 @@ def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:
     return None, warnings
 
 
-def load(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def load(path: Path, tensors: dict[str, torch.Tensor | BoxedTensor]) -> dict[str, Any]:
     """Fill `tensors` in place from the checkpoint (resharding as needed); return the trainer state."""
     dcp.load(tensors, storage_reader=FileSystemReader(path), planner=BoxedLoadPlanner())
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON state: step, tokens, data position, RNG states and the resolved config."""
     return json.loads((path / TRAINER_STATE).read_text())
 
 

@@ -4,6 +4,7 @@ Shape legend: B sequences, T positions. Packed sequences hold several documents;
 state, the short convolutions stop, and MLA masks attention at every document boundary.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -43,3 +44,9 @@ class DocumentLayout:
         """Every row one document (no packing)."""
         doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
         return cls.from_doc_ids(doc_ids, sequence)
+
+    @functools.cached_property
+    def document_bounds(self) -> list[int]:
+        """cu_seqlens as host integers, read once per forward (MLA's per-document loop needs them on the
+        host; every MLA layer shares this one device-to-host copy)."""
+        return self.cu_seqlens.tolist()

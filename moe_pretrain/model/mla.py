@@ -64,6 +64,6 @@ class GatedMLA(nn.Module):
             k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
         attn = document_causal_attention(q.reshape(B * T, H, -1), k.reshape(B * T, H, -1), v.reshape(B * T, H, Dv),
-                                         layout.cu_seqlens, self.scale).reshape(B, T, H, Dv)
+                                         layout.document_bounds, self.scale).reshape(B, T, H, Dv)
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, H * Dv))

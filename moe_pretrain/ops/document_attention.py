@@ -15,14 +15,14 @@ import torch.nn.functional as F
 
 
 def document_causal_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
-                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of each position over the earlier positions of its document -> [N, H, Dv]."""
+                              bounds: list[int], scale: float) -> torch.Tensor:
+    """Softmax attention of each position over the earlier positions of its document -> [N, H, Dv].
+    bounds: cu_seqlens as host integers, [0, ..., N]."""
     if not (q_NHD.shape[:2] == k_NHD.shape[:2] == v_NHD.shape[:2]):
         raise ValueError(f"document_causal_attention: q {tuple(q_NHD.shape)}, k {tuple(k_NHD.shape)} and "
                          f"v {tuple(v_NHD.shape)} must agree on [N, H]")
-    bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q_NHD.shape[0]:
-        raise ValueError(f"document_causal_attention: cu_seqlens must run from 0 to N={q_NHD.shape[0]}")
+        raise ValueError(f"document_causal_attention: bounds must run from 0 to N={q_NHD.shape[0]}")
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, D]
     outputs = [F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
                                               is_causal=True, scale=scale)

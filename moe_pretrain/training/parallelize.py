@@ -23,7 +23,7 @@ from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
-from parallel.plan import ShardingPlan, Style, pipeline_chunks
+from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
 from parallel.statistics import GroupStatistics
@@ -97,10 +97,9 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext)
 def keep_pipeline_stage(model: MoETransformer, cfg: Config, ctx: ParallelContext) -> MoETransformer:
     """This pipeline rank's chunks (interleaved: chunks r, r + pp, ...) under their global names."""
     chunks = pipeline_chunks(cfg)
-    pp = ctx.layout.pp
-    mine = range(ctx.pp_rank, len(chunks), pp)
-    return MoETransformer.stage_of(model, [i for c in mine for i in chunks[c]], first=ctx.pp_rank == 0,
-                                   last=(len(chunks) - 1) % pp == ctx.pp_rank)
+    mine = chunks_of_rank(len(chunks), ctx.layout.pp, ctx.pp_rank)
+    return MoETransformer.stage_of(model, [i for c in mine for i in chunks[c]], first=0 in mine,
+                                   last=len(chunks) - 1 in mine)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from torch.distributed.pipelining import (
 
 from moe_pretrain.config import Config
 from moe_pretrain.model import MoETransformer
-from parallel.plan import pipeline_chunks
+from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -129,7 +129,7 @@ class Pipeline:
         self.layers = pipeline_chunks(cfg)
         pp, vpp = ctx.layout.pp, ctx.layout.vpp
         self.num_stages = pp * vpp
-        self.mine = [ctx.pp_rank + pp * v for v in range(vpp)]
+        self.mine = chunks_of_rank(self.num_stages, pp, ctx.pp_rank)
         self.forwards = {index: StageForward(
             MoETransformer.stage_of(model, self.layers[index], first=index == 0, last=index == self.num_stages - 1),
             self.layers[index][0], index == 0, index == self.num_stages - 1) for index in self.mine}

@@ -15,9 +15,10 @@ from pathlib import Path
 import yaml
 
 from launch.local import run_distributed
+from moe_pretrain.checkpoint import read_trainer_state
 from moe_pretrain.config import load_config
 from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
-from moe_pretrain.training.state import TrainingState, checkpoint_config
+from moe_pretrain.training.state import TrainingState
 from parallel.state import destroy_parallel, init_parallel
 
 
@@ -33,7 +34,7 @@ class ReshardResult:
 
 def _worker(rank: int, world_size: int, source: str, target: str, overrides: list[str]) -> tuple[str, int, int]:
     with tempfile.TemporaryDirectory() as tmp:
-        config = checkpoint_config(Path(source))
+        config = read_trainer_state(Path(source))["config"]
         # Micro-batch counts were resolved for the source's pipeline depth: derive them again for the
         # target's (the --set overrides below still win).
         for section in [config["data"], *config.get("stages", [])]:

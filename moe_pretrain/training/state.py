@@ -9,7 +9,6 @@ this object; the training loop (trainer.py) advances it.
 
 import base64
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +82,3 @@ class TrainingState:
         if self.rng is not None and len(self.rng) == self.ctx.layout.world_size:
             torch.set_rng_state(torch.tensor(list(base64.b64decode(self.rng[self.ctx.rank])), dtype=torch.uint8))
         self.rng = None
-
-
-def checkpoint_config(path: Path) -> dict[str, Any]:
-    """The resolved config a checkpoint was written with."""
-    return json.loads((path / checkpoint.TRAINER_STATE).read_text())["config"]
