@@ -18,6 +18,7 @@ at the -5 lower bound would overflow e^{-G} in fp32); see _intra_chunk_products.
 """
 
 import itertools
+import math
 
 import torch
 
@@ -76,8 +77,10 @@ def kda(
         )
     if cu_seqlens is None:
         o, state = _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size)
+    elif initial_state is None and not output_final_state:
+        o, state = _chunk_kda(q, k, v, g, beta, scale, None, chunk_size, document_starts(cu_seqlens, q.shape[1]))
     else:
-        o, state = _packed(_chunk_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        o, state = _per_document(_chunk_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     return o, (state if output_final_state else None)
 
 
@@ -100,7 +103,7 @@ def kda_recurrent(
     if cu_seqlens is None:
         o, state = _recurrent_kda(q, k, v, g, beta, scale, initial_state)
     else:
-        o, state = _packed(_recurrent_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens)
+        o, state = _per_document(_recurrent_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens)
     return o, (state if output_final_state else None)
 
 
@@ -127,91 +130,156 @@ def _to_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x.movedim(3, 1)
 
 
-def _intra_chunk_products(q, k, G, sub: int = 8):
-    """P_ts = sum_c q_tc k_sc e^{G_tc - G_sc} (s <= t) and A'_ts the same with k_t for q_t (s <= t).
+def _decay(exponent: torch.Tensor) -> torch.Tensor:
+    """e^x for log decays x <= 0, floored at the dtype's smallest normal number instead of reaching
+    subnormals or zero: exp's subnormal path is 5-15x slower on x86 (measured: 26 ms for 1M fp32 values
+    near -95 against 1.6 ms near -1). The floor (1e-38 in fp32) is far below any term's resolution."""
+    return exponent.clamp_min(math.log(torch.finfo(exponent.dtype).tiny) + 1.0).exp()
 
-    Inputs [..., C, K] -> two [..., C, C]. Off-diagonal sub-blocks (row block i, columns before its
-    start r_i) factor through the reference G_{r_i}: e^{G_t - G_s} = e^{G_t - G_{r_i}} e^{G_{r_i} - G_s},
-    both factors <= 1 because G only falls. Only the small diagonal sub-blocks are formed pairwise,
-    which keeps the elementwise work at O(C * sub * K) instead of O(C^2 * K).
+
+def _sub_block_size(G: torch.Tensor) -> int:
+    """The largest sub-block size (a power-of-two divisor of the chunk C, at most C) whose decay factors
+    stay safely finite: every |G_t - G_m| inside a block, m its middle position, at most half the log of
+    the dtype's largest value (e^44 in fp32, e^354 in fp64), so e^{G_t - G_m} and its reciprocal are
+    normal numbers with room for the inputs' own scale. Size 1 always qualifies. Mild decays (a freshly
+    initialised model) take the whole chunk; the lower-bound gate's strongest (-5 per token) takes 16.
+    One host sync per call.
     """
-    *lead, C, K = G.shape
-    sub = sub if C % sub == 0 else C
-    n = C // sub
-    G_blocks = G.reshape(*lead, n, sub, K)
-    ref = G_blocks[..., :1, :]  # [..., n, 1, K]: G at each row block's first position
-    row_decay = (G_blocks - ref).exp()
-    q_row = q.reshape(*lead, n, sub, K) * row_decay
-    k_row = k.reshape(*lead, n, sub, K) * row_decay
-    positions = torch.arange(C, device=G.device)
-    before = positions < (torch.arange(n, device=G.device) * sub).unsqueeze(-1)  # [n, C]
-    col_exponent = (ref - G.unsqueeze(-3)).masked_fill(~before.unsqueeze(-1), float("-inf"))
-    k_col = k.unsqueeze(-3) * col_exponent.exp()  # [..., n, C, K], zero at and after block i
-    off_qk = q_row @ k_col.transpose(-1, -2)  # [..., n, sub, C]
-    off_kk = k_row @ k_col.transpose(-1, -2)
-    incl = torch.ones(sub, sub, dtype=torch.bool, device=G.device).tril()
-    diff = (G_blocks.unsqueeze(-2) - G_blocks.unsqueeze(-3)).masked_fill(~incl.unsqueeze(-1), float("-inf"))
-    k_diag = diff.exp() * k.reshape(*lead, n, 1, sub, K)  # [..., n, sub(t), sub(s), K]
-    eye = torch.eye(n, dtype=G.dtype, device=G.device)
-
-    def assemble(off, a):
-        diag = (a.reshape(*lead, n, sub, 1, K) * k_diag).sum(-1)  # [..., n, sub, sub]
-        block_diag = torch.einsum("...itu,ij->...itju", diag, eye)
-        return (off.reshape(*lead, n, sub, n, sub) + block_diag).reshape(*lead, C, C)
-
-    return assemble(off_qk, q), assemble(off_kk, k)
+    C = G.shape[-2]
+    limit = 0.5 * math.log(torch.finfo(G.dtype).max)
+    sub = C
+    while sub > 1:
+        if C % sub == 0:
+            blocks = G.unflatten(-2, (C // sub, sub))
+            first, middle, last = blocks[..., 0, :], blocks[..., sub // 2, :], blocks[..., -1, :]
+            # G falls monotonically, so the block's extremes are its ends.
+            if float(torch.maximum(first - middle, middle - last).max().detach()) <= limit:
+                return sub
+        sub //= 2
+    return 1
 
 
-def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk):
+class _BlockDecays:
+    """Decay factors of a chunk split into sub-blocks of `sub` positions with reference m, each block's
+    middle: e^{G_t - G_m} for rows and its reciprocal e^{G_m - G_s} for columns (both bounded by
+    _sub_block_size), and e^{G_{m_i} - G_{m_j}} <= 1 between the references of blocks j < i."""
+
+    def __init__(self, G: torch.Tensor, sub: int):
+        *self.lead, C, self.K = G.shape
+        self.n, self.sub = C // sub, sub
+        Gb = self.blocks(G)
+        self.reference = Gb[..., sub // 2 : sub // 2 + 1, :]  # [..., n, 1, K]
+        self.row = (Gb - self.reference).exp()
+        self.column = self.row.reciprocal()
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(*self.lead, self.n, self.sub, self.K)
+
+
+def _intra_chunk_products(q, k, d: _BlockDecays):
+    """P_ts = sum_c q_tc k_sc e^{G_tc - G_sc} and A'_ts, the same with k_t for q_t, both for s <= t.
+
+    Inputs [..., C, K] -> two [..., C, C]. Through the block references m: inside block i,
+    e^{G_t - G_s} = e^{G_t - G_{m_i}} e^{G_{m_i} - G_s} (one matmul per block, masked causal); for s in an
+    earlier block j < i, e^{G_t - G_{m_i}} e^{G_{m_i} - G_{m_j}} e^{G_{m_j} - G_s}. Every factor is a
+    normal number whatever the decay (_sub_block_size), and the only elementwise work beyond O(C K) is
+    the per-channel middle factor over the n (n - 1) / 2 block pairs, nothing at one sub-block per chunk.
+    """
+    n, sub, lead = d.n, d.sub, d.lead
+    C = n * sub
+    rows_q, rows_k = d.blocks(q) * d.row, d.blocks(k) * d.row
+    columns = d.blocks(k) * d.column
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()
+    # between[d - 1] = e^{G_{m_i} - G_{m_{i-d}}} for i >= d: block pairs d apart, as views, no gathers.
+    between = [_decay(d.reference[..., gap:, :, :] - d.reference[..., :-gap, :, :]) for gap in range(1, n)]
+
+    def products(rows):  # rows [..., n, sub, K] -> [..., C, C]
+        full = rows.new_zeros(*lead, n, n, sub, sub)  # [..., block i, block j, t, u]
+        full.diagonal(0, -4, -3).copy_(
+            (rows @ columns.transpose(-1, -2)).masked_fill(~causal, 0.0).movedim(-3, -1))
+        for gap, factor in enumerate(between, start=1):
+            block = (rows[..., gap:, :, :] * factor) @ columns[..., :-gap, :, :].transpose(-1, -2)
+            full.diagonal(-gap, -4, -3).copy_(block.movedim(-3, -1))
+        return full.transpose(-3, -2).reshape(*lead, C, C)
+
+    return products(rows_q), products(rows_k)
+
+
+def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk, doc_starts=None):
+    """Chunked KDA over [B, T, H, .] -> (o, state after the last token).
+
+    doc_starts (bool [T], B == 1) marks positions where a document begins: the state resets there, so
+    documents of any lengths share the chunks of one packed sequence (memory linear in T). initial_state
+    feeds only the tokens before the first start (none when position 0 starts a document).
+
+    Per chunk n with entry state S_n the module docstring's form is, with carry = tokens still in the
+    entry's document and last = tokens of the chunk's final document,
+        O = Qe S_n + P U,  Qe = Q e^G carry - P Wk,
+        S_{n+1} = M_n S_n + B_n,  M_n = Diag(e^{G_C} carry_C) - (Kd last)^T Wk,  B_n = (Kd last)^T U,
+    so the only sequential step is S <- M S + B over chunks and everything else is batched matmuls.
+    """
     B, T, H, K = q.shape
     V = v.shape[-1]
     out_dtype = q.dtype
     dtype = compute_dtype(q.dtype)
     pad = (-T) % chunk
     # Zero padding at the end is inert: beta = 0 writes nothing, g = 0 decays nothing.
-    q, k, v, g, beta = (
-        torch.nn.functional.pad(x.to(dtype), (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta)
-    )
-    q, k, v, g, beta = (_to_chunks(x, chunk) for x in (q * scale, k, v, g, beta))  # [B, H, N, C, .]
+    if pad:
+        q, k, v, g, beta = (
+            torch.nn.functional.pad(x.to(dtype), (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta)
+        )
+    q, k, v, g, beta = (_to_chunks(x.to(dtype), chunk).contiguous() for x in (q * scale, k, v, g, beta))
     G = g.cumsum(dim=-2)
-    decay_qk, decay_kk = _intra_chunk_products(q, k, G)
-    A = (decay_kk * beta.unsqueeze(-1)).tril(-1)
-    P = decay_qk
+    P, Akk = _intra_chunk_products(q, k, _BlockDecays(G, _sub_block_size(G)))
+    carry = last = carry_end = None  # no document boundary: every token carries the entry state
+    if doc_starts is not None:
+        segment = torch.nn.functional.pad(doc_starts, (0, pad)).view(-1, chunk).cumsum(-1)  # [N, C]
+        same = segment.unsqueeze(-1) == segment.unsqueeze(-2)
+        P, Akk = P * same, Akk * same
+        carry = (segment == 0).unsqueeze(-1).to(dtype)  # [N, C, 1]
+        last = (segment == segment[:, -1:]).unsqueeze(-1).to(dtype)
+        carry_end = carry[:, -1:]
+    A = (Akk * beta.unsqueeze(-1)).tril(-1)
     eye = torch.eye(chunk, dtype=dtype, device=q.device)
-    rhs = beta.unsqueeze(-1) * torch.cat([v, k * G.exp()], dim=-1)
+    eG = _decay(G)
+    rhs = beta.unsqueeze(-1) * torch.cat([v, _masked(k * eG, carry)], dim=-1)
     solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    U, Wk = solved[..., :V], solved[..., V:]
-    Qg = q * G.exp()
-    G_end = G[..., -1:, :]  # [B, H, N, 1, K]
-    Kd = k * (G_end - G).exp()
+    P_U, P_Wk = (P @ solved).split([V, K], dim=-1)
+    G_end = G[..., -1:, :]
+    Kd_t = _masked(k * _decay(G_end - G), last).transpose(-1, -2)  # [B, H, N, K, C]
+    B_c, Kd_Wk = (Kd_t @ solved).split([V, K], dim=-1)  # [B, H, N, K, V], [B, H, N, K, K]
+    M = torch.diag_embed(_masked(_decay(G_end), carry_end).squeeze(-2)) - Kd_Wk
     state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
-    outputs = []
-    for n in range(q.shape[2]):
-        W = U[:, :, n] - Wk[:, :, n] @ state
-        outputs.append(Qg[:, :, n] @ state + P[:, :, n] @ W)
-        state = state * G_end[:, :, n].exp().transpose(-1, -2) + Kd[:, :, n].transpose(-1, -2) @ W
-    o = torch.stack(outputs, dim=2)  # [B, H, N, C, V]
+    entries = []
+    for M_n, B_n in zip(M.unbind(2), B_c.unbind(2), strict=True):  # unbind: one backward copy, not one per step
+        entries.append(state)
+        state = M_n @ state + B_n
+    o = (_masked(q * eG, carry) - P_Wk) @ torch.stack(entries, dim=2) + P_U  # [B, H, N, C, V]
     o = o.movedim(1, 3).reshape(B, T + pad, H, V)[:, :T]
     return o.to(out_dtype), state
 
 
-def _packed(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens, *extra):
-    """Run fn on documents laid out as a padded batch [N, L, ...] and pack the result back.
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return x if mask is None else x * mask
 
-    Each document starts from its own initial state (zero by default), so no state crosses a
-    document boundary; the padding sits after each document's end and is inert (see _chunk_kda).
-    """
-    bounds = cu_seqlens.to(torch.int64)
-    T = q.shape[1]
-    lengths = bounds[1:] - bounds[:-1]
-    positions = torch.arange(T, device=q.device)
-    doc = torch.searchsorted(bounds[1:], positions, right=True)
-    offset = positions - bounds[doc]
-    longest = int(lengths.max())
 
-    def unpack(x):
-        padded = x.new_zeros(lengths.numel(), longest, *x.shape[2:])
-        return padded.index_put((doc, offset), x[0])
+def _per_document(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens, *extra):
+    """Each document of a packed sequence on its own, from its own initial state -> (o, [N, H, K, V]).
 
-    o, state = fn(*(unpack(x) for x in (q, k, v, g, beta)), scale, initial_state, *extra)
-    return o[doc, offset].unsqueeze(0), state
+    Used when per-document initial or final states are asked for (decoding, tests); training, which
+    needs neither, runs all documents in one pass (_chunk_kda with doc_starts)."""
+    bounds = cu_seqlens.tolist()
+    outputs, states = [], []
+    for doc, (start, end) in enumerate(itertools.pairwise(bounds)):
+        h0 = None if initial_state is None else initial_state[doc : doc + 1]
+        o, state = fn(*(x[:, start:end] for x in (q, k, v, g, beta)), scale, h0, *extra)
+        outputs.append(o)
+        states.append(state)
+    return torch.cat(outputs, dim=1), torch.cat(states)
+
+
+def document_starts(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """cu_seqlens [N + 1] -> bool [length], True where a document begins."""
+    starts = torch.zeros(length, dtype=torch.bool, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1]] = True
+    return starts
