@@ -109,6 +109,9 @@ class TrainConfig:
     hang_min_s: float = 120.0
     hang_timeout_s: float = 3600.0
     """Watchdog: the absolute limit for one step (also before any median exists); 0 = none."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation in backward (model/recompute.py): selective re-runs the attention cores and
+    the routed experts' MLP; full re-runs every decoder layer from its inputs."""
 
     def __post_init__(self) -> None:
         require_positive("train", steps=self.steps)

@@ -16,6 +16,7 @@ from moe_pretrain.config import KDAConfig
 from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, LogUniform
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
+from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops import kda, l2_norm, rms_norm
 from moe_pretrain.ops.norms import compute_dtype
@@ -60,6 +61,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight = nn.Parameter(torch.empty(K))
         self.param_init = {"A_log": a_log_init(cfg.gate), "dt_bias": dt_bias_init(), "o_norm_weight": Constant(1.0)}
         self.o_proj = make_linear(inner, dim, init_std=out_std)
+        self.recompute_core = False
+        """Recompute the chunked KDA op in backward (train.recompute=selective)."""
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""
@@ -87,8 +90,10 @@ class KimiDeltaAttention(nn.Module):
         def flat(t):
             return t.reshape(1, B * T, *t.shape[2:])
 
-        o, _ = kda(flat(q), flat(k), flat(v), flat(g), flat(beta),
-                   cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)
+        def core(q, k, v, g, beta):
+            return kda(q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)[0]
+
+        o = maybe_recompute(self.recompute_core, core, flat(q), flat(k), flat(v), flat(g), flat(beta))
         o = rms_norm(heads(o), self.o_norm_weight, self.norm_eps).to(x.dtype)
         gate = torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj((gate * o).flatten(2))

@@ -17,6 +17,7 @@ from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.ops.document_attention import document_causal_attention
 
 
@@ -49,6 +50,8 @@ class GatedMLA(nn.Module):
         self.kv_up = make_linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), init_std=init_std)
         self.g_proj = make_linear(dim, H * cfg.v_head_dim, init_std=init_std)
         self.o_proj = make_linear(H * cfg.v_head_dim, dim, init_std=out_std)
+        self.recompute_core = False
+        """Recompute the attention core in backward (train.recompute=selective)."""
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         cfg = self.cfg
@@ -63,7 +66,10 @@ class GatedMLA(nn.Module):
             q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
             k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
-        attn = document_causal_attention(q.reshape(B * T, H, -1), k.reshape(B * T, H, -1), v.reshape(B * T, H, Dv),
-                                         layout.document_bounds, self.scale).reshape(B, T, H, Dv)
+        def core(q, k, v):
+            return document_causal_attention(q, k, v, layout.document_bounds, self.scale)
+
+        attn = maybe_recompute(self.recompute_core, core, q.reshape(B * T, H, -1), k.reshape(B * T, H, -1),
+                               v.reshape(B * T, H, Dv)).reshape(B, T, H, Dv)
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, H * Dv))

@@ -13,6 +13,7 @@ from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.router import Router
 from parallel.dispatch import LocalTokenDispatcher
 
@@ -36,6 +37,8 @@ class LatentMoE(nn.Module):
                 linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std,
             )
         self.dispatcher = LocalTokenDispatcher(cfg.num_experts)
+        self.recompute_experts = False
+        """Recompute the routed experts' MLP in backward (train.recompute=selective)."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, T, D] -> (y [B, T, D], balancing loss or None)."""
@@ -45,7 +48,8 @@ class LatentMoE(nn.Module):
         z_TL = self.latent_down(x_TD)
         grouped, counts, meta = self.dispatcher.dispatch(z_TL, topk_idx, topk_weight)
         self.router.record_processed(grouped.shape[0])
-        routed_TL = self.dispatcher.combine(self.experts(grouped, counts), meta)
+        expert_out = maybe_recompute(self.recompute_experts, self.experts, grouped, counts)
+        routed_TL = self.dispatcher.combine(expert_out, meta)
         y = self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
         if self.shared is not None:
             y = y + self.shared(x)  # [B, T, D]: under sequence parallelism the shared MLP gathers along T

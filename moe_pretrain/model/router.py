@@ -11,6 +11,7 @@ from torch import nn
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.balancing import make_balancer
 from moe_pretrain.model.linear import make_linear
+from moe_pretrain.model.recompute import recomputing
 from moe_pretrain.ops import expert_load, route, router_scores
 from moe_pretrain.ops.norms import compute_dtype
 
@@ -39,16 +40,18 @@ class Router(nn.Module):
             if not (self.training and torch.is_grad_enabled()):
                 return topk_idx, topk_weight, None
             scores = router_scores(logits)
-            self.balancer.observe(scores.detach(), topk_idx)
-            self.load += expert_load(topk_idx, self.cfg.num_experts)
-            p = (scores / scores.sum(dim=-1, keepdim=True)).detach()
-            self.entropy_sum += -(p * p.clamp_min(1e-30).log()).sum().to(self.entropy_sum.dtype)
-            self.counts[0] += x_TD.shape[0]
+            if not recomputing():  # backward's second pass routes identically and must not count again
+                detached = scores.detach()  # (a graph here would save tensors the recomputation does not)
+                self.balancer.observe(detached, topk_idx)
+                self.load += expert_load(topk_idx, self.cfg.num_experts)
+                p = detached / detached.sum(dim=-1, keepdim=True)
+                self.entropy_sum += -(p * p.clamp_min(1e-30).log()).sum().to(self.entropy_sum.dtype)
+                self.counts[0] += x_TD.shape[0]
             return topk_idx, topk_weight, self.balancer.loss(scores, topk_idx)
 
     def record_processed(self, rows: int) -> None:
         """Rows this rank's experts computed (after any exchange), to account for dropped tokens."""
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and not recomputing():
             self.counts[1] += rows
 
     @torch.no_grad()

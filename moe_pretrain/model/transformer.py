@@ -22,6 +22,7 @@ from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.recompute import Recompute, maybe_recompute
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.vision import PatchEmbedding
 from parallel.sequence import NoSequenceParallel
@@ -46,10 +47,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate, beta=moe.situ_beta,
                                   linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std)
+        self.recompute = False
+        """Recompute the whole layer in backward (train.recompute=full)."""
 
     def forward(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (new partial block sum, balancing loss or None)."""
+        return maybe_recompute(self.recompute, self._forward, bank, partial, layout)
+
+    def _forward(self, bank, partial, layout):
         visible = bank if partial is None else [*bank, partial]
         out = self.mixer(self.attn_norm(self.attn_mix(visible)), layout)
         partial = out if partial is None else partial + out
@@ -141,6 +147,14 @@ class MoETransformer(nn.Module):
         for name in ("final_mix", "final_norm", "head") if last else ():
             setattr(stage, name, getattr(full, name))
         return stage
+
+    def set_recompute(self, mode: Recompute) -> None:
+        """What backward recomputes (model/recompute.py), on the layers this module holds."""
+        for layer in self.layers.values():
+            layer.recompute = mode == "full"
+            layer.mixer.recompute_core = mode == "selective"
+            if isinstance(layer.mlp, LatentMoE):
+                layer.mlp.recompute_experts = mode == "selective"
 
     def routers(self) -> dict[int, Router]:
         """The router of every MoE layer, by global layer index."""

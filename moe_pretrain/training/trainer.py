@@ -91,6 +91,7 @@ class Trainer:
         self.dtype = DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
+        self.model.set_recompute(cfg.train.recompute)
         self.pipeline = None
         if self.ctx.layout.pp > 1:
             self.pipeline = Pipeline(self.state.model, cfg, self.ctx, self._pipeline_loss)
