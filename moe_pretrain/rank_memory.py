@@ -49,7 +49,9 @@ def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
     problems = plan.check_divisible({n: tuple(p.shape) for n, p in model.named_parameters()}, layout.tp, layout.ep)
     if problems:
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
-    group_size = {"dp_group": layout.dp, "tp_dp_group": layout.tp * layout.dp, "edp_group": layout.edp}
+    # Gradients reduce (and ZeRO-1 shards) over data x context parallel ranks: each cp rank saw other positions.
+    group_size = {"dp_group": layout.dp * layout.cp, "tp_dp_group": layout.tp * layout.dp * layout.cp,
+                  "edp_group": layout.edp}
     width = PARAM_BYTES[cfg.train.dtype]
     chunks = pipeline_chunks(cfg)
     params = [0] * layout.pp

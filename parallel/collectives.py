@@ -130,3 +130,27 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGrou
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _ScatterToSequenceParallel.apply(x, group)
+
+
+def _gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    out = x.new_empty(size * x.numel())  # flat: gloo accepts the concatenated form only
+    all_gather_single(out, x.reshape(-1).contiguous(), group=group)
+    return out.view(size, *x.shape)
+
+
+def _reduce_scatter_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty(x[0].numel())
+    reduce_scatter_single(out, x.reshape(-1).contiguous(), group=group)
+    return out.view(x.shape[1:])
+
+
+_AllGatherStacked = _paired(
+    "_AllGatherStacked", _gather_stacked, _reduce_scatter_stacked,
+    "Forward: every rank's tensor, stacked along a new dim 0. Backward: each rank's piece gets the sum of "
+    "the gradients every rank computed for it.")
+
+
+def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[*shape] -> [group size, *shape], row r from rank r (differentiable)."""
+    return x.unsqueeze(0) if group_size(group) == 1 else _AllGatherStacked.apply(x, group)

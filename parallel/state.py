@@ -93,9 +93,15 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append(f"model.mla.num_heads={m.mla.num_heads} is not divisible by parallel.tp={p.tp}")
     if p.pp * p.vpp > m.num_layers:
         problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
+    if p.cp > 1 and (m.mla.num_heads // p.tp) % p.cp:
+        problems.append(f"parallel.cp={p.cp} must divide the model.mla.num_heads={m.mla.num_heads} / parallel.tp="
+                        f"{p.tp} attention heads of a tensor-parallel rank (MLA trades heads for positions)")
     for seq_key, seq_len, rows_text, rows, micro_key, micro in _batch_shapes(cfg):
-        if seq_len % p.tp:
-            problems.append(f"{seq_key}={seq_len} is not divisible by parallel.tp={p.tp}")
+        if seq_len % (2 * p.cp * p.tp):
+            problems.append(f"{seq_key}={seq_len} is not divisible by 2 x parallel.cp x parallel.tp = "
+                            f"{2 * p.cp * p.tp} (two fragments per context-parallel rank, each split over "
+                            "tensor parallel)" if p.cp > 1 else f"{seq_key}={seq_len} is not divisible by "
+                            f"parallel.tp={p.tp}")
         if not problems and rows % (layout.dp * micro):
             problems.append(f"{rows_text} must be divisible by data-parallel size {layout.dp} x {micro_key}={micro}")
         if p.pp > 1 and micro % p.pp:
@@ -113,8 +119,6 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append("model.moe.balancing=aux_loss is not supported with parallel.pp > 1 (use qb or aux_free)")
     if problems:
         raise ConfigError("invalid parallel layout: " + "; ".join(problems))
-    if p.cp != 1:
-        raise ConfigError(f"parallel.cp={p.cp}: context parallelism is not implemented yet; set parallel.cp=1")
     return layout
 
 
@@ -137,17 +141,20 @@ class ParallelContext:
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dp_group: dist.ProcessGroup | None = None
-    """Data parallel (x context parallel): ranks with different data; tensor-parallel weights reduce here."""
+    """Data parallel x context parallel: ranks with different tokens; tensor-parallel weights reduce here."""
     tp_group: dist.ProcessGroup | None = None
     tp_dp_group: dist.ProcessGroup | None = None
     """Tensor x data parallel: every token of the global batch; replicated weights reduce here."""
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
+    """Data-parallel rank without context parallel: which slice of the global batch this rank reads."""
     tp_rank: int = 0
     ep_rank: int = 0
     pp_rank: int = 0
+    cp_rank: int = 0
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
@@ -234,10 +241,12 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         ep_group=ps.get_expert_model_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        cp_group=ps.get_context_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
     )
 
 

@@ -3,7 +3,9 @@
 Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
 q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
 low-rank f = W_fb W_fa x; beta = sigmoid(W_b x); y = W_o [sigmoid(W_g x) * RMSNorm_head(o)].
-The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments.
+The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments. Under context
+parallelism each local fragment is a piece of its own, with its convolution halo and entry state from
+the fragments before it (parallel/context_parallel.py).
 Under tensor parallelism the layer holds H / tp heads (parallel/plan.py) and its column projections
 return the whole sequence, so head counts and T are read from the tensors, not the config.
 """
@@ -19,6 +21,7 @@ from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops import kda, l2_norm, rms_norm
+from moe_pretrain.ops.kda import kda_with_entry_states
 from moe_pretrain.ops.norms import compute_dtype
 
 DT_RANGE = (1e-3, 1e-1)
@@ -75,25 +78,30 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         K = self.cfg.head_dim
-        pos = layout.position_in_doc
-        B, T = pos.shape  # the whole sequence, whatever shard of it x holds
+        cp = layout.context
+        B, T = layout.position_in_doc.shape  # this cp rank's positions, whatever tensor-parallel shard x holds
+        pos = cp.pieces(layout.position_in_doc)  # under cp every local fragment is a row of its own
+
+        def conv(projected, short_conv):
+            return short_conv(cp.pieces(projected), pos, cp.halo(projected, short_conv.kernel_size - 1))
 
         def heads(t):
-            return t.reshape(B, T, -1, K)
+            return t.reshape(*t.shape[:2], -1, K)
 
-        q = l2_norm(heads(F.silu(self.q_conv(self.q_proj(x), pos))))
-        k = l2_norm(heads(F.silu(self.k_conv(self.k_proj(x), pos))))
-        v = heads(F.silu(self.v_conv(self.v_proj(x), pos)))
-        g = self.decay(heads(self.f_b_proj(self.f_a_proj(x))))
-        beta = torch.sigmoid(self.b_proj(x).to(g.dtype))
-
-        def flat(t):
-            return t.reshape(1, B * T, *t.shape[2:])
+        q = l2_norm(heads(F.silu(conv(self.q_proj(x), self.q_conv))))
+        k = l2_norm(heads(F.silu(conv(self.k_proj(x), self.k_conv))))
+        v = heads(F.silu(conv(self.v_proj(x), self.v_conv)))
+        g = self.decay(heads(cp.pieces(self.f_b_proj(self.f_a_proj(x)))))
+        beta = torch.sigmoid(cp.pieces(self.b_proj(x)).to(g.dtype))
 
         def core(q, k, v, g, beta):
-            return kda(q, k, v, g, beta, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)[0]
+            if cp.size > 1:
+                return kda_with_entry_states(q, k, v, g, beta, pos == 0, cp.entry_states,
+                                             chunk_size=self.cfg.chunk_size)
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            return kda(*flat, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)[0]
 
-        o = maybe_recompute(self.recompute_core, core, flat(q), flat(k), flat(v), flat(g), flat(beta))
-        o = rms_norm(heads(o), self.o_norm_weight, self.norm_eps).to(x.dtype)
+        o = maybe_recompute(self.recompute_core, core, q, k, v, g, beta)
+        o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps).to(x.dtype)
         gate = torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj((gate * o).flatten(2))

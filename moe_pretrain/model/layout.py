@@ -2,6 +2,8 @@
 
 Shape legend: B sequences, T positions. Packed sequences hold several documents; KDA resets its
 state, the short convolutions stop, and MLA masks attention at every document boundary.
+Under context parallelism the per-position fields hold this rank's positions (parallel/context_parallel.py)
+while cu_seqlens and document_bounds describe the whole sequence, which MLA attends over.
 """
 
 import functools
@@ -9,23 +11,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
 
 
 @dataclass(frozen=True)
 class DocumentLayout:
     doc_ids: torch.Tensor
-    """[B, T] document number of each position (non-decreasing along T)."""
+    """[B, T] document number of each position (non-decreasing along T); [B, T / cp] of this rank's."""
     position_in_doc: torch.Tensor
-    """[B, T] offset of each position from its document's start (RoPE positions, conv validity)."""
+    """[B, T] offset of each position from its document's start (RoPE positions, conv validity); [B, T / cp]."""
     cu_seqlens: torch.Tensor
     """[N + 1] int64 offsets of the N documents in the flattened [1, B*T] sequence (fla convention)."""
     sequence: NoSequenceParallel = field(default_factory=NoSequenceParallel)
     """How activations are split along T between tensor-parallel regions (identity on one rank).
-    The other fields always describe the whole sequence."""
+    The other fields describe every position of this context-parallel rank."""
+    context: NoContextParallel = field(default_factory=NoContextParallel)
+    """How the sequence is split over context-parallel ranks (identity without cp)."""
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: torch.Tensor, sequence: NoSequenceParallel | None = None) -> "DocumentLayout":
+    def from_doc_ids(cls, doc_ids: torch.Tensor, sequence: NoSequenceParallel | None = None,
+                     context: NoContextParallel | None = None) -> "DocumentLayout":
+        """doc_ids [B, T] of every position (also under context parallelism)."""
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         B, T = doc_ids.shape
@@ -36,14 +43,17 @@ class DocumentLayout:
         positions = torch.arange(B * T, device=doc_ids.device)
         start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
         position_in_doc = (positions - start_of).reshape(B, T)
-        return cls(doc_ids, position_in_doc, cu_seqlens, sequence or NoSequenceParallel())
+        context = context or NoContextParallel()
+        return cls(context.local(doc_ids), context.local(position_in_doc), cu_seqlens,
+                   sequence or NoSequenceParallel(), context)
 
     @classmethod
     def single_documents(cls, batch: int, seq_len: int, device: torch.device,
-                         sequence: NoSequenceParallel | None = None) -> "DocumentLayout":
+                         sequence: NoSequenceParallel | None = None,
+                         context: NoContextParallel | None = None) -> "DocumentLayout":
         """Every row one document (no packing)."""
         doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
-        return cls.from_doc_ids(doc_ids, sequence)
+        return cls.from_doc_ids(doc_ids, sequence, context)
 
     @functools.cached_property
     def document_bounds(self) -> list[int]:

@@ -7,7 +7,8 @@ out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
 (ops.document_causal_attention: no T x T mask).
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
-down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match.
+down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. Under
+context parallelism the attention core trades heads for positions (parallel/context_parallel.py).
 """
 
 import torch
@@ -67,9 +68,13 @@ class GatedMLA(nn.Module):
             k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
         def core(q, k, v):
-            return document_causal_attention(q, k, v, layout.document_bounds, self.scale)
+            cp = layout.context  # under cp: every position, H / cp heads (identity otherwise)
+            q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
+            rows, positions, heads = q.shape[:3]
+            out = document_causal_attention(*(t.reshape(rows * positions, heads, -1) for t in (q, k, v)),
+                                            layout.document_bounds, self.scale)
+            return cp.sequence_to_heads(out.reshape(rows, positions, heads, Dv))
 
-        attn = maybe_recompute(self.recompute_core, core, q.reshape(B * T, H, -1), k.reshape(B * T, H, -1),
-                               v.reshape(B * T, H, Dv)).reshape(B, T, H, Dv)
+        attn = maybe_recompute(self.recompute_core, core, q, k, v)
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, H * Dv))

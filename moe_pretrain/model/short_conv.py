@@ -1,7 +1,8 @@
 """Depthwise causal short convolution (kernel 4, no bias) on KDA's q, k and v (MODEL.md).
 
 Written as a sum over the few taps rather than conv1d so that a tap never reaches back across a
-document boundary of a packed sequence: tap j contributes only where position_in_doc >= j.
+document boundary of a packed sequence: tap j contributes only where position_in_doc >= j. A piece of a
+longer sequence (context parallel) passes the kernel - 1 positions before it as its halo.
 """
 
 import torch
@@ -18,11 +19,18 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel_size))
         self.param_init = {"weight": Uniform(-bound, bound)}
 
-    def forward(self, x_BTC: torch.Tensor, position_in_doc: torch.Tensor) -> torch.Tensor:
-        """x [B, T, C], position_in_doc [B, T] -> [B, T, C]; weight[:, -1] multiplies the current token."""
+    def forward(self, x_BTC: torch.Tensor, position_in_doc: torch.Tensor, halo: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [B, T, C], position_in_doc [B, T], halo [B, kernel - 1, C] (the positions before x; zeros if
+        None) -> [B, T, C]; weight[:, -1] multiplies the current token."""
+        B, T, C = x_BTC.shape
+        reach = self.kernel_size - 1
+        if halo is None:
+            halo = x_BTC.new_zeros(B, reach, C)
+        extended = torch.cat([halo.to(x_BTC.dtype), x_BTC], dim=1)
         out = x_BTC * self.weight[:, -1]
         for lag in range(1, self.kernel_size):
-            shifted = torch.nn.functional.pad(x_BTC[:, :-lag], (0, 0, lag, 0))
+            shifted = extended[:, reach - lag : reach - lag + T]
             valid = (position_in_doc >= lag).unsqueeze(-1).to(x_BTC.dtype)
             out = out + shifted * valid * self.weight[:, -1 - lag]
         return out

@@ -25,6 +25,7 @@ from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import Recompute, maybe_recompute
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.vision import PatchEmbedding
+from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
 
 
@@ -80,6 +81,8 @@ class MoETransformer(nn.Module):
         self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
         self.sequence = NoSequenceParallel()
         """Set by the parallel set-up: activations between layers hold this rank's shard of T."""
+        self.context = NoContextParallel()
+        """Set by the parallel set-up: this rank's positions of every sequence (context parallel)."""
 
     def forward(
         self,
@@ -90,8 +93,8 @@ class MoETransformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T]; doc_ids [B, T] (packed documents, default one per row);
         patches [P, patch_dim] placed, in order, where image_mask [B, T] is True.
-        -> (logits [B, T, V] (V / tp with tensor parallelism), summed balancing loss (0 unless
-        moe.balancing = aux_loss))."""
+        -> (logits [B, T, V] (V / tp with tensor parallelism; T / cp, this rank's positions, with context
+        parallelism), summed balancing loss (0 unless moe.balancing = aux_loss))."""
         layout = self.layout(tokens, doc_ids)
         x = self.embed(tokens, layout, patches, image_mask)
         bank, partial, balance_loss = self.run_layers([x], None, layout)
@@ -100,16 +103,18 @@ class MoETransformer(nn.Module):
     def layout(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> DocumentLayout:
         B, T = tokens.shape
         if doc_ids is None:
-            return DocumentLayout.single_documents(B, T, tokens.device, self.sequence)
-        return DocumentLayout.from_doc_ids(doc_ids, self.sequence)
+            return DocumentLayout.single_documents(B, T, tokens.device, self.sequence, self.context)
+        return DocumentLayout.from_doc_ids(doc_ids, self.sequence, self.context)
 
     def embed(self, tokens: torch.Tensor, layout: DocumentLayout, patches: torch.Tensor | None = None,
               image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with visual tokens in place: b_0, the first bank entry (this rank's T shard)."""
-        x = self.sequence.scatter(self.embedding(tokens))
+        """Token embeddings with visual tokens in place: b_0, the first bank entry (this rank's T shard).
+        tokens, image_mask [B, T] and patches cover every position, also under context parallelism."""
+        x = self.sequence.scatter(self.embedding(self.context.local(tokens)))
         if patches is not None:
             if image_mask is None or int(image_mask.sum()) != patches.shape[0]:
                 raise ValueError("forward: image_mask must mark exactly one position per patch")
+            patches, image_mask = self.context.local_patches(patches, image_mask)
             patches, local_mask = self.sequence.local_patches(patches, image_mask)
             visual = self.patch_embedding(patches.to(self.patch_embedding.proj.weight.dtype))
             x = x.masked_scatter(local_mask.unsqueeze(-1), visual.to(x.dtype))
@@ -141,6 +146,7 @@ class MoETransformer(nn.Module):
         nn.Module.__init__(stage)
         stage.cfg = full.cfg
         stage.sequence = full.sequence
+        stage.context = full.context
         stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
         for name in ("embedding", "patch_embedding") if first else ():
             setattr(stage, name, getattr(full, name))

@@ -19,6 +19,7 @@ at the -5 lower bound would overflow e^{-G} in fp32); see _intra_chunk_products.
 
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -78,7 +79,8 @@ def kda(
     if cu_seqlens is None:
         o, state = _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size)
     elif initial_state is None and not output_final_state:
-        o, state = _chunk_kda(q, k, v, g, beta, scale, None, chunk_size, document_starts(cu_seqlens, q.shape[1]))
+        starts = document_starts(cu_seqlens, q.shape[1]).unsqueeze(0)
+        o, state = _chunk_kda(q, k, v, g, beta, scale, None, chunk_size, starts)
     else:
         o, state = _per_document(_chunk_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     return o, (state if output_final_state else None)
@@ -205,58 +207,109 @@ def _intra_chunk_products(q, k, d: _BlockDecays):
     return products(rows_q), products(rows_k)
 
 
-def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk, doc_starts=None):
-    """Chunked KDA over [B, T, H, .] -> (o, state after the last token).
+class _PreparedChunks:
+    """Everything of the chunked form that does not depend on the entry state, batched over chunks.
 
-    doc_starts (bool [T], B == 1) marks positions where a document begins: the state resets there, so
-    documents of any lengths share the chunks of one packed sequence (memory linear in T). initial_state
-    feeds only the tokens before the first start (none when position 0 starts a document).
+    doc_starts (bool [B, T] or None) marks positions where a document begins: the state resets there, so
+    documents of any lengths share the chunks of one packed sequence (memory linear in T); the entry state
+    feeds only the tokens before a row's first start (none when its position 0 starts a document).
 
     Per chunk n with entry state S_n the module docstring's form is, with carry = tokens still in the
     entry's document and last = tokens of the chunk's final document,
         O = Qe S_n + P U,  Qe = Q e^G carry - P Wk,
         S_{n+1} = M_n S_n + B_n,  M_n = Diag(e^{G_C} carry_C) - (Kd last)^T Wk,  B_n = (Kd last)^T U,
-    so the only sequential step is S <- M S + B over chunks and everything else is batched matmuls.
+    so the only sequential step is S <- M S + B over chunks (outputs()) and everything else is batched
+    matmuls. The same per-chunk (M_n, B_n) compose into the affine map of the whole row (summary()),
+    which is what context parallelism exchanges between ranks.
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    out_dtype = q.dtype
-    dtype = compute_dtype(q.dtype)
-    pad = (-T) % chunk
-    # Zero padding at the end is inert: beta = 0 writes nothing, g = 0 decays nothing.
-    if pad:
-        q, k, v, g, beta = (
-            torch.nn.functional.pad(x.to(dtype), (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta)
-        )
-    q, k, v, g, beta = (_to_chunks(x.to(dtype), chunk).contiguous() for x in (q * scale, k, v, g, beta))
-    G = g.cumsum(dim=-2)
-    P, Akk = _intra_chunk_products(q, k, _BlockDecays(G, _sub_block_size(G)))
-    carry = last = carry_end = None  # no document boundary: every token carries the entry state
-    if doc_starts is not None:
-        segment = torch.nn.functional.pad(doc_starts, (0, pad)).view(-1, chunk).cumsum(-1)  # [N, C]
-        same = segment.unsqueeze(-1) == segment.unsqueeze(-2)
-        P, Akk = P * same, Akk * same
-        carry = (segment == 0).unsqueeze(-1).to(dtype)  # [N, C, 1]
-        last = (segment == segment[:, -1:]).unsqueeze(-1).to(dtype)
-        carry_end = carry[:, -1:]
-    A = (Akk * beta.unsqueeze(-1)).tril(-1)
-    eye = torch.eye(chunk, dtype=dtype, device=q.device)
-    eG = _decay(G)
-    rhs = beta.unsqueeze(-1) * torch.cat([v, _masked(k * eG, carry)], dim=-1)
-    solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    P_U, P_Wk = (P @ solved).split([V, K], dim=-1)
-    G_end = G[..., -1:, :]
-    Kd_t = _masked(k * _decay(G_end - G), last).transpose(-1, -2)  # [B, H, N, K, C]
-    B_c, Kd_Wk = (Kd_t @ solved).split([V, K], dim=-1)  # [B, H, N, K, V], [B, H, N, K, K]
-    M = torch.diag_embed(_masked(_decay(G_end), carry_end).squeeze(-2)) - Kd_Wk
-    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
-    entries = []
-    for M_n, B_n in zip(M.unbind(2), B_c.unbind(2), strict=True):  # unbind: one backward copy, not one per step
-        entries.append(state)
-        state = M_n @ state + B_n
-    o = (_masked(q * eG, carry) - P_Wk) @ torch.stack(entries, dim=2) + P_U  # [B, H, N, C, V]
-    o = o.movedim(1, 3).reshape(B, T + pad, H, V)[:, :T]
-    return o.to(out_dtype), state
+
+    def __init__(self, q, k, v, g, beta, scale: float, chunk: int, doc_starts: torch.Tensor | None = None):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        self.shape, self.out_dtype = (B, T, H, K, V), q.dtype
+        dtype = self.dtype = compute_dtype(q.dtype)
+        self.pad = pad = (-T) % chunk
+        # Zero padding at the end is inert: beta = 0 writes nothing, g = 0 decays nothing.
+        if pad:
+            q, k, v, g, beta = (
+                torch.nn.functional.pad(x.to(dtype), (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta)
+            )
+        q, k, v, g, beta = (_to_chunks(x.to(dtype), chunk).contiguous() for x in (q * scale, k, v, g, beta))
+        G = g.cumsum(dim=-2)
+        P, Akk = _intra_chunk_products(q, k, _BlockDecays(G, _sub_block_size(G)))
+        carry = last = carry_end = None  # no document boundary: every token carries the entry state
+        if doc_starts is not None:
+            segment = torch.nn.functional.pad(doc_starts, (0, pad)).view(B, 1, -1, chunk).cumsum(-1)  # [B,1,N,C]
+            same = segment.unsqueeze(-1) == segment.unsqueeze(-2)
+            P, Akk = P * same, Akk * same
+            carry = (segment == 0).unsqueeze(-1).to(dtype)  # [B, 1, N, C, 1]
+            last = (segment == segment[..., -1:]).unsqueeze(-1).to(dtype)
+            carry_end = carry[..., -1:, :]
+        A = (Akk * beta.unsqueeze(-1)).tril(-1)
+        eye = torch.eye(chunk, dtype=dtype, device=q.device)
+        eG = _decay(G)
+        rhs = beta.unsqueeze(-1) * torch.cat([v, _masked(k * eG, carry)], dim=-1)
+        solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        self.P_U, P_Wk = (P @ solved).split([V, K], dim=-1)
+        self.Qe = _masked(q * eG, carry) - P_Wk
+        G_end = G[..., -1:, :]
+        Kd_t = _masked(k * _decay(G_end - G), last).transpose(-1, -2)  # [B, H, N, K, C]
+        self.B_c, Kd_Wk = (Kd_t @ solved).split([V, K], dim=-1)  # [B, H, N, K, V], [B, H, N, K, K]
+        self.M = torch.diag_embed(_masked(_decay(G_end), carry_end).squeeze(-2)) - Kd_Wk
+
+    def zero_state(self) -> torch.Tensor:
+        B, _, H, K, V = self.shape
+        return self.M.new_zeros(B, H, K, V)
+
+    def outputs(self, initial_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (o [B, T, H, V] in the input dtype, the state after the last token)."""
+        B, T, H, _, V = self.shape
+        state = self.zero_state() if initial_state is None else initial_state.to(self.dtype)
+        entries = []
+        for M_n, B_n in zip(self.M.unbind(2), self.B_c.unbind(2), strict=True):  # unbind: one backward copy
+            entries.append(state)
+            state = M_n @ state + B_n
+        o = self.Qe @ torch.stack(entries, dim=2) + self.P_U  # [B, H, N, C, V]
+        o = o.movedim(1, 3).reshape(B, T + self.pad, H, V)[:, :T]
+        return o.to(self.out_dtype), state
+
+    def summary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's affine map S_out = M S_in + B -> (M [B, H, K, K], B [B, H, K, V]); M = 0 when a document
+        starts inside the row (its state never reaches the end)."""
+        M, Bs = self.M[:, :, 0], self.B_c[:, :, 0]
+        for M_n, B_n in zip(self.M.unbind(2)[1:], self.B_c.unbind(2)[1:], strict=True):
+            M, Bs = M_n @ M, M_n @ Bs + B_n
+        return M, Bs
+
+
+def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk, doc_starts=None):
+    """Chunked KDA over [B, T, H, .] -> (o, state after the last token); see _PreparedChunks."""
+    return _PreparedChunks(q, k, v, g, beta, scale, chunk, doc_starts).outputs(initial_state)
+
+
+def kda_with_entry_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    doc_starts: torch.Tensor,
+    entry_states: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """KDA over pieces of longer sequences whose entry states come from elsewhere (context parallel).
+
+    q, k, g [P, L, H, K], v [P, L, H, V], beta [P, L, H]: P pieces; doc_starts [P, L] bool.
+    entry_states(M [P, H, K, K], B [P, H, K, V]) receives each piece's affine summary (S_out = M S_in + B,
+    from its own tokens) and returns each piece's entry state [P, H, K, V] (differentiably: gradients
+    reach the summaries). The intra-chunk work is done once; only the chain over chunks runs twice.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    prepared = _PreparedChunks(q, k, v, g, beta, scale, chunk_size, doc_starts)
+    return prepared.outputs(entry_states(*prepared.summary()))[0]
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
+from parallel.context_parallel import ContextParallel
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
@@ -86,6 +87,8 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext)
                 setattr(model.get_submodule(parent), leaf, TP_MODULES[style](module, ctx.tp_group))
         model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
         model.sequence = SequenceParallel(ctx.tp_group)
+    if layout.cp > 1:
+        model.context = ContextParallel(ctx.cp_group)
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
             module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)

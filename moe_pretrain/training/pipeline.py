@@ -90,6 +90,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     """Example (meta) tensors of one micro-batch at a chunk's input and output."""
     rows = shape.rows // ctx.layout.dp // shape.micro_batches
     T, D = shape.seq_len, cfg.model.hidden_size
+    local = T // ctx.layout.cp  # activations hold this context-parallel rank's positions
     block = cfg.model.attn_res.block_size
 
     def meta(*shape, dtype=dtype):
@@ -97,7 +98,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
     def boundary(bank_entries):
-        return (meta(rows, bank_entries, T // ctx.layout.tp, D), meta(rows, T // ctx.layout.tp, D),
+        return (meta(rows, bank_entries, local // ctx.layout.tp, D), meta(rows, local // ctx.layout.tp, D),
                 meta(rows, T, dtype=torch.int64))
 
     if first:
@@ -107,7 +108,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     else:
         inputs = boundary(1 + layers[0] // block)
     if last:
-        outputs = (meta(rows, T, cfg.model.vocab_size // ctx.layout.tp),)
+        outputs = (meta(rows, local, cfg.model.vocab_size // ctx.layout.tp),)
     else:
         outputs = boundary(1 + (layers[-1] + 1) // block)
     return inputs, outputs

@@ -171,7 +171,9 @@ class Trainer:
         plan = self.step_plan()
         self._apply_positional_settings(plan)
         batches = self._next_micro_batches(plan)
-        local_tokens = torch.tensor(sum(b.loss_tokens for b in batches), dtype=torch.int64)
+        # Under context parallelism each rank counts (and later scores) only its own positions.
+        local_tokens = torch.tensor(sum(int((self.model.context.local(b.labels) != IGNORE_INDEX).sum())
+                                        for b in batches), dtype=torch.int64)
         loss_tokens = max(int(all_reduce_sum(local_tokens, ctx.dp_group)), 1)
         lr = plan.lr
         for group in self.optimizer.param_groups:
@@ -223,7 +225,7 @@ class Trainer:
         for batch in batches:
             with self.autocast():
                 logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            ce_sum = self._cross_entropy_sum(logits, batch.labels)
+            ce_sum = self._cross_entropy_sum(logits, self.model.context.local(batch.labels))
             loss = ce_sum / loss_tokens + balance_loss / len(batches)
             loss.backward()
             ce_total += ce_sum.detach().to(torch.float64).cpu()
@@ -251,7 +253,7 @@ class Trainer:
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._cross_entropy_sum(logits, labels) / self._loss_tokens
+        return self._cross_entropy_sum(logits, self.model.context.local(labels)) / self._loss_tokens
 
     def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's

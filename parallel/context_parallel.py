@@ -1,0 +1,128 @@
+"""Context parallelism: every sequence split over the cp ranks, load-balanced for causal attention.
+
+Shape legend: B rows, T positions of a row, F = T / (2 cp) positions of a fragment, H heads, D head dims.
+
+A row's T positions form 2 cp fragments; rank r holds fragments r and 2 cp - 1 - r, one from the front and
+one from the back (Megatron-core's layout), so every rank has the same share of causal attention and of
+recurrent work. Local tensors [B, T / cp, ...] hold a rank's two fragments one after the other. Everything
+position-wise (embeddings, norms, MLPs, routing, the loss) just runs on the local tokens; only the
+sequence mixers talk across ranks:
+- MLA, Ulysses style: an all-to-all trades heads for positions, so each rank attends over the whole
+  sequence (documents intact, in global order) with H / cp of the heads, and a second all-to-all trades
+  back. Needs the heads on a tensor-parallel rank divisible by cp.
+- KDA: each fragment's affine state summary (S_out = M S_in + B over its tokens, ops.kda) is all-gathered;
+  every rank folds them in sequence order into its fragments' entry states, then runs its chunks from
+  those. The short convolutions take their (kernel - 1)-position halo from the previous fragment. A
+  document starting inside a fragment makes its M zero, so the state never crosses it; one starting
+  exactly at a fragment's first position is handled by the chunked op's document masks.
+Gradients flow back through the same collectives (all-gather <-> reduce-scatter, all-to-all <-> itself).
+"""
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import all_gather_stacked, all_to_all_rows
+
+
+class NoContextParallel:
+    """One rank holds every position (the identity)."""
+
+    size = 1
+    rank = 0
+
+    def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        return x_BT_
+
+    def pieces(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        return x_BT_
+
+    def halo(self, x_BTC: torch.Tensor, width: int) -> None:
+        """Nothing precedes a whole row."""
+        return None
+
+    def heads_to_sequence(self, x_BTHD: torch.Tensor) -> torch.Tensor:
+        return x_BTHD
+
+    def sequence_to_heads(self, x_BThD: torch.Tensor) -> torch.Tensor:
+        return x_BThD
+
+    def local_patches(self, patches: torch.Tensor, image_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return patches, image_mask
+
+
+class ContextParallel(NoContextParallel):
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.fragments = (self.rank, 2 * self.size - 1 - self.rank)
+        # Global fragment j is slot owner_slot[j] of the stacked [rank, 2] local fragments.
+        self.owner_slot = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in range(2 * self.size)]
+
+    def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] (every position) -> [B, T / cp, ...] (this rank's two fragments)."""
+        T = x_BT_.shape[1]
+        if T % (2 * self.size):
+            raise ValueError(f"sequence length {T} is not divisible by 2 x parallel.cp = {2 * self.size}")
+        fragments = x_BT_.unflatten(1, (2 * self.size, T // (2 * self.size)))
+        return fragments[:, list(self.fragments)].flatten(1, 2)
+
+    def local_patches(self, patches: torch.Tensor, image_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's image patches and image_mask [B, T / cp] (patches in row-major [B, T] order)."""
+        index = (torch.cumsum(image_mask.reshape(-1).long(), 0) - 1).reshape(image_mask.shape)
+        local_mask = self.local(image_mask)
+        return patches[self.local(index)[local_mask]], local_mask
+
+    def pieces(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """Local [B, T / cp, ...] -> [B * 2, F, ...]: each local fragment a row of its own."""
+        return x_BT_.reshape(x_BT_.shape[0] * 2, x_BT_.shape[1] // 2, *x_BT_.shape[2:])
+
+    def _global_order(self, stacked: torch.Tensor) -> torch.Tensor:
+        """[cp, B, 2, ...] (every rank's fragments) -> [B, 2 cp, ...] in sequence order."""
+        flat = stacked.movedim(0, 1).flatten(1, 2)  # [B, cp * 2, ...], index rank * 2 + slot
+        return flat[:, self.owner_slot]
+
+    def halo(self, x_BTC: torch.Tensor, width: int) -> torch.Tensor:
+        """The `width` positions before each local fragment, from the fragment before it in the sequence
+        (zeros before a row's start) -> [B * 2, width, C]; differentiable."""
+        B = x_BTC.shape[0]
+        tails = self.pieces(x_BTC)[:, -width:].unflatten(0, (B, 2))  # [B, 2, width, C]
+        ordered = self._global_order(all_gather_stacked(tails, self.group))  # [B, 2 cp, width, C]
+        before = torch.cat([torch.zeros_like(ordered[:, :1]), ordered[:, :-1]], dim=1)
+        return before[:, list(self.fragments)].flatten(0, 1)
+
+    def entry_states(self, M: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
+        """Each local fragment's KDA entry state from every fragment's summary.
+
+        M [B * 2, H, K, K], Bs [B * 2, H, K, V] (local pieces) -> [B * 2, H, K, V]. Summaries are folded in
+        sequence order, S_{j+1} = M_j S_j + B_j from S_0 = 0 (a row starts a document), in their own
+        dtype (ops.kda keeps them in >= fp32)."""
+        K = M.shape[-1]
+        summary = torch.cat([M, Bs], dim=-1).unflatten(0, (-1, 2))  # [B, 2, H, K, K + V]
+        ordered = self._global_order(all_gather_stacked(summary, self.group))  # [B, 2 cp, H, K, K + V]
+        state = torch.zeros_like(ordered[:, 0, ..., K:])
+        entries = []
+        for j in range(max(self.fragments) + 1):
+            entries.append(state)
+            state = ordered[:, j, ..., :K] @ state + ordered[:, j, ..., K:]
+        return torch.stack([entries[j] for j in self.fragments], dim=1).flatten(0, 1)
+
+    def heads_to_sequence(self, x_BTHD: torch.Tensor) -> torch.Tensor:
+        """Local positions, all heads [B, T / cp, H, D] -> every position, H / cp heads [B, T, H / cp, D]."""
+        B, T_local, H, D = x_BTHD.shape
+        if H % self.size:
+            raise ValueError(f"{H} attention heads on this rank are not divisible by parallel.cp={self.size}")
+        send = x_BTHD.reshape(B, 2, T_local // 2, self.size, H // self.size, D).permute(3, 0, 1, 2, 4, 5)
+        received = all_to_all_rows(send.reshape(self.size, -1), [1] * self.size, [1] * self.size, self.group)
+        received = received.reshape(self.size, B, 2, T_local // 2, H // self.size, D)
+        return self._global_order(received).flatten(1, 2)
+
+    def sequence_to_heads(self, x_BThD: torch.Tensor) -> torch.Tensor:
+        """The inverse of heads_to_sequence: [B, T, H / cp, D] -> [B, T / cp, H, D]."""
+        B, T, h, D = x_BThD.shape
+        fragments = x_BThD.unflatten(1, (2 * self.size, T // (2 * self.size)))
+        owners = torch.tensor([[r, 2 * self.size - 1 - r] for r in range(self.size)]).flatten()
+        send = fragments[:, owners].unflatten(1, (self.size, 2)).movedim(1, 0)  # [cp(dest), B, 2, F, h, D]
+        received = all_to_all_rows(send.reshape(self.size, -1), [1] * self.size, [1] * self.size, self.group)
+        received = received.reshape(self.size, B, 2, T // (2 * self.size), h, D)  # [cp(head group), ...]
+        return received.permute(1, 2, 3, 0, 4, 5).reshape(B, T // self.size, self.size * h, D)
