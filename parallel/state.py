@@ -38,6 +38,10 @@ class ParallelLayout:
         """Expert-data-parallel size: ranks holding the same experts (expert tensor parallel = 1)."""
         return self.world_size // (self.pp * self.ep)
 
+    def dp_at(self, cp: int) -> int:
+        """Data-parallel size when a stage runs context parallel cp (tp, pp fixed: dp x cp is constant)."""
+        return self.world_size // (self.tp * self.pp * cp)
+
     def describe(self) -> str:
         return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
 
@@ -76,7 +80,11 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     if world_size % model_parallel:
         problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp "
                         f"= {p.tp} x {p.pp} x {p.cp}")
-    elif (world_size // p.pp) % p.ep:
+    for i, stage in enumerate(cfg.stages):
+        if stage.cp and world_size % (p.tp * p.pp * stage.cp):
+            problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x "
+                            f"stages[{i}].cp = {p.tp} x {p.pp} x {stage.cp}")
+    if (world_size // p.pp) % p.ep:
         problems.append(f"parallel.ep={p.ep} must divide the {world_size // p.pp} ranks of a pipeline stage "
                         f"(world size {world_size} / parallel.pp={p.pp})")
     if m.moe.num_experts % p.ep:
@@ -93,17 +101,18 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append(f"model.mla.num_heads={m.mla.num_heads} is not divisible by parallel.tp={p.tp}")
     if p.pp * p.vpp > m.num_layers:
         problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
-    if p.cp > 1 and (m.mla.num_heads // p.tp) % p.cp:
-        problems.append(f"parallel.cp={p.cp} must divide the model.mla.num_heads={m.mla.num_heads} / parallel.tp="
-                        f"{p.tp} attention heads of a tensor-parallel rank (MLA trades heads for positions)")
-    for seq_key, seq_len, rows_text, rows, micro_key, micro in _batch_shapes(cfg):
-        if seq_len % (2 * p.cp * p.tp):
-            problems.append(f"{seq_key}={seq_len} is not divisible by 2 x parallel.cp x parallel.tp = "
-                            f"{2 * p.cp * p.tp} (two fragments per context-parallel rank, each split over "
-                            "tensor parallel)" if p.cp > 1 else f"{seq_key}={seq_len} is not divisible by "
+    for seq_key, seq_len, rows_text, rows, micro_key, micro, cp_key, cp in _batch_shapes(cfg):
+        if cp > 1 and (m.mla.num_heads // p.tp) % cp:
+            problems.append(f"{cp_key}={cp} must divide the model.mla.num_heads={m.mla.num_heads} / parallel.tp="
+                            f"{p.tp} attention heads of a tensor-parallel rank (MLA trades heads for positions)")
+        if seq_len % (2 * cp * p.tp):
+            problems.append(f"{seq_key}={seq_len} is not divisible by 2 x {cp_key} x parallel.tp = "
+                            f"{2 * cp * p.tp} (two fragments per context-parallel rank, each split over "
+                            "tensor parallel)" if cp > 1 else f"{seq_key}={seq_len} is not divisible by "
                             f"parallel.tp={p.tp}")
-        if not problems and rows % (layout.dp * micro):
-            problems.append(f"{rows_text} must be divisible by data-parallel size {layout.dp} x {micro_key}={micro}")
+        if not problems and rows % (layout.dp_at(cp) * micro):
+            problems.append(f"{rows_text} must be divisible by data-parallel size {layout.dp_at(cp)} x "
+                            f"{micro_key}={micro}")
         if p.pp > 1 and micro % p.pp:
             problems.append(f"{micro_key}={micro} must be a multiple of parallel.pp={p.pp} "
                             "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
@@ -122,15 +131,34 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     return layout
 
 
-def _batch_shapes(cfg: Config) -> list[tuple[str, int, str, int, str, int]]:
-    """(key, seq_len, rows text, rows, key, micro-batches) of every step shape the run will use: each
-    stage's when a schedule is configured (data.seq_len / data.batch_size are then unused), else data.*."""
+def _batch_shapes(cfg: Config) -> list[tuple[str, int, str, int, str, int, str, int]]:
+    """(key, seq_len, rows text, rows, key, micro-batches, key, cp) of every step shape the run will use:
+    each stage's when a schedule is configured (data.seq_len / data.batch_size are then unused), else data.*."""
     if not cfg.stages:
         d = cfg.data
         return [("data.seq_len", d.seq_len, f"data.batch_size={d.batch_size}", d.batch_size,
-                 "data.micro_batches", d.micro_batches)]
+                 "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp)]
     return [(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
-             f"stages[{i}].micro_batches", st.micro_batches) for i, st in enumerate(cfg.stages)]
+             f"stages[{i}].micro_batches", st.micro_batches, f"stages[{i}].cp" if st.cp else "parallel.cp",
+             st.cp or cfg.parallel.cp) for i, st in enumerate(cfg.stages)]
+
+
+def context_sizes(cfg: Config) -> list[int]:
+    """Every context-parallel size the run uses: parallel.cp and each stage's."""
+    return sorted({cfg.parallel.cp, *(stage.cp for stage in cfg.stages if stage.cp)})
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place when the run uses context parallel `size` (a stage may change it)."""
+
+    size: int
+    group: dist.ProcessGroup | None
+    """The ranks splitting this rank's sequences (None for size 1)."""
+    rank: int
+    dp_rank: int
+    """Which slice of the global batch this rank reads at this size."""
+    dp_size: int
 
 
 @dataclass
@@ -148,17 +176,23 @@ class ParallelContext:
     ep_group: dist.ProcessGroup | None = None
     edp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
-    cp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
-    """Data-parallel rank without context parallel: which slice of the global batch this rank reads."""
+    """Data-parallel rank at parallel.cp (stages may change cp and with it this: context())."""
     tp_rank: int = 0
     ep_rank: int = 0
     pp_rank: int = 0
-    cp_rank: int = 0
+    context_groups: dict[int, ContextGroup] = field(default_factory=dict)
+    """Per context-parallel size the run uses (context_sizes)."""
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
-        return cls(ParallelLayout(world_size=1), device=torch.device(device))
+        return cls(ParallelLayout(world_size=1), device=torch.device(device),
+                   context_groups={1: ContextGroup(1, None, 0, 0, 1)})
+
+    def context(self, cp: int) -> ContextGroup:
+        if cp not in self.context_groups:
+            raise ValueError(f"context parallel size {cp} was not set up (sizes: {sorted(self.context_groups)})")
+        return self.context_groups[cp]
 
     @property
     def distributed(self) -> bool:
@@ -231,23 +265,45 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         create_gloo_process_groups=False,
         distributed_timeout_minutes=max(1, math.ceil(cfg.parallel.timeout_s / 60)),
     )
+    data_context = ps.get_data_parallel_group(with_context_parallel=True)
+    context_groups = _context_groups(cfg, data_context)
     return ParallelContext(
         layout=layout,
+        context_groups=context_groups,
         rank=dist.get_rank(),
         device=device,
-        dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        dp_group=data_context,
         tp_group=ps.get_tensor_model_parallel_group(),
         tp_dp_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
         ep_group=ps.get_expert_model_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
-        cp_group=ps.get_context_parallel_group(),
-        dp_rank=ps.get_data_parallel_rank(),
+        dp_rank=context_groups[layout.cp].dp_rank,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
-        cp_rank=ps.get_context_parallel_rank(),
     )
+
+
+def _context_groups(cfg: Config, data_context: dist.ProcessGroup) -> dict[int, ContextGroup]:
+    """A ContextGroup per size in context_sizes(cfg), built on every rank (group creation is collective).
+
+    With tp and pp fixed, the ranks that share parameters and differ in tokens (data x context parallel,
+    megatron-core's data-parallel group with context parallel, cp fastest) are the same for every cp:
+    a cp-size split takes consecutive blocks of that group; the block index is the data-parallel rank."""
+    members = dist.get_process_group_ranks(data_context)
+    everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, members)
+    all_groups = sorted({tuple(g) for g in everyone})
+    position = members.index(dist.get_rank())
+    groups = {}
+    for size in context_sizes(cfg):
+        blocks = [list(g[i:i + size]) for g in all_groups for i in range(0, len(g), size)]
+        group = None
+        if size > 1:
+            group, _ = dist.new_subgroups_by_enumeration(blocks)
+        groups[size] = ContextGroup(size, group, position % size, position // size, len(members) // size)
+    return groups
 
 
 def destroy_parallel() -> None:

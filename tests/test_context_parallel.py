@@ -54,7 +54,8 @@ def cp_worker(rank, world_size, overrides):
         grads = {}
         for name, p in model.named_parameters():
             if p.grad is not None:  # (the patch embedding sees no images here)
-                dist.all_reduce(p.grad, group=ctx.cp_group)  # each rank's gradient covers its positions only
+                # Each rank's gradient covers its own positions only.
+                dist.all_reduce(p.grad, group=ctx.context(world_size).group)
                 grads[name] = p.grad
         return logits, model.context.fragments, grads
     finally:

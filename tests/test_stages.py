@@ -118,6 +118,20 @@ def test_pipeline_runs_the_schedule_with_a_new_boundary_shape_per_stage(uninterr
     assert [row[4] for row in combined] == pytest.approx([row[4] for row in uninterrupted], rel=1e-9)
 
 
+@pytest.mark.timeout(300)
+def test_stages_change_context_parallel_in_place(uninterrupted, tmp_path):
+    """The first stage without context parallelism (dp 2), the longer two with cp 2 (dp 1), on the same two
+    processes and in one run: the same stages, rates and losses as one process (1e-9, float64)."""
+    per_stage = STAGES.replace("seq_len: 192,", "seq_len: 192, cp: 2,").replace("seq_len: 384,",
+                                                                               "seq_len: 384, cp: 2,")
+    assert per_stage.count("cp: 2") == 2
+    got = run_distributed(staged_worker, 2, str(tmp_path), [per_stage, "train.resume=none"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cp"] for r in records] == [1, 1, 2, 2, 2, 2]
+    assert [row[:4] for row in got] == [row[:4] for row in uninterrupted]
+    assert [row[4] for row in got] == pytest.approx([row[4] for row in uninterrupted], rel=1e-9)
+
+
 @pytest.mark.timeout(120)
 def test_plan_prints_the_schedule():
     done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/full.yaml", "--config",

@@ -22,6 +22,11 @@ class StageConfig:
     """Global batch per optimizer step, in tokens (a multiple of seq_len)."""
     micro_batches: int = 0
     """0 = derived from the layout at start, as data.micro_batches."""
+    cp: int = 0
+    """Context-parallel size in this stage (0 = parallel.cp): long stages split their sequences, short
+    ones need not pay for it. tp, pp and ep stay those of the run; data parallel takes what cp leaves."""
+    recompute: Literal["", "none", "selective", "full"] = ""
+    """Activation recomputation in this stage ("" = train.recompute)."""
     lr_peak: float = 3e-4
     lr_end: float = 3e-5
     warmup_tokens: int = 0
@@ -43,6 +48,7 @@ class StageConfig:
         require_positive(where, tokens=self.tokens, seq_len=self.seq_len, batch_tokens=self.batch_tokens,
                          lr_peak=self.lr_peak)
         require(self.micro_batches >= 0, f"{where}.micro_batches={self.micro_batches} must be >= 0 (0 = derived)")
+        require(self.cp >= 0, f"{where}.cp={self.cp} must be >= 0 (0 = parallel.cp)")
         require(self.batch_tokens % self.seq_len == 0,
                 f"{where}.batch_tokens={self.batch_tokens} is not a multiple of {where}.seq_len={self.seq_len}")
         rows = self.batch_tokens // self.seq_len

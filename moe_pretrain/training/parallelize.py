@@ -88,7 +88,7 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext)
         model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
         model.sequence = SequenceParallel(ctx.tp_group)
     if layout.cp > 1:
-        model.context = ContextParallel(ctx.cp_group)
+        model.context = ContextParallel(ctx.context(layout.cp).group)
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
             module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)

@@ -45,6 +45,8 @@ class StepShape:
     micro_batches: int
     patches_per_row: int
     """Width of the per-row patch padding at the first stage (PretrainingData.max_patches_per_row)."""
+    cp: int = 1
+    """Context-parallel size: activations hold T / cp positions, data parallel is what cp leaves."""
 
 
 def patches_from_rows(patch_rows: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
@@ -88,9 +90,9 @@ class StageForward(nn.Module):
 def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers: list[int], first: bool,
                      last: bool, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example (meta) tensors of one micro-batch at a chunk's input and output."""
-    rows = shape.rows // ctx.layout.dp // shape.micro_batches
+    rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
     T, D = shape.seq_len, cfg.model.hidden_size
-    local = T // ctx.layout.cp  # activations hold this context-parallel rank's positions
+    local = T // shape.cp  # activations hold this context-parallel rank's positions
     block = cfg.model.attn_res.block_size
 
     def meta(*shape, dtype=dtype):
@@ -138,6 +140,10 @@ class Pipeline:
         self.model = model
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
         self._schedules: dict[StepShape, object] = {}
+
+    def chunk_models(self) -> list[MoETransformer]:
+        """The stage views of this rank's chunks (each carries the model's sequence and context splits)."""
+        return [forward.chunk for forward in self.forwards.values()]
 
     def schedule(self, shape: StepShape):
         if shape not in self._schedules:

@@ -37,6 +37,7 @@ from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_sum
+from parallel.context_parallel import ContextParallel, NoContextParallel
 from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -53,6 +54,7 @@ class StepResult:
     seq_len: int
     stage: str
     skipped: bool
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class StepPlan:
     stage_end_tokens: int | None
     stage_index: int = 0
     rope_theta: float = 0.0
+    cp: int = 1
+    """Context-parallel size of the step (a stage's, else parallel.cp)."""
+    recompute: str = "none"
 
 
 def check_vocabulary(cfg: Config, data: PretrainingData) -> None:
@@ -91,7 +96,6 @@ class Trainer:
         self.dtype = DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
-        self.model.set_recompute(cfg.train.recompute)
         self.pipeline = None
         if self.ctx.layout.pp > 1:
             self.pipeline = Pipeline(self.state.model, cfg, self.ctx, self._pipeline_loss)
@@ -144,11 +148,25 @@ class Trainer:
         cfg = self.cfg
         if not cfg.stages:
             return StepPlan(cfg.data.seq_len, cfg.data.batch_size, cfg.data.micro_batches,
-                            learning_rate(self.step, cfg.train.steps, cfg.optim), "main", None)
+                            learning_rate(self.step, cfg.train.steps, cfg.optim), "main", None,
+                            cp=cfg.parallel.cp, recompute=cfg.train.recompute)
         point = stage_at(cfg.stages, self.tokens_seen)
         stage = point.stage
         return StepPlan(stage.seq_len, stage.rows, stage.micro_batches, stage_learning_rate(point), stage.name,
-                        point.end_tokens, point.index, stage.rope_theta)
+                        point.end_tokens, point.index, stage.rope_theta, stage.cp or cfg.parallel.cp,
+                        stage.recompute or cfg.train.recompute)
+
+    def _apply_stage_layout(self, plan: StepPlan) -> None:
+        """The step's context-parallel split and recomputation, on every module that runs it. The groups of
+        every cp size were built at start-up (ParallelContext.context_groups), so a stage boundary that
+        changes cp switches in place: tp, pp, ep and the data x context group (gradients, ZeRO-1 shards)
+        stay the same; only which positions and which slice of the batch this rank takes change."""
+        if self.model.context.size != plan.cp:
+            group = self.ctx.context(plan.cp).group
+            context = ContextParallel(group) if plan.cp > 1 else NoContextParallel()
+            for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
+                model.context = context
+        self.model.set_recompute(plan.recompute)
 
     def _apply_positional_settings(self, plan: StepPlan) -> None:
         """The stage's RoPE base on every MLA layer (stage rope_theta 0: model.mla.rope_theta)."""
@@ -161,8 +179,9 @@ class Trainer:
         ctx = self.ctx
         self.data.set_stage(plan.stage_index)
         rows = plan.rows // plan.micro_batches
-        return [self.data.next_batch(rows, shard=ctx.dp_rank, num_shards=ctx.layout.dp).to(self.device)
-                for _ in range(plan.micro_batches)]
+        data_parallel = ctx.context(plan.cp)
+        return [self.data.next_batch(rows, shard=data_parallel.dp_rank, num_shards=data_parallel.dp_size)
+                .to(self.device) for _ in range(plan.micro_batches)]
 
     def train_step(self) -> StepResult:
         cfg, ctx = self.cfg, self.ctx
@@ -170,6 +189,7 @@ class Trainer:
         self.model.train()
         plan = self.step_plan()
         self._apply_positional_settings(plan)
+        self._apply_stage_layout(plan)
         batches = self._next_micro_batches(plan)
         # Under context parallelism each rank counts (and later scores) only its own positions.
         local_tokens = torch.tensor(sum(int((self.model.context.local(b.labels) != IGNORE_INDEX).sum())
@@ -198,7 +218,7 @@ class Trainer:
         step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
-                          plan.stage, skipped)
+                          plan.stage, skipped, plan.cp)
 
     def _count_skip(self, loss: float, grad_norm: float) -> None:
         self.skipped_total += 1
@@ -238,7 +258,7 @@ class Trainer:
         step = Batch.concatenate(batches)
         pipeline = self.pipeline
         shape = StepShape(plan.seq_len, plan.rows, plan.micro_batches,
-                          self.data.max_patches_per_row(plan.stage_index))
+                          self.data.max_patches_per_row(plan.stage_index), plan.cp)
         if pipeline.holds_first:
             patch_rows = step.patch_rows(shape.patches_per_row).to(self.boundary_dtype)
             args = (step.tokens, step.doc_ids, step.image_mask, patch_rows)
@@ -276,6 +296,7 @@ class Trainer:
             "tokens": self.tokens_seen,
             "stage": result.stage,
             "seq_len": result.seq_len,
+            "cp": result.cp,
             "tokens_per_s": result.tokens / result.seconds,
             "mfu": self.mfu(result),
             "skipped": result.skipped,
