@@ -1,15 +1,21 @@
-"""Print a run's staged schedule, and its duration on a cluster from the sizing FLOPs at an assumed MFU.
+"""Print a run's staged schedule, its duration, and its per-GPU memory and communication per stage.
 
-    python -m launch.plan configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --gpu h200
+    python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --gpu h200
+    python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --propose
 
 Per stage: tokens, steps, sequence length, global batch, micro-batches, learning-rate range, and with
---gpus the training FLOPs per token (which grow with the attention span) and the estimated time.
+--gpus the training FLOPs per token (which grow with the attention span) and the estimated time; then
+the memory plan (moe_pretrain/memory_plan.py) of the config's layout (parallel.* and each stage's cp,
+recompute and micro-batches): the worst pipeline rank's GB per GPU, flagged when it does not fit, and the
+bytes each GPU sends per step per group. --propose searches layouts and prints the smallest that fits
+every stage with 10% headroom.
 """
 
 import argparse
 import sys
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+from moe_pretrain.memory_plan import GPU_BYTES, HEADROOM, MemoryPlanner, RunLayout, gigabytes, stage_layout_of
 from moe_pretrain.sizing import count
 from moe_pretrain.training.schedule import plan
 
@@ -24,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", choices=sorted(PEAK_TFLOPS), default="h200")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    parser.add_argument("--gpu-gb", type=float, default=0.0, help="override the GPU's memory (GB, 1e9 bytes)")
+    parser.add_argument("--propose", action="store_true", help="search the smallest layout that fits each stage")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config_or_exit(args)
     if not cfg.stages:
@@ -53,7 +61,61 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus:
         summary += f"   on {args.gpus} x {args.gpu} at {args.mfu:.0%} MFU: {total_days:.1f} days"
     print(summary)
+    if args.gpus:
+        return print_memory_plan(cfg, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
     return 0
+
+
+def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> int:
+    planner = MemoryPlanner(cfg)
+    capacity = capacity or GPU_BYTES[gpu]
+    p = cfg.parallel
+    run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
+    layouts = [stage_layout_of(cfg, stage) for stage in cfg.stages]
+    print(f"\nmemory per GPU, GB, worst pipeline rank ({gpu}: {capacity / 1e9:.3g} GB), layout {run.describe()}")
+    all_fit = print_stages(planner, run, layouts, capacity)
+    if propose:
+        found = planner.propose(gpus, capacity)
+        if found is None:
+            print(f"\nno layout of {gpus} GPUs fits any stage with {HEADROOM:.0%} headroom")
+            return 1
+        run, stages = found
+        print(f"\nproposed: {run.describe()} (fits the most stages with {HEADROOM:.0%} headroom, then the least "
+              "tp x pp; per stage the least cp, then the cheapest recomputation)")
+        print_stages(planner, run, [s[0] if s else None for s in stages], capacity)
+        unfit = [stage.name for stage, s in zip(cfg.stages, stages, strict=True) if s is None]
+        if unfit:
+            print(f"no layout of {gpus} GPUs with {run.describe()} fits: {', '.join(unfit)}")
+            return 1
+        return 0
+    return 0 if all_fit else 1
+
+
+def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> bool:
+    print(f"{'stage':8s} {'layout':24s} {'dp':>5s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'mixers':>7s} "
+          f"{'activ':>7s} {'a2a':>7s} {'total':>7s} {'fits':>5s} | GB sent/step: {'tp':>6s} {'ep':>6s} {'pp':>6s} "
+          f"{'cp':>6s} {'dp':>6s}")
+    all_fit = True
+    for stage, layout in zip(planner.cfg.stages, layouts, strict=True):
+        if layout is None:
+            all_fit = False
+            print(f"{stage.name:8s} {'-':24s} no layout fits (see below)")
+            continue
+        problems = planner.problems(run, stage, layout)
+        if problems:
+            all_fit = False
+            print(f"{stage.name:8s} {layout.describe():24s} invalid: {'; '.join(problems)}")
+            continue
+        result = planner.stage(run, stage, layout)
+        w, c = result["worst"], result["communication"]
+        fits = w["total_bytes"] <= capacity
+        all_fit &= fits
+        print(f"{stage.name:8s} {layout.describe():24s} {result['dp']:5d} {gigabytes(w['param_bytes'])} "
+              f"{gigabytes(w['grad_bytes'])} {gigabytes(w['optimizer_bytes'])} {gigabytes(w['mixer_state_bytes'])} "
+              f"{gigabytes(w['activation_bytes'])} {gigabytes(w['buffer_bytes'])} {gigabytes(w['total_bytes'])} "
+              f"{'yes' if fits else 'NO':>5s} |               " + " ".join(gigabytes(c[k])[1:] for k in
+                                                                          ("tp", "ep", "pp", "cp", "dp")))
+    return all_fit
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
 from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks, pipeline_rank_of
-from parallel.state import resolve_layout
+from parallel.state import ParallelLayout, resolve_layout
 
 PARAM_BYTES = {"bfloat16": 4, "float32": 4, "float64": 8}
 
@@ -43,12 +43,26 @@ def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
         setattr(cfg.parallel, key, sizes[key])
     world = sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["dp"]
     layout = resolve_layout(cfg, world)
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model)
-    plan = ShardingPlan()
-    problems = plan.check_divisible({n: tuple(p.shape) for n, p in model.named_parameters()}, layout.tp, layout.ep)
+    shapes = parameter_shapes(cfg)
+    problems = ShardingPlan().check_divisible(shapes, layout.tp, layout.ep)
     if problems:
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
+    stages = stage_state_bytes(cfg, shapes, layout)
+    worst = max(stages, key=lambda s: s["total_bytes"])
+    return {"layout": {**sizes, "world_size": world, "edp": layout.edp}, "param_dtype_bytes": PARAM_BYTES[
+        cfg.train.dtype], "stages": stages, "worst": worst}
+
+
+def parameter_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape, from the meta model (nothing allocated)."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: ParallelLayout) -> list[dict]:
+    """Per pipeline rank: parameters, gradients and ZeRO-1 Adam moments of its worst (any) rank."""
+    plan = ShardingPlan()
     # Gradients reduce (and ZeRO-1 shards) over data x context parallel ranks: each cp rank saw other positions.
     group_size = {"dp_group": layout.dp * layout.cp, "tp_dp_group": layout.tp * layout.dp * layout.cp,
                   "edp_group": layout.edp}
@@ -56,24 +70,22 @@ def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
     chunks = pipeline_chunks(cfg)
     params = [0] * layout.pp
     reduced = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
-    for name, p in model.named_parameters():
+    for name, shape in shapes.items():
         pp_rank = pipeline_rank_of(name, chunks, layout.pp)
         placement = plan.placement(name)
-        numel = math.prod(placement.local_shape(tuple(p.shape), layout.tp, layout.ep))
+        numel = math.prod(placement.local_shape(shape, layout.tp, layout.ep))
         params[pp_rank] += numel
         reduced[pp_rank][placement.reduce_group] += numel
     stages = []
     for pp_rank in range(layout.pp):
         moments = sum(2 * math.ceil(n / group_size[g]) for g, n in reduced[pp_rank].items())
-        stage = {"pp_rank": pp_rank, "rank": pp_rank * world // layout.pp,
+        stage = {"pp_rank": pp_rank, "rank": pp_rank * layout.world_size // layout.pp,
                  "layers": [i for c in chunks_of_rank(len(chunks), layout.pp, pp_rank) for i in chunks[c]],
                  "params": params[pp_rank], "param_bytes": params[pp_rank] * width,
                  "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
-    worst = max(stages, key=lambda s: s["total_bytes"])
-    return {"layout": {**sizes, "world_size": world, "edp": layout.edp}, "param_dtype_bytes": width,
-            "stages": stages, "worst": worst}
+    return stages
 
 
 def describe(result: dict) -> str:

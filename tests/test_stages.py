@@ -133,13 +133,42 @@ def test_stages_change_context_parallel_in_place(uninterrupted, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_plan_prints_the_schedule():
+def test_plan_prints_the_schedule_and_its_memory():
+    """The full-size schedule on its stated layout (configs/stages/full.yaml: 2048 H200, pp 16): every stage
+    valid, the first three fit, the 1M stage is flagged (exit 1: a stage does not fit)."""
     done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/full.yaml", "--config",
-                           "configs/stages/full.yaml", "--gpus", "4096"], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
+                           "configs/stages/full.yaml", "--gpus", "2048"], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1, done.stderr
     for name in ("8k", "64k", "256k", "1m"):
         assert f"\n{name} " in done.stdout
     assert "days" in done.stdout and "231250" in done.stdout
+    memory = done.stdout.split("memory per GPU")[1]
+    verdicts = {line.split()[0]: line.split("|")[0].split()[-1] for line in memory.splitlines()[2:] if "|" in line}
+    assert verdicts == {"8k": "yes", "64k": "yes", "256k": "yes", "1m": "NO"}, memory
+
+
+@pytest.mark.timeout(120)
+def test_plan_proposes_a_layout_per_stage():
+    """The smoke schedule on 8 GPUs of 0.2 GB: the longer stage takes cp 2; the longest has 2 sequences per
+    batch and the smoke model's 2 MLA heads cap tp x cp, so nothing fits it and the plan says so."""
+    done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/smoke.yaml", "--config",
+                           "configs/stages/tiny.yaml", "--gpus", "8", "--gpu-gb", "0.2", "--propose"],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1, done.stderr
+    proposal = done.stdout.split("proposed: ")[1]
+    assert proposal.startswith("tp=1 pp=1 ep=8")
+    assert "\nctx512   cp=2 none M=1 " in proposal
+    assert "no layout of 8 GPUs with tp=1 pp=1 ep=8 fits: ctx1024" in proposal
+
+
+def test_full_schedule_validates_on_its_stated_layout():
+    from moe_pretrain.config import load_config
+    from parallel.state import resolve_layout
+
+    cfg = load_config(["configs/full.yaml", "configs/stages/full.yaml"])
+    layout = resolve_layout(cfg, 2048)
+    assert (layout.tp, layout.pp, layout.ep) == (1, 16, 128)
+    assert [stage.cp for stage in cfg.stages] == [1, 8, 32, 32]
 
 
 def test_stage_rope_base_reaches_the_mla_layers(tmp_path):

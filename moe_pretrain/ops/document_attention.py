@@ -7,7 +7,8 @@ one causal SDPA call on [1, H, L, D]: with 4-D inputs and no mask, PyTorch picks
 T, never with T^2 (bench/attention.py measures it against the dense [T, T] mask this replaced). The flash
 kernel needs one head dim for q, k and v; MLA's values are narrower (128 against 192 at full size), and
 with unequal dims SDPA silently takes its math path, which saves each document's [L, L] probabilities
-(measured: ~doc length x heads floats per token). So v is zero-padded to D and the output sliced back.
+(measured: ~doc length x heads floats per token). So the narrower of q/k and v is zero-padded to the
+wider and the output sliced back to Dv.
 A GPU varlen kernel (flash / Transformer Engine THD with cu_seqlens) would do all documents in one call.
 """
 
@@ -26,9 +27,9 @@ def document_causal_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: t
                          f"v {tuple(v_NHD.shape)} must agree on [N, H]")
     if bounds[0] != 0 or bounds[-1] != q_NHD.shape[0]:
         raise ValueError(f"document_causal_attention: bounds must run from 0 to N={q_NHD.shape[0]}")
-    Dv = v_NHD.shape[-1]
-    if Dv < q_NHD.shape[-1]:
-        v_NHD = F.pad(v_NHD, (0, q_NHD.shape[-1] - Dv))
+    Dv, width = v_NHD.shape[-1], max(q_NHD.shape[-1], v_NHD.shape[-1])
+    # Zero dims change neither q . k nor the output's first Dv dims (the scale is explicit).
+    q_NHD, k_NHD, v_NHD = (F.pad(t, (0, width - t.shape[-1])) for t in (q_NHD, k_NHD, v_NHD))
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, D]
     outputs = [F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
                                               is_causal=True, scale=scale)

@@ -1,0 +1,82 @@
+"""The memory plan's activation formulas against measured memory of real CPU forward + backward passes.
+
+Run: .venv/bin/python bench/activation_memory.py [--lengths 2048 8192] [--modes none selective full]
+Each (recompute, T) runs in a fresh process (a clean allocator): the tiny model (d = 64, KDA chunk 64,
+1000-token documents) in fp32 does one forward, a cross-entropy loss and a backward. Printed, in MB: the
+plan's saved activations and peak (moe_pretrain/activation_memory.py, the same arithmetic launch.plan
+uses per stage), the allocated bytes after the forward and at the backward's peak (glibc mallinfo2: live
+tensors, what a GPU allocator reports as allocated), and the resident peak (which adds the allocator's
+retained freed memory). Ratios are measured / plan; tests/test_activation_memory.py bounds them.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ["model.hidden_size=64", "model.kda.head_dim=16", "model.kda.chunk_size=64"]
+
+
+def probe(recompute: str, T: int) -> dict:
+    from moe_pretrain.activation_memory import activation_bytes
+    from moe_pretrain.memory import AllocatedPeak, allocated_bytes, peak_resident_bytes, reset_peak, resident_bytes
+    from moe_pretrain.training.parallelize import build_model
+    from tests.models import tiny_config
+
+    cfg = tiny_config(*CONFIG)
+    model = build_model(cfg)
+    model.set_recompute(recompute)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients are the plan's state, not activations
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, cfg.model.vocab_size, (1, T), generator=gen) for _ in range(2))
+    doc_ids = (torch.arange(T) // 1000).unsqueeze(0)
+    allocated_start, resident_start = allocated_bytes(), resident_bytes()
+    reset_peak()
+    with AllocatedPeak() as peak:
+        logits, balance = model(tokens, doc_ids)
+        after_forward = allocated_bytes() - allocated_start
+        (F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + balance).backward()
+    m = cfg.model
+    plan = activation_bytes(m, list(range(m.num_layers)), recompute, T, act_bytes=4)
+    return {"recompute": recompute, "T": T, "plan_saved": plan.saved, "plan_peak": plan.peak,
+            "allocated_after_forward": after_forward, "allocated_peak": peak.peak - allocated_start,
+            "resident_peak": peak_resident_bytes() - resident_start}
+
+
+def run_probe(recompute: str, T: int) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--probe", recompute, str(T)], capture_output=True, text=True,
+                          check=True, timeout=300, cwd=ROOT)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--modes", nargs="+", default=["none", "selective", "full"])
+    parser.add_argument("--probe", nargs=2, metavar=("RECOMPUTE", "T"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe:
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
+        return
+    mb = 1e6
+    print("tiny model d=64, fp32, one forward + loss + backward; MB; ratios measured / plan")
+    print(f"{'recompute':>9} {'T':>6} {'plan saved':>10} {'alloc fwd':>9} {'ratio':>6} {'plan peak':>9} "
+          f"{'alloc peak':>10} {'ratio':>6} {'resident':>8} {'ratio':>6}")
+    for recompute in args.modes:
+        for T in args.lengths:
+            r = run_probe(recompute, T)
+            print(f"{recompute:>9} {T:>6} {r['plan_saved'] / mb:10.1f} {r['allocated_after_forward'] / mb:9.1f} "
+                  f"{r['allocated_after_forward'] / r['plan_saved']:6.2f} {r['plan_peak'] / mb:9.1f} "
+                  f"{r['allocated_peak'] / mb:10.1f} {r['allocated_peak'] / r['plan_peak']:6.2f} "
+                  f"{r['resident_peak'] / mb:8.1f} {r['resident_peak'] / r['plan_peak']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Saved activations of a training step, per token and per layer, from the model's dims.
+
+Shape legend: d hidden, H heads, K / V KDA head dims, C KDA chunk, Dqk / Dv MLA head dims, E experts,
+k top-k, L latent, F expert intermediate, S shared intermediate, n AttnRes entries a mix reads.
+
+The coefficients are elements autograd keeps per token, measured on this implementation (saved-tensor
+hooks over the tiny model while one dimension at a time was varied, at T = 1024, fp32; least-squares fits
+within 0.5% for KDA and the MLPs, 3.4% for MLA) and rounded; recomputing regions keep their inputs only.
+They are checked against real peak memory at several sequence lengths by tests/test_activation_memory.py.
+What they count, by component:
+- KDA, none: the projections, short convolutions and gates (~29 H K) and the chunked op's intermediates:
+  ~13 H K, the per-chunk C x C products and solves (3 H C) and the chunk chain's K x K / K x V states
+  (3 H K^2 / C, about K V / C each); selective keeps the op's inputs instead of its intermediates.
+- MLA: the low-rank projections, heads (q, k, v zero-padded to one width, output) and the gate; the
+  attention core itself saves q, k, v, output and the log-sum-exp (flash), never L x L.
+- MoE: router scores (fp32, E), k routed copies of the latent rows and of the experts' gate / up /
+  activation (3 F each; selective recomputes the experts' MLP), latent norm, shared experts (3 S).
+- Each AttnRes mix over n >= 2 entries: 3 d + 2 per entry; each pre-norm 2 d + 1.
+Under bf16 autocast the KDA op's intermediates stay fp32 (ops.norms.compute_dtype) while the rest is bf16:
+kda_core elements are 4 bytes, the others the activation dtype's (not yet measured on a GPU).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from moe_pretrain.config import ModelConfig
+
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Saved elements per token of one layer: the sequence mixer's fp32 core (KDA's chunked op), the mixer's
+    other elements, everything else; and what one recomputation re-materialises at a time in backward."""
+
+    kda_core: float
+    mixer: float
+    other: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        return self.kda_core + self.mixer + self.other
+
+
+def _kda(m: ModelConfig) -> tuple[float, float]:
+    """(core, rest) for recompute none."""
+    k, d = m.kda, m.hidden_size
+    H, K, C = k.num_heads, k.head_dim, k.chunk_size
+    rest = 28.87 * H * K + 1.18 * d + 13
+    core = 13.08 * H * K + 2.98 * H * C + 2.89 * H * K * K / C + 17
+    return core, rest
+
+
+def _mla(m: ModelConfig, recompute: Recompute) -> float:
+    a, d = m.mla, m.hidden_size
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    if recompute == "selective":
+        return 3.66 * a.num_heads * qk + 3.38 * a.num_heads * a.v_head_dim + 3.06 * a.q_lora_rank \
+            + 3.04 * a.kv_lora_rank + 1.05 * d + 2
+    return 4.15 * a.num_heads * qk + 4.03 * a.num_heads * a.v_head_dim + 3.02 * a.q_lora_rank \
+        + 2.96 * a.kv_lora_rank + 2.52 * a.qk_rope_head_dim + 1.04 * d
+
+
+def _mlp(m: ModelConfig, index: int, recompute: Recompute) -> float:
+    d = m.hidden_size
+    if not m.is_moe_layer(index):
+        return 1.14 * d + 3.19 * m.dense_intermediate
+    e = m.moe
+    shared = 3.19 * e.num_shared_experts * e.shared_intermediate
+    if recompute == "selective":
+        return 1.14 * d + 2.06 * e.num_experts + 3.14 * e.top_k * e.latent_size + 5.77 * e.top_k \
+            + 2.85 * e.latent_size + shared
+    return 1.14 * d + 2.81 * e.num_experts + 3.25 * e.top_k * e.latent_size + 3.19 * e.top_k * e.expert_intermediate \
+        + 0.97 * e.top_k + 3.0 * e.latent_size + shared
+
+
+def _mix(d: int, entries: int) -> float:
+    return (3 * d + 2) * entries if entries >= 2 else 0.0
+
+
+def mix_entries(m: ModelConfig, index: int) -> tuple[int, int]:
+    """Entries the attention-side and MLP-side AttnRes mixes of layer `index` read (bank + partial)."""
+    block = m.attn_res.block_size
+    bank = 1 + index // block
+    return bank + (index % block != 0), bank + 1
+
+
+def layer_activations(m: ModelConfig, index: int, recompute: Recompute) -> LayerActivations:
+    """Saved elements per token of layer `index` (all heads: divide by tp for a tensor-parallel rank)."""
+    d = m.hidden_size
+    attn_entries, mlp_entries = mix_entries(m, index)
+    norms_and_mixes = 2 * (2 * d + 1) + _mix(d, attn_entries) + _mix(d, mlp_entries)
+    if m.layer_kind(index) == "kda":
+        core, mixer = _kda(m)
+    else:
+        core, mixer = 0.0, _mla(m, "none")
+    other = norms_and_mixes + _mlp(m, index, "none")
+    if recompute == "none":
+        return LayerActivations(core, mixer, other, 0.0)
+    if recompute == "full":
+        # The layer keeps its inputs (the running partial sum; the bank is shared by all layers) and
+        # backward re-runs it whole, one layer at a time.
+        return LayerActivations(0.0, 0.0, 2 * d, core + mixer + other)
+    # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections.
+    kept_mixer = mixer if m.layer_kind(index) == "kda" else _mla(m, "selective")
+    kept_other = norms_and_mixes + _mlp(m, index, "selective")
+    return LayerActivations(0.0, kept_mixer, kept_other, core + (mixer - kept_mixer) + (other - kept_other))
+
+
+def head_activations(m: ModelConfig, vocab_shard: int) -> float:
+    """The final mix and norm, the head's input, the logits and the loss's fp32 log-probabilities, per token."""
+    d = m.hidden_size
+    final_entries = 1 + m.num_layers // m.attn_res.block_size + (m.num_layers % m.attn_res.block_size != 0)
+    return _mix(d, final_entries) + 2 * d + 1 + 1.26 * d + 2 * vocab_shard
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """One rank's activation bytes for a pipeline stage's layers."""
+
+    mixers: float
+    """Kept for backward by the sequence mixers: attention and KDA state."""
+    other: float
+    transient: float
+    """One recomputed layer re-materialised in backward (0 without recomputation)."""
+    head: float
+    """Final mix and norm, head input, logits and the loss's log-probabilities (last stage only)."""
+
+    @property
+    def saved(self) -> float:
+        return self.mixers + self.other + self.head
+
+    @property
+    def peak(self) -> float:
+        return self.saved + self.transient
+
+
+def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, tokens: int, *, act_bytes: int,
+                     tp: int = 1, in_flight: float = 1.0, last: bool = True,
+                     layer_of: Callable[[int, Recompute], LayerActivations] | None = None) -> ActivationBytes:
+    """Bytes for `tokens` positions of one micro-batch through `layers`, `in_flight` micro-batches kept at
+    once, every per-token count divided over tensor (and sequence) parallel; kda_core elements and the
+    transient are counted at 4 bytes (>= fp32), the rest at act_bytes."""
+    per_layer = [(layer_of or (lambda i, r: layer_activations(m, i, r)))(i, recompute) for i in layers]
+    scale = tokens / tp * in_flight
+    mixers = sum(a.kda_core * 4 + a.mixer * act_bytes for a in per_layer) * scale
+    other = sum(a.other for a in per_layer) * act_bytes * scale
+    transient = max((a.transient for a in per_layer), default=0.0) * 4 * tokens / tp
+    head = head_activations(m, m.vocab_size) * 4 * tokens / tp if last else 0.0
+    return ActivationBytes(mixers, other, transient, head)

@@ -1,0 +1,235 @@
+"""Per-GPU memory and communication of each stage of a staged run, and a search for layouts that fit.
+
+For a run layout (tp, pp, ep, vpp fixed for the run) and each stage's (cp, recompute, micro-batches), the
+worst pipeline rank's bytes: parameters, gradients and ZeRO-1 Adam moments (rank_memory.py, exact), saved
+activations (activation_memory.py: measured per-token coefficients, divided over tensor parallel, at
+T / cp positions, times the micro-batches a 1F1B schedule keeps in flight on that rank), the attention
+and KDA state among them, one recomputed layer's transient, the logits and loss, and the all-to-all
+buffers of expert dispatch and of MLA's head-for-position exchange. Allocator slack, NCCL buffers and
+CUDA context are not modelled; --propose asks for 10% headroom to cover them.
+Communication: bytes each GPU sends per optimizer step for each group (ring collectives send
+(n - 1) / n of the tensor; all-to-all sends (n - 1) / n of its rows).
+"""
+
+import copy
+from dataclasses import dataclass
+
+from moe_pretrain.activation_memory import LayerActivations, activation_bytes, layer_activations
+from moe_pretrain.config import Config, StageConfig
+from moe_pretrain.rank_memory import parameter_shapes, stage_state_bytes
+from parallel.plan import ShardingPlan
+from parallel.state import ParallelLayout
+
+GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
+"""Memory per GPU, bytes (vendor figures)."""
+ACTIVATION_BYTES = {"bfloat16": 2, "float32": 4, "float64": 8}
+HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    gpus: int
+    tp: int
+    pp: int
+    ep: int
+    vpp: int = 1
+
+    def describe(self) -> str:
+        return f"tp={self.tp} pp={self.pp} ep={self.ep}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    cp: int
+    recompute: str
+    micro_batches: int
+
+    def describe(self) -> str:
+        return f"cp={self.cp} {self.recompute} M={self.micro_batches}"
+
+
+def _sent(size: int, nbytes: float) -> float:
+    return nbytes * (size - 1) / size if size > 1 else 0.0
+
+
+class MemoryPlanner:
+    """Plans one config; parameter shapes are read once (meta model), layouts are then arithmetic."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.shapes = parameter_shapes(cfg)
+        self.plan = ShardingPlan()
+        self._runs: dict[RunLayout, tuple[Config, list[dict]]] = {}
+        self._layers: dict[tuple[int, str], LayerActivations] = {}
+
+    def _run_state(self, run: RunLayout) -> tuple[Config, list[dict]]:
+        """The config with the run's layout, and its pipeline ranks' state bytes (the same for every
+        stage: cp changes data parallel, not data x context parallel, which ZeRO-1 shards over)."""
+        if run not in self._runs:
+            cfg = copy.deepcopy(self.cfg)
+            cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.vpp = run.tp, run.pp, run.ep, run.vpp
+            cfg.parallel.cp, cfg.parallel.pipeline_layers = 1, []
+            layout = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, 1, run.vpp)
+            self._runs[run] = cfg, stage_state_bytes(cfg, self.shapes, layout)
+        return self._runs[run]
+
+    def _layer(self, index: int, recompute: str) -> LayerActivations:
+        key = (index, recompute)
+        if key not in self._layers:
+            self._layers[key] = layer_activations(self.cfg.model, index, recompute)
+        return self._layers[key]
+
+    def problems(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> list[str]:
+        """Why a layout cannot run a stage (the rules of parallel/state.resolve_layout, for any world)."""
+        m, p = self.cfg.model, run
+        found = []
+        model_parallel = p.tp * p.pp * layout.cp
+        if p.gpus % model_parallel:
+            found.append(f"{p.gpus} GPUs are not divisible by tp x pp x cp = {model_parallel}")
+            return found
+        dp = p.gpus // model_parallel
+        if (p.gpus // p.pp) % p.ep or m.moe.num_experts % p.ep:
+            found.append(f"ep={p.ep} must divide the {p.gpus // p.pp} ranks of a stage and the experts")
+        if m.kda.num_heads % p.tp or m.mla.num_heads % p.tp or m.vocab_size % p.tp:
+            found.append(f"tp={p.tp} must divide the heads and the vocabulary")
+        if layout.cp > 1 and (m.mla.num_heads // p.tp) % layout.cp:
+            found.append(f"cp={layout.cp} must divide the {m.mla.num_heads // p.tp} MLA heads of a tp rank")
+        if stage.seq_len % (2 * layout.cp * p.tp):
+            found.append(f"seq_len={stage.seq_len} is not divisible by 2 x cp x tp")
+        if stage.rows % (dp * layout.micro_batches):
+            found.append(f"{stage.rows} sequences are not divisible by dp={dp} x micro_batches={layout.micro_batches}")
+        if p.pp > 1 and layout.micro_batches % p.pp:
+            found.append(f"micro_batches={layout.micro_batches} must be a multiple of pp={p.pp}")
+        if p.pp * p.vpp > m.num_layers:
+            found.append(f"pp x vpp = {p.pp * p.vpp} stages for {m.num_layers} layers")
+        if self.plan.check_divisible(self.shapes, p.tp, p.ep):
+            found.append(f"tp={p.tp} / ep={p.ep} do not divide the parameters")
+        return found
+
+    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> dict:
+        """The worst pipeline rank's bytes and every GPU's communication for one stage."""
+        cfg, states = self._run_state(run)
+        m = cfg.model
+        dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
+        act_bytes = ACTIVATION_BYTES[cfg.train.dtype]
+        rows = stage.rows // (dp * layout.micro_batches)
+        tokens = rows * stage.seq_len // layout.cp  # positions of one micro-batch on this rank
+        worst = None
+        for state in states:
+            p = state["pp_rank"]
+            in_flight = min(layout.micro_batches, run.pp - p) if cfg.parallel.pipeline_schedule != "gpipe" \
+                else layout.micro_batches
+            if run.vpp > 1:
+                in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)
+            act = activation_bytes(m, state["layers"], layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
+                                   in_flight=in_flight, last=p == run.pp - 1, layer_of=self._layer)
+            moe_layers = [i for i in state["layers"] if m.is_moe_layer(i)]
+            buffers = 0.0
+            if run.ep > 1 and moe_layers:
+                buffers += 2 * m.moe.top_k * tokens / run.tp * m.moe.latent_size * act_bytes
+            if layout.cp > 1 and any(m.layer_kind(i) == "mla" for i in state["layers"]):
+                a = m.mla
+                buffers += 4 * tokens * a.num_heads / run.tp * (a.qk_nope_head_dim + a.qk_rope_head_dim) * act_bytes
+            total = state["total_bytes"] + act.peak + buffers
+            row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
+                   "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
+                   "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
+                   "total_bytes": total, "in_flight": in_flight}
+            if worst is None or total > worst["total_bytes"]:
+                worst = row
+        return {"worst": worst, "dp": dp, "rows_per_micro": rows,
+                "communication": self.communication(cfg, run, stage, layout, tokens, states)}
+
+    def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
+                      tokens: int, states: list[dict]) -> dict:
+        """Bytes one GPU of the busiest pipeline rank sends per optimizer step, per group."""
+        m, M = cfg.model, layout.micro_batches
+        b = ACTIVATION_BYTES[cfg.train.dtype]
+        state = max(states, key=lambda s: len(s["layers"]))
+        layers = state["layers"]
+        passes = 3 if layout.recompute == "full" else 2  # forward, backward (+ the re-forward)
+        d = m.hidden_size
+        tp = M * len(layers) * passes * 4 * _sent(run.tp, tokens * d * b)
+        moe = sum(m.is_moe_layer(i) for i in layers)
+        ep = M * moe * passes * 2 * _sent(run.ep, m.moe.top_k * tokens / run.tp * m.moe.latent_size * b)
+        entries = 2 + m.num_layers // m.attn_res.block_size
+        pp = M * run.vpp * 2 * entries * tokens / run.tp * d * b if run.pp > 1 else 0.0
+        mla = sum(m.layer_kind(i) == "mla" for i in layers)
+        kda = len(layers) - mla
+        a, k = m.mla, m.kda
+        head_dims = 3 * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.v_head_dim
+        cp = M * passes * (mla * 2 * _sent(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
+                           + kda * _sent(layout.cp, 2 * layout.cp * k.num_heads / run.tp * k.head_dim * 2 * k.head_dim
+                                         * 4 * tokens * layout.cp / stage.seq_len))
+        dp_cp = run.gpus // (run.tp * run.pp)
+        dp = 2 * _sent(dp_cp, state["param_bytes"])
+        return {"tp": tp, "ep": ep, "pp": pp, "cp": cp, "dp": dp}
+
+    def fits(self, run: RunLayout, stage: StageConfig, layout: StageLayout, gpu_bytes: float,
+             headroom: float = 0.0) -> dict | None:
+        """The stage's plan if the layout is valid and fits in (1 - headroom) of the GPU, else None."""
+        if self.problems(run, stage, layout):
+            return None
+        result = self.stage(run, stage, layout)
+        return result if result["worst"]["total_bytes"] <= (1 - headroom) * gpu_bytes else None
+
+    def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
+        """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
+        stage, then the cheapest recomputation (none, selective, full), then the fewest bytes sent. A stage
+        no layout of this run fits is None (None overall when no run layout is valid at all)."""
+        m = self.cfg.model
+        best = None
+        for tp in (1, 2, 4, 8):
+            for pp in (1, 2, 4, 8, 16, 32, 64):
+                if gpus % (tp * pp) or pp > m.num_layers:
+                    continue
+                for ep in _divisors_up_to(m.moe.num_experts, gpus // pp)[-EP_CANDIDATES:]:
+                    run = RunLayout(gpus, tp, pp, ep)
+                    stages = [self._smallest_stage_layout(run, stage, gpu_bytes) for stage in self.cfg.stages]
+                    chosen = [s for s in stages if s is not None]
+                    if not chosen:
+                        continue
+                    sent = sum(sum(result["communication"].values()) for _, result in chosen)
+                    key = (len(stages) - len(chosen), tp * pp, sum(layout.cp for layout, _ in chosen),
+                           sum(RECOMPUTE_ORDER.index(layout.recompute) for layout, _ in chosen), sent)
+                    if best is None or key < best[0]:
+                        best = (key, run, stages)
+        return None if best is None else (best[1], best[2])
+
+    def _smallest_stage_layout(self, run: RunLayout, stage: StageConfig, gpu_bytes: float):
+        for cp in _divisors_up_to(self.cfg.model.mla.num_heads // run.tp, stage.seq_len):
+            for recompute in RECOMPUTE_ORDER:
+                dp = run.gpus // (run.tp * run.pp * cp) if run.gpus % (run.tp * run.pp * cp) == 0 else 0
+                if not dp or stage.rows % dp:
+                    continue
+                # The most micro-batches (fewest sequences in flight) that the rules allow.
+                for micro in sorted(_multiples(stage.rows // dp, run.pp), reverse=True):
+                    layout = StageLayout(cp, recompute, micro)
+                    result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
+                    if result is not None:
+                        return layout, result
+                    break
+        return None
+
+
+RECOMPUTE_ORDER = ["none", "selective", "full"]
+EP_CANDIDATES = 6
+"""The search tries the largest few expert-parallel sizes (smaller ones only add expert memory per GPU)."""
+
+
+def _divisors_up_to(n: int, limit: int) -> list[int]:
+    return [i for i in range(1, min(n, limit) + 1) if n % i == 0]
+
+
+def _multiples(n: int, step: int) -> list[int]:
+    """Divisors of n that are multiples of step (micro-batch counts a pp schedule accepts)."""
+    return [i for i in range(step, n + 1, step) if n % i == 0]
+
+
+def stage_layout_of(cfg: Config, stage: StageConfig) -> StageLayout:
+    return StageLayout(stage.cp or cfg.parallel.cp, stage.recompute or cfg.train.recompute,
+                       stage.micro_batches or cfg.parallel.pp)
+
+
+def gigabytes(value: float) -> str:
+    return f"{value / 1e9:7.1f}"
