@@ -23,10 +23,14 @@ def bench():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_plan_activations_match_measured_memory(recompute):
-    for T in (2048, 4096):
+def test_plan_activations_match_measured_memory():
+    """Two lengths without recomputation, one with full recomputation, whose measured peak must also be
+    less than half of none's (measured 0.27x at 4096 tokens: 89 MB against 334 MB)."""
+    peaks = {}
+    for recompute, T in (("none", 2048), ("none", 4096), ("full", 4096)):
         r = bench().run_probe(recompute, T)
         saved = r["allocated_after_forward"] / r["plan_saved"]
         peak = r["allocated_peak"] / r["plan_peak"]
         assert 0.8 < saved < 1.25 and 0.8 < peak < 1.25, r
+        peaks[recompute, T] = r["allocated_peak"]
+    assert peaks["full", 4096] < 0.5 * peaks["none", 4096], peaks

@@ -3,7 +3,7 @@
 The tiny model's forward + backward on rows packed with several documents: a single-token document, a
 boundary exactly on a context-parallel rank's edge, fragments (T / 2 cp) that are not a multiple of the
 KDA chunk. Each rank's logits equal the single process's at its positions, and the parameter gradients
-summed over the cp ranks equal the single process's, within 1e-9 (float64).
+summed over the cp ranks equal the single process's, within 1e-9 (float64) and 1e-4 (fp32).
 """
 
 import pytest
@@ -63,15 +63,16 @@ def cp_worker(rank, world_size, overrides):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("world_size", "overrides"), [(2, []), (4, []), (2, ["train.recompute=full"])],
-                         ids=["cp2", "cp4", "cp2-recompute"])
-def test_context_parallel_matches_one_process(world_size, overrides):
+@pytest.mark.parametrize(("world_size", "overrides", "tolerance"), [
+    (2, [], 1e-9), (4, [], 1e-9), (2, ["train.recompute=full"], 1e-9), (2, ["train.dtype=float32"], 1e-4),
+], ids=["cp2", "cp4", "cp2-recompute", "cp2-fp32"])
+def test_context_parallel_matches_one_process(world_size, overrides, tolerance):
     cfg = model_config(*overrides)
     model = build_model(cfg)
     expected = forward_backward(model, *inputs(cfg.model.vocab_size))
     logits, fragments, grads = run_distributed(cp_worker, world_size, overrides)
     pieces = expected.unflatten(1, (2 * world_size, T // (2 * world_size)))
-    assert rel_rms(logits, pieces[:, list(fragments)].flatten(1, 2)) < 1e-9
+    assert rel_rms(logits, pieces[:, list(fragments)].flatten(1, 2)) < tolerance
     assert grads.keys() == {name for name, p in model.named_parameters() if p.grad is not None}
     for name, grad in grads.items():
-        assert rel_rms(grad, model.get_parameter(name).grad) < 1e-9, name
+        assert rel_rms(grad, model.get_parameter(name).grad) < tolerance, name

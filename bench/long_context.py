@@ -1,0 +1,71 @@
+"""Peak memory of one long-sequence training step of the smoke model without and with context parallelism.
+
+Run: .venv/bin/python bench/long_context.py [--seq-len 32768 --cp 1 4 --recompute none]
+For each cp, cp processes (gloo) train one step on one sequence of --seq-len tokens (smoke model, fp32;
+model.mla.num_heads=4 so that MLA's heads divide over 4 context-parallel ranks). Each rank measures the
+step's peak allocated bytes (live tensors, glibc mallinfo2) and resident peak (VmHWM) above its memory
+before the step; printed: the worst rank's figures, the step time, and the ratio of each cp's worst
+rank to cp 1's (the named reference, measured in the same run). Activations split over cp ranks, so the
+ratio should approach 1 / cp (parameters, gradients and Adam moments are small for this model).
+"""
+
+import argparse
+import tempfile
+import time
+
+import torch.distributed as dist
+
+from launch.local import run_distributed
+from moe_pretrain.config import load_config
+from moe_pretrain.memory import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.training import Trainer
+from parallel.state import destroy_parallel, init_parallel
+
+
+def measure(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = load_config("configs/smoke.yaml", [*overrides, f"parallel.cp={world_size}", f"train.run_dir={run_dir}",
+                                                 "logging.progress=false", "train.steps=1"])
+        ctx = init_parallel(cfg)
+        try:
+            trainer = Trainer(cfg, ctx)
+            trainer.step_plan()
+            before = resident_bytes()
+            reset_peak()
+            start = time.perf_counter()
+            with AllocatedPeak() as allocated:
+                base = allocated.peak
+                trainer.train_step()
+            row = {"rank": rank, "allocated": allocated.peak - base, "resident": peak_resident_bytes() - before,
+                   "seconds": time.perf_counter() - start}
+            rows = [row]
+            if ctx.distributed:
+                rows = [None] * world_size
+                dist.all_gather_object(rows, row)
+            return rows
+        finally:
+            destroy_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    args = parser.parse_args()
+    overrides = [f"data.seq_len={args.seq_len}", "data.batch_size=1", "model.mla.num_heads=4",
+                 f"train.recompute={args.recompute}"]
+    print(f"smoke model, one step on 1 x {args.seq_len} tokens, fp32, recompute {args.recompute}; worst rank, GB")
+    reference = None
+    for cp in args.cp:
+        rows = run_distributed(measure, cp, overrides, timeout=1800) if cp > 1 else measure(0, 1, overrides)
+        worst = max(rows, key=lambda r: r["allocated"])
+        reference = reference or worst
+        allocated, resident = worst["allocated"], worst["resident"]
+        print(f"  cp {cp}: allocated peak {allocated / 1e9:6.2f} (x{allocated / reference['allocated']:.2f} of cp "
+              f"{args.cp[0]}), resident peak {resident / 1e9:6.2f} (x{resident / reference['resident']:.2f}), "
+              f"step {max(r['seconds'] for r in rows):.1f} s")
+
+
+if __name__ == "__main__":
+    main()
