@@ -4,9 +4,10 @@ Run: .venv/bin/python bench/long_context.py [--seq-len 32768 --cp 1 4 --recomput
 For each cp, cp processes (gloo) train one step on one sequence of --seq-len tokens (smoke model, fp32;
 model.mla.num_heads=4 so that MLA's heads divide over 4 context-parallel ranks). Each rank measures the
 step's peak allocated bytes (live tensors, glibc mallinfo2) and resident peak (VmHWM) above its memory
-before the step; printed: the worst rank's figures, the step time, and the ratio of each cp's worst
-rank to cp 1's (the named reference, measured in the same run). Activations split over cp ranks, so the
-ratio should approach 1 / cp (parameters, gradients and Adam moments are small for this model).
+before the step; printed: the worst rank's figures, the step time, the ratio of each cp's worst rank to
+cp 1's (the named reference, measured in the same run), and the memory plan's activation peak for T / cp
+positions (moe_pretrain/activation_memory.py). Activations split over cp ranks, so the ratio should
+approach 1 / cp (parameters, gradients and Adam moments are small for this model).
 """
 
 import argparse
@@ -16,6 +17,7 @@ import time
 import torch.distributed as dist
 
 from launch.local import run_distributed
+from moe_pretrain.activation_memory import activation_bytes
 from moe_pretrain.config import load_config
 from moe_pretrain.memory import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training import Trainer
@@ -62,9 +64,11 @@ def main() -> None:
         worst = max(rows, key=lambda r: r["allocated"])
         reference = reference or worst
         allocated, resident = worst["allocated"], worst["resident"]
+        m = load_config("configs/smoke.yaml", overrides).model
+        plan = activation_bytes(m, list(range(m.num_layers)), args.recompute, args.seq_len // cp, act_bytes=4).peak
         print(f"  cp {cp}: allocated peak {allocated / 1e9:6.2f} (x{allocated / reference['allocated']:.2f} of cp "
-              f"{args.cp[0]}), resident peak {resident / 1e9:6.2f} (x{resident / reference['resident']:.2f}), "
-              f"step {max(r['seconds'] for r in rows):.1f} s")
+              f"{args.cp[0]}; plan {plan / 1e9:.2f}), resident peak {resident / 1e9:6.2f} "
+              f"(x{resident / reference['resident']:.2f}), step {max(r['seconds'] for r in rows):.1f} s")
 
 
 if __name__ == "__main__":
