@@ -197,18 +197,20 @@ class MemoryPlanner:
         return None if best is None else (best[1], best[2])
 
     def _smallest_stage_layout(self, run: RunLayout, stage: StageConfig, gpu_bytes: float):
+        """The least cp, then the cheapest recomputation, that fits the stage with HEADROOM, at the most
+        micro-batches the rules allow (the fewest sequences in flight); None if nothing fits."""
         for cp in _divisors_up_to(self.cfg.model.mla.num_heads // run.tp, stage.seq_len):
+            model_parallel = run.tp * run.pp * cp
+            if run.gpus % model_parallel or stage.rows % (run.gpus // model_parallel):
+                continue
+            counts = _multiples(stage.rows // (run.gpus // model_parallel), run.pp)
+            if not counts:
+                continue
             for recompute in RECOMPUTE_ORDER:
-                dp = run.gpus // (run.tp * run.pp * cp) if run.gpus % (run.tp * run.pp * cp) == 0 else 0
-                if not dp or stage.rows % dp:
-                    continue
-                # The most micro-batches (fewest sequences in flight) that the rules allow.
-                for micro in sorted(_multiples(stage.rows // dp, run.pp), reverse=True):
-                    layout = StageLayout(cp, recompute, micro)
-                    result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
-                    if result is not None:
-                        return layout, result
-                    break
+                layout = StageLayout(cp, recompute, max(counts))
+                result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
+                if result is not None:
+                    return layout, result
         return None
 
 

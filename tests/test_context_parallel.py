@@ -64,8 +64,8 @@ def cp_worker(rank, world_size, overrides):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("world_size", "overrides", "tolerance"), [
-    (2, [], 1e-9), (4, [], 1e-9), (2, ["train.recompute=full"], 1e-9), (2, ["train.dtype=float32"], 1e-4),
-], ids=["cp2", "cp4", "cp2-recompute", "cp2-fp32"])
+    (4, [], 1e-9), (2, ["train.recompute=full"], 1e-9), (2, ["train.dtype=float32"], 1e-4),
+], ids=["cp4", "cp2-recompute", "cp2-fp32"])
 def test_context_parallel_matches_one_process(world_size, overrides, tolerance):
     cfg = model_config(*overrides)
     model = build_model(cfg)

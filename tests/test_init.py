@@ -70,7 +70,7 @@ def gathered_initial_state(rank, world_size, overrides):
 @pytest.mark.parametrize(("world_size", "overrides"), [
     (2, ["parallel.pp=2"]),
     (4, ["parallel.ep=4"]),
-    (8, ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2"]),
+    (4, ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2"]),
 ], ids=["pp2", "ep4", "tp2xpp2xep2"])
 def test_initial_model_is_bitwise_the_same_on_every_layout(world_size, overrides):
     reference = build_model(init_config()).state_dict()

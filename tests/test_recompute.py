@@ -19,14 +19,19 @@ def run(tmp_path, mode):
     return [(h["loss"], h["grad_norm"]) for h in history], trainer.model.state_dict(), history
 
 
+@pytest.fixture(scope="module")
+def without_recompute(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("none"), "none")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_trains_like_none(tmp_path, mode):
+def test_recompute_trains_like_none(tmp_path, mode, without_recompute):
     """Three float64 steps under quantile balancing: losses, gradient norms, parameters and expert biases
     equal the run without recomputation (1e-12), and so do the routers' statistics: a router that counted
     the recomputed tokens again would report twice the loads and tokens (its quantile bias would not show
     it: every score twice has the same quantiles; tried, this test then fails on the statistics)."""
-    ref_losses, ref_state, ref_history = run(tmp_path, "none")
+    ref_losses, ref_state, ref_history = without_recompute
     losses, state, history = run(tmp_path, mode)
     assert [x for pair in losses for x in pair] == pytest.approx([x for pair in ref_losses for x in pair], rel=1e-12)
     for name, tensor in ref_state.items():
