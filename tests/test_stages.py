@@ -3,8 +3,6 @@
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -133,29 +131,33 @@ def test_stages_change_context_parallel_in_place(uninterrupted, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_plan_prints_the_schedule_and_its_memory():
+def test_plan_prints_the_schedule_and_its_memory(capsys):
     """The full-size schedule on its stated layout (configs/stages/full.yaml: 2048 H200, pp 16): every stage
     valid, the first three fit, the 1M stage is flagged (exit 1: a stage does not fit)."""
-    done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/full.yaml", "--config",
-                           "configs/stages/full.yaml", "--gpus", "2048"], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 1, done.stderr
+    from launch.plan import main
+
+    code = main(["--config", "configs/full.yaml", "--config", "configs/stages/full.yaml", "--gpus", "2048"])
+    out = capsys.readouterr().out
+    assert code == 1, out
     for name in ("8k", "64k", "256k", "1m"):
-        assert f"\n{name} " in done.stdout
-    assert "days" in done.stdout and "231250" in done.stdout
-    memory = done.stdout.split("memory per GPU")[1]
+        assert f"\n{name} " in out
+    assert "days" in out and "231250" in out
+    memory = out.split("memory per GPU")[1]
     verdicts = {line.split()[0]: line.split("|")[0].split()[-1] for line in memory.splitlines()[2:] if "|" in line}
     assert verdicts == {"8k": "yes", "64k": "yes", "256k": "yes", "1m": "NO"}, memory
 
 
 @pytest.mark.timeout(120)
-def test_plan_proposes_a_layout_per_stage():
+def test_plan_proposes_a_layout_per_stage(capsys):
     """The smoke schedule on 8 GPUs of 0.2 GB: the longer stage takes cp 2; the longest has 2 sequences per
     batch and the smoke model's 2 MLA heads cap tp x cp, so nothing fits it and the plan says so."""
-    done = subprocess.run([sys.executable, "-m", "launch.plan", "--config", "configs/smoke.yaml", "--config",
-                           "configs/stages/tiny.yaml", "--gpus", "8", "--gpu-gb", "0.2", "--propose"],
-                          capture_output=True, text=True, timeout=100)
-    assert done.returncode == 1, done.stderr
-    proposal = done.stdout.split("proposed: ")[1]
+    from launch.plan import main
+
+    code = main(["--config", "configs/smoke.yaml", "--config", "configs/stages/tiny.yaml", "--gpus", "8",
+                 "--gpu-gb", "0.2", "--propose"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    proposal = out.split("proposed: ")[1]
     assert proposal.startswith("tp=1 pp=1 ep=8")
     assert "\nctx512   cp=2 none M=1 " in proposal
     assert "no layout of 8 GPUs with tp=1 pp=1 ep=8 fits: ctx1024" in proposal
