@@ -14,9 +14,7 @@ import argparse
 import tempfile
 import time
 
-import torch.distributed as dist
-
-from launch.local import run_distributed
+from launch.local import every_rank, run_distributed
 from moe_pretrain.activation_memory import activation_bytes
 from moe_pretrain.config import load_config
 from moe_pretrain.memory import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
@@ -31,7 +29,6 @@ def measure(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
         ctx = init_parallel(cfg)
         try:
             trainer = Trainer(cfg, ctx)
-            trainer.step_plan()
             before = resident_bytes()
             reset_peak()
             start = time.perf_counter()
@@ -40,11 +37,7 @@ def measure(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
                 trainer.train_step()
             row = {"rank": rank, "allocated": allocated.peak - base, "resident": peak_resident_bytes() - before,
                    "seconds": time.perf_counter() - start}
-            rows = [row]
-            if ctx.distributed:
-                rows = [None] * world_size
-                dist.all_gather_object(rows, row)
-            return rows
+            return every_rank(row, ctx.distributed)
         finally:
             destroy_parallel()
 

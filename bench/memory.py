@@ -14,9 +14,7 @@ moments are 16 bytes a parameter, so 1.0 is a rank holding nothing but its state
 import argparse
 import tempfile
 
-import torch.distributed as dist
-
-from launch.local import run_distributed
+from launch.local import every_rank, run_distributed
 from moe_pretrain.config import load_config
 from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training import Trainer
@@ -46,11 +44,7 @@ def measure(rank: int, world_size: int, config: str, overrides: list[str]) -> li
             row["save"] = peak_resident_bytes()
             row["params"] = sum(p.numel() for p in trainer.model.parameters())
             row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank
-            rows = [row]
-            if ctx.distributed:
-                rows = [None] * world_size
-                dist.all_gather_object(rows, row)
-            return rows
+            return every_rank(row, ctx.distributed)
         finally:
             destroy_parallel()
 

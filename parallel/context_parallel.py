@@ -58,6 +58,8 @@ class ContextParallel(NoContextParallel):
         self.fragments = (self.rank, 2 * self.size - 1 - self.rank)
         # Global fragment j is slot owner_slot[j] of the stacked [rank, 2] local fragments.
         self.owner_slot = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in range(2 * self.size)]
+        # The global fragments each rank holds, rank by rank: what sequence_to_heads sends where.
+        self.held = [j for r in range(self.size) for j in (r, 2 * self.size - 1 - r)]
 
     def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] (every position) -> [B, T / cp, ...] (this rank's two fragments)."""
@@ -121,8 +123,7 @@ class ContextParallel(NoContextParallel):
         """The inverse of heads_to_sequence: [B, T, H / cp, D] -> [B, T / cp, H, D]."""
         B, T, h, D = x_BThD.shape
         fragments = x_BThD.unflatten(1, (2 * self.size, T // (2 * self.size)))
-        owners = torch.tensor([[r, 2 * self.size - 1 - r] for r in range(self.size)]).flatten()
-        send = fragments[:, owners].unflatten(1, (self.size, 2)).movedim(1, 0)  # [cp(dest), B, 2, F, h, D]
+        send = fragments[:, self.held].unflatten(1, (self.size, 2)).movedim(1, 0)  # [cp(dest), B, 2, F, h, D]
         received = all_to_all_rows(send.reshape(self.size, -1), [1] * self.size, [1] * self.size, self.group)
         received = received.reshape(self.size, B, 2, T // (2 * self.size), h, D)  # [cp(head group), ...]
         return received.permute(1, 2, 3, 0, 4, 5).reshape(B, T // self.size, self.size * h, D)

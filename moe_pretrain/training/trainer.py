@@ -108,6 +108,8 @@ class Trainer:
                      if self.ctx.distributed else None)
             self.async_saver = checkpoint.AsyncSaver(group)
         self._loss_tokens = 1
+        self._recompute = "none"
+        """The recomputation the model's layers are set to (modules start with none)."""
         self.skipped_total = self.skipped_in_a_row = 0
         self.last_checkpoint: Path | None = None
         peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, self.boundary_dtype)
@@ -166,7 +168,9 @@ class Trainer:
             context = ContextParallel(group) if plan.cp > 1 else NoContextParallel()
             for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
                 model.context = context
-        self.model.set_recompute(plan.recompute)
+        if plan.recompute != self._recompute:
+            self.model.set_recompute(plan.recompute)
+            self._recompute = plan.recompute
 
     def _apply_positional_settings(self, plan: StepPlan) -> None:
         """The stage's RoPE base on every MLA layer (stage rope_theta 0: model.mla.rope_theta)."""
