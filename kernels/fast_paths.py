@@ -1,37 +1,64 @@
-"""Which GPU fast paths a run on this device uses, and why each one that does not is off.
+"""Which fast paths a run uses on its device: checked and set once at start-up, then reported.
 
-Said once at start-up (launch/train.py), so a user reading a job log knows whether the expensive
-parts ran on fla / Transformer Engine kernels or on the PyTorch reference paths.
+configure() turns the kernels and precision sections into the process's choices and refuses, naming the
+key, any forced fast path or FP8 recipe this machine cannot run (never a silent fallback). fast_paths()
+says, in words, what each hot path runs on, so a user reading a job log knows whether the expensive parts
+ran on fla / Triton / grouped-GEMM / FP8 kernels or on the PyTorch references.
 """
-
-import importlib.util
 
 import torch
 
+from kernels import selection
 from kernels.kda import fla_unavailable_reason
+from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.fp8 import fp8_unavailable_reason
+from moe_pretrain.fp8.recipes import describe as describe_fp8
+from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+def _expert_compute_dtype(cfg: Config) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.train.dtype]
 
 
-def kda_backend(device: torch.device) -> str:
-    """The KDA implementation ops.kda picks for tensors on this device (the rule of kernels/kda)."""
-    reason = fla_unavailable_reason(device)
-    return f"PyTorch chunk form ({reason})" if reason else "fla chunk_kda (Triton)"
+def grouped_gemm_reason(cfg: Config, device: torch.device) -> str | None:
+    """Why the routed experts' GEMMs (in and out of the latent width) cannot run as torch._grouped_mm."""
+    moe = cfg.model.moe
+    return grouped_kernel_unavailable_reason(device, _expert_compute_dtype(cfg), moe.latent_size,
+                                             moe.expert_intermediate)
 
 
-def fast_paths(device: torch.device) -> dict[str, str]:
-    """Each fast path's state on this device, in words."""
-    te = "installed" if _installed("transformer_engine") else "not installed"
-    apex = "importable, unused" if _installed("apex") else "not installed"
+def configure(cfg: Config, device: torch.device) -> None:
+    """Validate the forced choices for this device and make them the process's (kernels.selection)."""
+    if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device)):
+        raise ConfigError(f"kernels.grouped_gemm=grouped cannot run here: {reason}; use kernels.grouped_gemm=auto")
+    if cfg.precision.fp8 != "off" and (reason := fp8_unavailable_reason(cfg.precision.fp8, device)):
+        raise ConfigError(f"precision.fp8={cfg.precision.fp8} cannot run on {device}: {reason}")
+    selection.configure(cfg.kernels, device)
+
+
+def fast_paths(cfg: Config, device: torch.device) -> dict[str, str]:
+    """Each fast path's state for this run on this device, in words."""
+    kda_reason = fla_unavailable_reason(device)
+    triton_reason = selection.triton_unavailable_reason(device)
+    if cfg.kernels.triton == "torch":
+        triton = "off (kernels.triton=torch): PyTorch references"
+    elif triton_reason is None and (cfg.kernels.triton == "triton" or device.type == "cuda"):
+        triton = "on"
+    else:
+        triton = f"off ({triton_reason or 'auto takes them on CUDA only'}): PyTorch references"
+    grouped_reason = grouped_gemm_reason(cfg, device)
+    grouped = ("off (kernels.grouped_gemm=loop): one matmul per expert" if cfg.kernels.grouped_gemm == "loop"
+               else f"off ({grouped_reason}): one matmul per expert" if grouped_reason
+               else "torch._grouped_mm, forward and backward")
+    if cfg.precision.fp8 != "off":
+        grouped = f"{grouped} (unused by the FP8 expert GEMMs, which loop over experts)"
     return {
-        "KDA": kda_backend(device),
-        "FP8": f"off (not implemented yet; Transformer Engine {te})",
-        "grouped GEMM": "off (not implemented yet; routed experts run one matmul per expert)",
-        "fused kernels": f"torch fused AdamW only (no Triton kernels yet; apex {apex})",
+        "KDA": f"PyTorch chunk form ({kda_reason})" if kda_reason else "fla chunk_kda (Triton)",
+        "FP8": describe_fp8(cfg.precision.fp8, device),
+        "grouped GEMM": grouped,
+        "Triton kernels (SiTU-GLU, MoE permute)": triton,
     }
 
 
-def describe(device: torch.device) -> str:
-    return "fast paths: " + "; ".join(f"{name}: {state}" for name, state in fast_paths(device).items())
+def describe(cfg: Config, device: torch.device) -> str:
+    return "fast paths: " + "; ".join(f"{name}: {state}" for name, state in fast_paths(cfg, device).items())

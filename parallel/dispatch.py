@@ -10,18 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_pretrain.ops.permute import permute, unpermute
+
 
 @dataclass(frozen=True)
 class DispatchMetadata:
-    """What combine() needs to undo dispatch(): the sort order and the routing of each copy."""
+    """What combine() needs to undo dispatch(): where each routed copy went, and its weight."""
 
-    order: torch.Tensor
-    """[T * k] positions of the flattened (token, slot) copies in expert-sorted order."""
-    token_index: torch.Tensor
-    """[T * k] the token each sorted copy came from."""
+    positions: torch.Tensor
+    """[T, k] expert-order row of copy j of token t."""
     weights: torch.Tensor
-    """[T * k] routing weight of each sorted copy."""
-    num_tokens: int
+    """[T, k] routing weight of each copy (the router's dtype)."""
 
 
 class LocalTokenDispatcher:
@@ -39,13 +38,12 @@ class LocalTokenDispatcher:
         num_tokens, k = topk_idx.shape
         flat_expert = topk_idx.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        token_index = order // k
+        positions = torch.empty_like(order)
+        positions[order] = torch.arange(order.numel(), device=order.device)
+        positions = positions.reshape(num_tokens, k)
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        meta = DispatchMetadata(order, token_index, topk_weight.reshape(-1)[order], num_tokens)
-        return x_TL[token_index], counts, meta
+        return permute(x_TL, order // k, positions), counts, DispatchMetadata(positions, topk_weight)
 
     def combine(self, y_grouped: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
         """Weighted sum of each token's expert outputs -> [T, L] in y's dtype."""
-        weighted = y_grouped * meta.weights.to(y_grouped.dtype).unsqueeze(-1)
-        out = y_grouped.new_zeros(meta.num_tokens, y_grouped.shape[-1])
-        return out.index_add(0, meta.token_index, weighted)
+        return unpermute(y_grouped, meta.positions, meta.weights)

@@ -12,6 +12,7 @@ from moe_pretrain.config.model import (
     MoEConfig,
     VisionConfig,
 )
+from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
 from moe_pretrain.config.run import (
     CheckpointConfig,
     Config,
@@ -33,6 +34,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "KDAConfig",
+    "KernelsConfig",
     "LaunchConfig",
     "LoggingConfig",
     "MLAConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PrecisionConfig",
     "StageConfig",
     "TrainConfig",
     "VisionConfig",

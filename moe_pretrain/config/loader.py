@@ -125,6 +125,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
         choices = typing.get_args(hint)
+        if isinstance(value, bool) and ("off" if not value else "on") in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if value not in choices:
             raise ConfigError(f"{key}={value!r} must be one of {', '.join(map(repr, choices))}")
         return value

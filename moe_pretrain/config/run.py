@@ -1,4 +1,5 @@
-"""Run configuration sections other than the model: parallel, data, train, optim, checkpoint, logging."""
+"""Run configuration sections other than the model: parallel, data, train, optim, checkpoint, logging, launch
+(precision and kernels live in config/precision.py)."""
 
 from dataclasses import dataclass, field
 from typing import Literal
@@ -6,6 +7,7 @@ from typing import Literal
 from moe_pretrain.config.blend import BlendConfig, check_long_documents
 from moe_pretrain.config.errors import require, require_positive
 from moe_pretrain.config.model import ModelConfig
+from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
 from moe_pretrain.config.stages import StageConfig, check_stages
 
 
@@ -239,6 +241,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     stages: list[StageConfig] = field(default_factory=list)
     """The staged context-extension schedule; empty = one stage from data.* and optim.* (train.steps)."""
 
@@ -251,6 +255,8 @@ class Config:
                     f"set train.steps={total}")
             require(self.train.exit_at_step <= total, f"train.exit_at_step={self.train.exit_at_step} is past the "
                     f"schedule's {total} steps")
+        require(self.precision.fp8 == "off" or self.train.dtype != "float64",
+                f"precision.fp8={self.precision.fp8} needs train.dtype float32 or bfloat16, not float64")
         patch = self.model.vision.patch_size
         require(self.data.image_size % patch == 0,
                  f"data.image_size={self.data.image_size} must be a multiple of model.vision.patch_size={patch}")

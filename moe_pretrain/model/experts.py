@@ -12,6 +12,7 @@ matmuls are ops.grouped_mm, whose backward writes the stacked weight gradients d
 import torch
 from torch import nn
 
+from moe_pretrain.fp8.experts import Fp8Experts, fp8_grouped_mm
 from moe_pretrain.model.init import Normal
 from moe_pretrain.ops import grouped_mm, situ_glu
 
@@ -26,6 +27,8 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, latent, intermediate))
         self.param_init = {"w_gate": Normal(init_std), "w_up": Normal(init_std), "w_down": Normal(out_std)}
         self._compute_copies: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
+        self.fp8: Fp8Experts | None = None
+        """precision.fp8's settings (moe_pretrain.fp8.enable_fp8); None: the GEMMs run in the compute dtype."""
 
     def compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w_gate, w_up, w_down) in autocast's dtype, cast once per weight update (differentiable: each
@@ -43,10 +46,16 @@ class GroupedExperts(nn.Module):
     def forward(self, x_RL: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_RL: rows grouped by expert; counts [E] rows per expert (summing to R) -> [R, L].
 
-        Grouped matmuls: experts with no rows cost nothing. (On GPU a grouped GEMM kernel replaces them.)
+        Grouped matmuls (ops.grouped_mm: one grouped GEMM, or one matmul per expert): experts with no rows
+        cost nothing.
         """
         w_gate, w_up, w_down = self.compute_weights(x_RL.device.type)
-        split = counts.tolist()
         x_RL = x_RL.to(w_gate.dtype)
-        h = situ_glu(grouped_mm(x_RL, w_gate, split), grouped_mm(x_RL, w_up, split), self.beta, self.linear_beta)
-        return grouped_mm(h.to(w_down.dtype), w_down, split)
+        gate, up = self._matmul(x_RL, w_gate, counts, "gate"), self._matmul(x_RL, w_up, counts, "up")
+        h = situ_glu(gate, up, self.beta, self.linear_beta)
+        return self._matmul(h.to(w_down.dtype), w_down, counts, "down")
+
+    def _matmul(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
+        if self.fp8 is None:
+            return grouped_mm(x_RI, w_EOI, counts)
+        return fp8_grouped_mm(x_RI, w_EOI, counts, self.fp8, name)

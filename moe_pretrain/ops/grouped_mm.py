@@ -1,17 +1,73 @@
-"""Grouped matmul: rows grouped by expert times each expert's weight, y_e = x_e W_e^T (the reference for a
-grouped GEMM kernel).
+"""Grouped matmul: rows grouped by expert times each expert's weight, y_e = x_e W_e^T.
 
 Shape legend: R rows grouped by expert (counts[e] rows of expert e, in order), I in features, O out
 features, E experts. w_EOI is the experts' stacked weight, as the model stores it.
-The backward writes each expert's weight gradient straight into one [E, O, I] tensor (experts with no
-rows get zeros): no per-expert gradient tensors that autograd would later stack, and no zero-filled
-copy of the whole stack per expert, as indexing w[e] in the forward would cost.
+
+Two implementations with one contract (kernels.selection chooses; kernels.grouped_gemm forces either):
+- the grouped kernel, torch._grouped_mm, forward and backward (three grouped GEMMs; the weight gradient
+  is the 2-D x 2-D form, one [O, I] block per expert, zeros for an expert with no rows). The group offsets
+  stay on the device: no host sync on the token counts. torch's own autograd for it fails on CPU, hence
+  the Function here.
+- the reference, one torch.mm per expert (it reads the counts on the host). Its backward writes each
+  expert's weight gradient straight into one [E, O, I] tensor: no per-expert gradient tensors that
+  autograd would later stack, and no zero-filled copy of the whole stack per expert.
 """
 
 import torch
 
+from kernels.selection import active
 
-class _GroupedMM(torch.autograd.Function):
+_ALIGNMENT_BYTES = 16
+
+
+def grouped_kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, in_features: int,
+                                      out_features: int) -> str | None:
+    """Why torch._grouped_mm cannot run these GEMMs (forward and backward); None when it can."""
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}"
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return f"torch._grouped_mm needs compute capability 9.0+, {torch.cuda.get_device_name(device)} has less"
+    elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"torch._grouped_mm takes fp32 / bf16 / fp16, not {dtype}"
+    size = torch.empty((), dtype=dtype).element_size()
+    for name, width in (("in", in_features), ("out", out_features)):
+        if width * size % _ALIGNMENT_BYTES:
+            return f"{name} width {width} x {size} bytes is not a multiple of {_ALIGNMENT_BYTES} bytes"
+    return None
+
+
+def uses_grouped_kernel(x_RI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+    """The kernels.grouped_gemm rule for these operands (grouped: required; auto: where it runs)."""
+    choice = active().grouped_gemm
+    if choice == "loop":
+        return False
+    reason = grouped_kernel_unavailable_reason(x_RI.device, x_RI.dtype, w_EOI.shape[2], w_EOI.shape[1])
+    if choice == "grouped" and reason:
+        raise ValueError(f"kernels.grouped_gemm=grouped cannot run: {reason}")
+    return reason is None
+
+
+class _GroupedKernelMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_RI, w_EOI, offsets)
+        if x_RI.shape[0] == 0:
+            return x_RI.new_zeros(0, w_EOI.shape[1])
+        return torch._grouped_mm(x_RI, w_EOI.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_RO: torch.Tensor):
+        x_RI, w_EOI, offsets = ctx.saved_tensors
+        if x_RI.shape[0] == 0:
+            return torch.zeros_like(x_RI), torch.zeros_like(w_EOI), None
+        grad_RO = grad_RO.contiguous()
+        grad_x = torch._grouped_mm(grad_RO, w_EOI, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = torch._grouped_mm(grad_RO.T, x_RI, offs=offsets) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+class _LoopMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
         out = x_RI.new_empty(x_RI.shape[0], w_EOI.shape[1])
@@ -44,13 +100,17 @@ class _GroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """[R, I] rows grouped by expert (counts[e] of expert e, summing to R) -> [R, O], in x's dtype, which
-    must be w's (no autocast inside: the caller chooses the compute dtype)."""
+def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[R, I] rows grouped by expert (counts [E] tensor, counts[e] rows of expert e, summing to R) -> [R, O],
+    in x's dtype, which must be w's (no autocast inside: the caller chooses the compute dtype)."""
     if x_RI.dtype != w_EOI.dtype:
         raise ValueError(f"grouped_mm: rows are {x_RI.dtype} but weights are {w_EOI.dtype}")
-    if len(counts) != w_EOI.shape[0] or sum(counts) != x_RI.shape[0]:
-        raise ValueError(f"grouped_mm: counts {counts} must give {w_EOI.shape[0]} experts' rows summing to "
-                         f"{x_RI.shape[0]}")
+    if counts.shape != (w_EOI.shape[0],):
+        raise ValueError(f"grouped_mm: counts {tuple(counts.shape)} must give one count per expert ({w_EOI.shape[0]})")
     with torch.autocast(x_RI.device.type, enabled=False):
-        return _GroupedMM.apply(x_RI, w_EOI, counts)
+        if uses_grouped_kernel(x_RI, w_EOI):
+            return _GroupedKernelMM.apply(x_RI.contiguous(), w_EOI, torch.cumsum(counts, 0, dtype=torch.int32))
+        split = counts.tolist()
+        if sum(split) != x_RI.shape[0]:
+            raise ValueError(f"grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
+        return _LoopMM.apply(x_RI, w_EOI, split)

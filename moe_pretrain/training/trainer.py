@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
+from kernels.fast_paths import configure as configure_fast_paths
 from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
+from moe_pretrain.fp8 import advance_amax_histories, enable_fp8
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
@@ -89,6 +91,7 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
         self.ctx = ctx or ParallelContext.single()
         resolve_layout(cfg, self.ctx.layout.world_size)
+        configure_fast_paths(cfg, self.ctx.device)
         self.cfg = cfg
         self.data = PretrainingData(cfg)
         check_vocabulary(cfg, self.data)
@@ -96,6 +99,7 @@ class Trainer:
         self.dtype = DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
+        enable_fp8(self.state.model, cfg.precision.fp8, cfg.precision.fp8_amax_history)
         self.pipeline = None
         if self.ctx.layout.pp > 1:
             self.pipeline = Pipeline(self.state.model, cfg, self.ctx, self._pipeline_loss)
@@ -211,6 +215,7 @@ class Trainer:
             loss_value = float(all_reduce_sum(mean_share, dist.group.WORLD))
         finite_loss = math.isfinite(loss_value)
         grad_norm = self.optimizer.step(cfg.optim.grad_clip, skip=not finite_loss)
+        advance_amax_histories(self.model)
         skipped = not (finite_loss and math.isfinite(grad_norm))
         if skipped:
             self.model.discard_balancing()

@@ -1,0 +1,119 @@
+"""MoE permute / unpermute in Triton (reference: moe_pretrain.ops.permute).
+
+permute gathers each routed copy's row into expert order: rows[r] = x[token_index[r]].
+unpermute sums each token's k expert outputs with its combine weights: out[t] = sum_j w[t, j] rows[pos[t, j]],
+where pos[t, j] is the expert-order position of copy j of token t (the inverse of the sort).
+Each program owns one whole output row, so no atomics are needed in either direction:
+- permute's backward is an unpermute with unit weights (a token's gradient is the sum of its copies');
+- unpermute's backward writes grad_rows[pos[t, j]] = w[t, j] grad_out[t] (pos is a permutation, so every
+  row is written once) and grad_w[t, j] = <rows[pos[t, j]], grad_out[t]>.
+Sums accumulate in fp32 and are written in the rows' dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gather_rows(src_ptr, index_ptr, dst_ptr, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    source = tl.load(index_ptr + row).to(tl.int64)
+    values = tl.load(src_ptr + source * width + cols, mask=mask)
+    tl.store(dst_ptr + row.to(tl.int64) * width + cols, values, mask=mask)
+
+
+@triton.jit
+def _weighted_row_sum(rows_ptr, positions_ptr, weights_ptr, out_ptr, width, K: tl.constexpr,
+                      WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(K):
+        position = tl.load(positions_ptr + token * K + j).to(tl.int64)
+        row = tl.load(rows_ptr + position * width + cols, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            row = row * tl.load(weights_ptr + token * K + j).to(tl.float32)
+        acc += row
+    tl.store(out_ptr + token.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _unpermute_backward(grad_out_ptr, rows_ptr, positions_ptr, weights_ptr, grad_rows_ptr, grad_weights_ptr,
+                        width, K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    grad = tl.load(grad_out_ptr + token.to(tl.int64) * width + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in range(K):
+        position = tl.load(positions_ptr + token * K + j).to(tl.int64)
+        weight = tl.load(weights_ptr + token * K + j).to(tl.float32)
+        row = tl.load(rows_ptr + position * width + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_rows_ptr + position * width + cols, (weight * grad).to(grad_rows_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(grad_weights_ptr + token * K + j, tl.sum(row * grad, axis=0).to(grad_weights_ptr.dtype.element_ty))
+
+
+def _block(width: int) -> int:
+    return triton.next_power_of_2(width)
+
+
+def _gather(x_TL: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    rows = x_TL.new_empty(token_index.shape[0], x_TL.shape[1])
+    if rows.shape[0]:
+        _gather_rows[(rows.shape[0],)](x_TL, token_index, rows, x_TL.shape[1], BLOCK=_block(x_TL.shape[1]))
+    return rows
+
+
+def _row_sum(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+    num_tokens, k = positions_TK.shape
+    out = rows_RL.new_empty(num_tokens, rows_RL.shape[1])
+    if num_tokens:
+        _weighted_row_sum[(num_tokens,)](rows_RL, positions_TK, weights_TK if weights_TK is not None else positions_TK,
+                                         out, rows_RL.shape[1], K=k, WEIGHTED=weights_TK is not None,
+                                         BLOCK=_block(rows_RL.shape[1]))
+    return out
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TL, token_index, positions_TK):
+        ctx.save_for_backward(positions_TK)
+        return _gather(x_TL.contiguous(), token_index)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (positions_TK,) = ctx.saved_tensors
+        return _row_sum(grad_rows.contiguous(), positions_TK, None), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows_RL, positions_TK, weights_TK):
+        rows_RL = rows_RL.contiguous()
+        ctx.save_for_backward(rows_RL, positions_TK, weights_TK)
+        return _row_sum(rows_RL, positions_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows_RL, positions_TK, weights_TK = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_rows, grad_weights = torch.empty_like(rows_RL), torch.empty_like(weights_TK)
+        num_tokens, k = positions_TK.shape
+        if num_tokens:
+            _unpermute_backward[(num_tokens,)](grad_out, rows_RL, positions_TK, weights_TK, grad_rows, grad_weights,
+                                               rows_RL.shape[1], K=k, BLOCK=_block(rows_RL.shape[1]))
+        return grad_rows, None, grad_weights
+
+
+def permute(x_TL: torch.Tensor, token_index: torch.Tensor, positions_TK: torch.Tensor) -> torch.Tensor:
+    """[T, L] -> [T * k, L] rows in expert order (x_TL[token_index]); positions_TK is the inverse map."""
+    return _Permute.apply(x_TL, token_index.contiguous(), positions_TK.contiguous())
+
+
+def unpermute(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """[T * k, L] expert-order rows -> [T, L] weighted sums per token, in the rows' dtype."""
+    return _Unpermute.apply(rows_RL, positions_TK.contiguous(), weights_TK.contiguous())

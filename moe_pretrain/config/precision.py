@@ -1,0 +1,37 @@
+"""The precision and kernels sections: which numerics and which implementations the hot paths use.
+
+Both are run settings, not model settings: a checkpoint written under any of them loads under any other
+(weights are always kept in high precision), and each choice has a PyTorch reference it is tested against.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moe_pretrain.config.errors import require
+
+
+@dataclass
+class PrecisionConfig:
+    fp8: Literal["off", "tensorwise", "delayed", "blockwise", "mxfp8"] = "off"
+    """FP8 for the routed experts' GEMMs, forward and backward (moe_pretrain/fp8/): tensorwise (current
+    scaling, e4m3 forward, e5m2 gradients), delayed (scales from an amax history, e4m3 / e5m2), blockwise
+    (1x128 activation and 128x128 weight blocks, e4m3 throughout), mxfp8 (1x32 blocks with power-of-two
+    scales, e4m3 throughout). Router, norms, nonlinearities and balancing statistics stay in fp32 / bf16.
+    A recipe this machine cannot run is refused at start-up."""
+    fp8_amax_history: int = 16
+    """delayed: the scale of each tensor comes from the largest amax over this many past steps."""
+
+    def __post_init__(self) -> None:
+        require(self.fp8_amax_history >= 1, f"precision.fp8_amax_history={self.fp8_amax_history} must be >= 1")
+
+
+@dataclass
+class KernelsConfig:
+    triton: Literal["auto", "triton", "torch"] = "auto"
+    """Our Triton kernels (kernels/): fused SiTU-GLU and the MoE permute / unpermute. auto: on CUDA
+    tensors when triton is installed; triton: always (on a CPU only under TRITON_INTERPRET=1, for tests);
+    torch: the PyTorch references."""
+    grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"
+    """The local experts as one torch._grouped_mm (no host sync on the token counts) instead of one matmul
+    per expert. auto: where that kernel runs for this device, dtype and widths; grouped: required (start-up
+    error otherwise); loop: one matmul per expert (the reference)."""

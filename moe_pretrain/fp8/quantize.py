@@ -1,0 +1,75 @@
+"""Quantizing a GEMM operand to FP8 with per-block scales, and the GEMM of two quantized operands.
+
+Shape legend: an operand is [M, K] with K contracted. A block of (br, bc) elements shares one scale; the
+scale maps the block's amax to the format's largest value (power-of-two scales round that up to the next
+power of two, so nothing overflows). Values beyond the range (a delayed scale older than a spike)
+saturate, as in Transformer Engine.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_pretrain.fp8.recipes import Block
+
+_TINY = 1e-12
+"""amax floor: an all-zero block gets a finite scale (its values quantize to zero whatever it is)."""
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+@dataclass
+class Quantized:
+    data: torch.Tensor
+    """[M, K] in an FP8 dtype."""
+    scale_inv: torch.Tensor
+    """[M / br, K / bc] fp32 (rounded up): data * scale_inv is the dequantized value."""
+    block: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.data.shape
+        br, bc = self.block
+        scale = self.scale_inv.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return self.data.float() * scale
+
+
+def block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """amax of each (br, bc) block of t [M, K] (the last blocks may be partial) -> [ceil(M/br), ceil(K/bc)]."""
+    br, bc = block
+    rows, cols = t.shape
+    padded = F.pad(t.abs().float(), (0, -cols % bc, 0, -rows % br))
+    return padded.unflatten(0, (-1, br)).unflatten(2, (-1, bc)).amax(dim=(1, 3))
+
+
+def quantize(t: torch.Tensor, block: Block, dtype: torch.dtype, *, power_of_two: bool = False,
+             amax: torch.Tensor | None = None) -> Quantized:
+    """t [M, K] -> FP8 with one scale per block (None: one for the whole tensor). amax overrides the
+    tensor's own amax (delayed scaling; tensorwise only)."""
+    rows, cols = t.shape
+    block = block or (max(rows, 1), max(cols, 1))
+    if amax is None:
+        amax = block_amax(t, block)
+    scale_inv = amax.float().reshape(-1, 1) if amax.dim() == 0 else amax.float()
+    scale_inv = scale_inv.clamp_min(_TINY) / fp8_max(dtype)
+    if power_of_two:
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    expanded = scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    limit = fp8_max(dtype)
+    data = (t.float() / expanded).clamp(-limit, limit).to(dtype)
+    return Quantized(data, scale_inv, block)
+
+
+def scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype. Two single-scale operands run torch's FP8 GEMM; others
+    the exact emulation (dequantize, then an fp32 GEMM: products of FP8 values are exact in fp32)."""
+    (m, k), n = a.data.shape, b.data.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
+    if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
+        tensorwise = F.ScalingType.TensorWise
+        return F.scaled_mm(a.data.contiguous(), b.data.contiguous().T, a.scale_inv.reshape(()), tensorwise,
+                           b.scale_inv.reshape(()), tensorwise, output_dtype=out_dtype)
+    return (a.dequantize() @ b.dequantize().T).to(out_dtype)

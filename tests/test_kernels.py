@@ -1,0 +1,109 @@
+"""Our Triton kernels against their PyTorch references, under TRITON_INTERPRET=1 on CPU (tests/conftest.py)
+and natively on a GPU (tests/gpu/ runs this module there too).
+
+Tolerances: fp32 kernels against the float64 reference within 2e-6 relative to the largest value (the
+kernels compute in fp32 with tanh as 2 sigmoid(2x) - 1); bf16 within two bf16 ulps (2^-7 relative) of the
+reference computed from the same bf16 inputs.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.selection import choosing, triton_unavailable_reason
+from moe_pretrain.ops import situ_glu
+from moe_pretrain.ops.permute import permute, unpermute
+from parallel.dispatch import LocalTokenDispatcher
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEVICE) is not None,
+                                reason=str(triton_unavailable_reason(DEVICE)))
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}
+
+
+def close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = reference.abs().max().clamp_min(1.0)
+    err = ((actual.double() - reference.double()).abs().max() / scale).item()
+    assert err <= TOLERANCE[dtype], f"{dtype}: max error {err:.3g} of the largest value (bound {TOLERANCE[dtype]})"
+
+
+def run(fn, *inputs, backend: str):
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    with choosing(triton=backend):
+        out = fn(*leaves)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    out.backward(grad_out)
+    return out, [x.grad for x in leaves if x.requires_grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 1000), (7, 2053)])
+def test_fused_situ_glu_matches_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    gate = (torch.randn(shape, generator=gen, dtype=torch.float64) * 6).to(DEVICE, dtype)
+    up = (torch.randn(shape, generator=gen, dtype=torch.float64) * 40).to(DEVICE, dtype)
+    for beta, linear_beta in [(4.0, 25.0), (2.0, 7.0)]:
+        def fn(g, u, beta=beta, linear_beta=linear_beta):
+            return situ_glu(g, u, beta, linear_beta)
+
+        out, grads = run(fn, gate, up, backend="triton")
+        reference_inputs = (gate.double(), up.double()) if dtype == torch.float32 else (gate, up)
+        ref_out, ref_grads = run(fn, *reference_inputs, backend="torch")
+        assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+        close(out, ref_out, dtype)
+        for grad, ref in zip(grads, ref_grads):
+            close(grad, ref, dtype)
+
+
+def routing(num_tokens: int, k: int, num_experts: int, seed: int):
+    """Ragged routing with empty experts: tokens only pick among the first num_experts - 2."""
+    gen = torch.Generator().manual_seed(seed)
+    topk_idx = torch.stack([torch.randperm(num_experts - 2, generator=gen)[:k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, k, generator=gen, dtype=torch.float32)
+    return topk_idx.to(DEVICE), weights.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_kernels_match_reference(dtype):
+    num_tokens, k, width = 37, 3, 40
+    topk_idx, weights = routing(num_tokens, k, num_experts=8, seed=2)
+    dispatcher = LocalTokenDispatcher(8)
+    x = torch.randn(num_tokens, width, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    with choosing(triton="torch"):
+        _rows, counts, meta = dispatcher.dispatch(x, topk_idx, weights)
+    assert counts[-2:].sum() == 0
+    token_index = meta.positions.reshape(-1).argsort() // k
+
+    def permuted(x_TL):
+        return permute(x_TL, token_index, meta.positions)
+
+    def unpermuted(rows, w):
+        return unpermute(rows, meta.positions, w)
+
+    rows, (grad_x,) = run(permuted, x, backend="triton")
+    ref_rows, (ref_grad_x,) = run(permuted, x, backend="torch")
+    assert torch.equal(rows, ref_rows)
+    close(grad_x, ref_grad_x, dtype)
+
+    out, (grad_rows, grad_w) = run(unpermuted, rows, weights, backend="triton")
+    ref_inputs = (rows.double(), weights.double()) if dtype == torch.float32 else (rows, weights)
+    ref_out, (ref_grad_rows, ref_grad_w) = run(unpermuted, *ref_inputs, backend="torch")
+    assert out.dtype == dtype and grad_w.dtype == torch.float32
+    close(out, ref_out, dtype)
+    close(grad_rows, ref_grad_rows, dtype)
+    close(grad_w, ref_grad_w, dtype)
+
+
+def test_dispatch_round_trip_through_the_kernels():
+    """dispatch -> scale each expert's rows -> combine, kernels on, equals the reference path."""
+    topk_idx, weights = routing(29, 2, num_experts=6, seed=4)
+    x = torch.randn(29, 24, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    dispatcher = LocalTokenDispatcher(6)
+    outs = {}
+    for backend in ("triton", "torch"):
+        with choosing(triton=backend):
+            rows, counts, meta = dispatcher.dispatch(x, topk_idx, weights)
+            scale = torch.repeat_interleave(torch.arange(1.0, 7.0, device=DEVICE), counts)
+            outs[backend] = dispatcher.combine(rows * scale[:, None], meta)
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-6, atol=1e-6)
