@@ -51,7 +51,7 @@ def test_each_recipe_expert_gemm_forward_and_gradients_against_fp32(name):
 
 
 def test_tensorwise_gemm_is_torchs_fp8_gemm_and_the_emulation_agrees():
-    """The single-scale GEMM runs F.scaled_mm; the emulation (dequantize, fp32 GEMM) that blockwise and mxfp8
+    """The single-scale GEMM runs torch._scaled_mm; the emulation (dequantize, fp32 GEMM) that blockwise and mxfp8
     use on CPU gives the same result to fp32 accumulation order (1e-6 relative)."""
     gen = torch.Generator().manual_seed(1)
     a = quantize(torch.randn(33, 160, generator=gen), None, torch.float8_e4m3fn)

@@ -26,6 +26,9 @@ FIRST_TORCH = {
     r"torch\.get_autocast_dtype\(": "2.4",      # pytorch#124479, device-generic autocast queries (2024-04)
     r"torch\.is_autocast_enabled\(\w": "2.4",   # the same PR: is_autocast_enabled(device_type)
     r"dcp\.async_save": "2.3",
+    r"\bF\.scaled_mm\b|functional\.scaled_mm\b": "2.10",  # pytorch#164142; we use torch._scaled_mm instead
+    r"torch\._grouped_mm\b": "2.8",          # CUDA; its CPU support is probed at run time (ops/grouped_mm.py)
+    r"torch\.float8_e8m0fnu\b": "2.7",
 }
 ALLOWED_ANYWHERE = {"parallel/torch_compat.py"}
 """The one module allowed to name newer APIs: it picks whichever name the running torch has."""

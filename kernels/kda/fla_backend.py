@@ -1,8 +1,9 @@
 """Bridge to fla (flash-linear-attention) chunk_kda, imported lazily and used only on CUDA.
 
 fla's Triton kernels do not run on CPU (not even under TRITON_INTERPRET), so the PyTorch chunk form
-in moe_pretrain.ops.kda is the reference and the only path exercised on CPU machines. This bridge
-has NOT yet been run on a GPU by this project (see README, "GPU paths").
+in moe_pretrain.ops.kda is the reference and the only path exercised on CPU machines. tests/gpu/test_fla_kda.py
+compares the two on a GPU (bench/gpu_check.sh); see README, "GPU paths", for whether that has run yet.
+Context parallelism (cp > 1) runs KDA through parallel/context_parallel.py's own chunk form, not fla.
 """
 
 import functools
@@ -34,14 +35,18 @@ def fla_chunk_kda_supported(q: torch.Tensor) -> bool:
     return fla_unavailable_reason(q.device) is None
 
 
-def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state):
-    """fla.ops.kda.chunk_kda with our argument names; returns (o, final_state or None)."""
+def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state, lower_bound=None):
+    """fla.ops.kda.chunk_kda with our argument names; returns (o, final_state or None). lower_bound (the
+    bounded gate's floor, g >= lower_bound) turns on fla's safe-gate path; the gate itself stays ours
+    (use_gate_in_kernel=False: g arrives computed, as the reference takes it)."""
     from fla.ops.kda import chunk_kda
 
+    safe_gate = {} if lower_bound is None else {"safe_gate": True, "lower_bound": lower_bound}
     return chunk_kda(
         q, k, v, g, beta,
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),  # fla takes int64 offsets
+        **safe_gate,
     )

@@ -62,14 +62,28 @@ def quantize(t: torch.Tensor, block: Block, dtype: torch.dtype, *, power_of_two:
     return Quantized(data, scale_inv, block)
 
 
+_GEMM_MULTIPLE = 16
+"""cuBLAS FP8 GEMMs need every dimension a multiple of 16; zero padding (sliced off after) changes nothing."""
+
+
+def _pad_to_multiple(t: torch.Tensor) -> torch.Tensor:
+    rows, cols = t.shape
+    if rows % _GEMM_MULTIPLE == 0 and cols % _GEMM_MULTIPLE == 0:
+        return t.contiguous()
+    padded = torch.zeros(rows + -rows % _GEMM_MULTIPLE, cols + -cols % _GEMM_MULTIPLE, dtype=t.dtype, device=t.device)
+    padded[:rows, :cols] = t
+    return padded
+
+
 def scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype. Two single-scale operands run torch's FP8 GEMM; others
-    the exact emulation (dequantize, then an fp32 GEMM: products of FP8 values are exact in fp32)."""
+    """a [M, K] @ b [N, K]^T -> [M, N] in out_dtype. Two single-scale operands run torch's FP8 GEMM
+    (torch._scaled_mm, tensorwise scales); others the exact emulation (dequantize, then an fp32 GEMM:
+    products of FP8 values are exact in fp32)."""
     (m, k), n = a.data.shape, b.data.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
-        tensorwise = F.ScalingType.TensorWise
-        return F.scaled_mm(a.data.contiguous(), b.data.contiguous().T, a.scale_inv.reshape(()), tensorwise,
-                           b.scale_inv.reshape(()), tensorwise, output_dtype=out_dtype)
+        out = torch._scaled_mm(_pad_to_multiple(a.data), _pad_to_multiple(b.data).T, scale_a=a.scale_inv.reshape(()),
+                               scale_b=b.scale_inv.reshape(()), out_dtype=out_dtype)
+        return out[:m, :n]
     return (a.dequantize() @ b.dequantize().T).to(out_dtype)

@@ -12,7 +12,7 @@ forward (y = x W^T) and both backward GEMMs (dx = dy W, dW = dy^T x), which cont
 - mxfp8: 1x32 blocks along K for every operand with power-of-two (E8M0) scales (the OCP MX format, TE's
   MXFP8BlockScaling); e4m3 throughout.
 
-Where the GEMMs run: tensorwise and delayed through torch's FP8 GEMM (torch.nn.functional.scaled_mm, on
+Where the GEMMs run: tensorwise and delayed through torch's FP8 GEMM (torch._scaled_mm, on
 CPU and on CUDA GPUs of compute capability 8.9+). blockwise and mxfp8 on CPU through the exact emulation
 (each operand quantized to its FP8 format with the recipe's scales, then dequantized and multiplied with
 fp32 accumulation: FP8 products are exact in fp32, so this is the FP8 GEMM's arithmetic without its
@@ -75,6 +75,6 @@ def describe(name: str, device: torch.device) -> str:
     if name == "off":
         return "off (precision.fp8)"
     recipe = RECIPES[name]
-    engine = ("torch scaled_mm (tensorwise FP8 GEMM)" if recipe.tensorwise
+    engine = ("torch._scaled_mm (tensorwise FP8 GEMM)" if recipe.tensorwise
               else "exact CPU emulation (quantize to FP8, fp32-accumulated GEMM)")
     return f"{name} on the routed experts' GEMMs via {engine}"

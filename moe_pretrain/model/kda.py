@@ -99,7 +99,8 @@ class KimiDeltaAttention(nn.Module):
                 return kda_with_entry_states(q, k, v, g, beta, pos == 0, cp.entry_states,
                                              chunk_size=self.cfg.chunk_size)
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            return kda(*flat, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size)[0]
+            return kda(*flat, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size,
+                       lower_bound=self.cfg.lower_bound if self.cfg.gate == "lower_bound" else None)[0]
 
         o = maybe_recompute(self.recompute_core, core, q, k, v, g, beta)
         o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps).to(x.dtype)

@@ -13,11 +13,29 @@ Two implementations with one contract (kernels.selection chooses; kernels.groupe
   autograd would later stack, and no zero-filled copy of the whole stack per expert.
 """
 
+import functools
+
 import torch
 
 from kernels.selection import active
 
 _ALIGNMENT_BYTES = 16
+
+
+@functools.cache
+def _kernel_fails(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run the three grouped GEMMs of a forward and backward once on a tiny problem: which devices and dtypes
+    the installed torch's _grouped_mm takes varies by release, so ask it rather than a version table."""
+    try:
+        x = torch.ones(4, 8, dtype=dtype, device=device)
+        w = torch.ones(2, 8, 8, dtype=dtype, device=device)
+        offsets = torch.tensor([1, 4], dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        torch._grouped_mm(x, w, offs=offsets)
+        torch._grouped_mm(x.T, x, offs=offsets)
+    except (RuntimeError, AttributeError, NotImplementedError) as err:
+        return f"torch {torch.__version__}'s _grouped_mm fails for {dtype} on {device.type}: {str(err)[:80]}"
+    return None
 
 
 def grouped_kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, in_features: int,
@@ -34,7 +52,7 @@ def grouped_kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, 
     for name, width in (("in", in_features), ("out", out_features)):
         if width * size % _ALIGNMENT_BYTES:
             return f"{name} width {width} x {size} bytes is not a multiple of {_ALIGNMENT_BYTES} bytes"
-    return None
+    return _kernel_fails(device, dtype)
 
 
 def uses_grouped_kernel(x_RI: torch.Tensor, w_EOI: torch.Tensor) -> bool:

@@ -62,11 +62,14 @@ def kda(
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA -> (o [B, T, H, V] in q's dtype, final_state [B or N, H, K, V] fp32+ or None).
 
     On CUDA with fla installed this calls fla's Triton chunk_kda; elsewhere it runs the vectorised
     PyTorch chunk algorithm of this module (autograd-differentiable), which is the reference.
+    lower_bound: the bounded gate's floor when g comes from it (g >= lower_bound); fla then takes its
+    safe-gate path (safe_gate=True, lower_bound), which the bound makes exact. The reference needs no hint.
     """
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
@@ -74,7 +77,7 @@ def kda(
     if fla_chunk_kda_supported(q):
         return fla_chunk_kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, output_final_state=output_final_state, lower_bound=lower_bound,
         )
     if cu_seqlens is None:
         o, state = _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU check of the fast paths (issue 13), one call of at most 10 minutes on one CUDA GPU:
+#   1. the Triton kernel tests natively on the GPU (tests/test_kernels.py) and tests/gpu/: fla chunk_kda
+#      against the CPU reference in fp32, grouped GEMM (bf16) against the loop, cuBLAS FP8 against the CPU's
+#      FP8 GEMM, the recipe rules, a 20-step training with FP8 (tensorwise, delayed) against bf16;
+#   2. tests/test_fp8.py (each recipe's relative error against fp32, on the CPU numerics);
+#   3. a 20-step smoke training (launch.train, configs/smoke.yaml, bf16) with precision.fp8=tensorwise;
+#   4. bench/fast_paths.py: fused SiTU-GLU vs eager, permute kernels vs eager, grouped GEMM vs the loop,
+#      FP8 vs bf16 expert GEMM, expert-GEMM TFLOP/s vs a plain bf16 matmul, each recipe's error vs bf16.
+# It prints one table last: each step's result and seconds, then the bench's rows. Logs: $LOGS (default
+# runs/gpu_check/, or $OUT where the device tool sets it).
+#
+# Packages the GPU machine lacks (fla-core, megatron-core; pip cannot reach an index there) travel as wheels:
+# on a machine with PyPI run `bench/gpu_check.sh --fetch-wheels` (writes .whl/, git-ignored), carry .whl.
+# Usage: bench/gpu_check.sh [--fetch-wheels]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=(fla-core==0.6.0 megatron-core==0.16.1)
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "${WHEELS[@]}"
+    exit $?
+fi
+
+LOGS=${LOGS:-${OUT:-runs/gpu_check}}
+mkdir -p "$LOGS"
+if [[ -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-check-site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/gpu-check-site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.__version__, torch.cuda.get_device_name())" \
+    || exit 1
+
+results=()
+step() {  # step NAME SECONDS_LIMIT COMMAND...: run with a time limit, log to $LOGS/NAME.log, record the outcome
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    results+=("$(printf '%-28s %-10s %4ss' "$name" "$([[ $rc == 0 ]] && echo pass || echo "FAIL($rc)")" $(( $(date +%s) - start )))")
+}
+
+step gpu-tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/gpu
+step fp8-recipe-errors 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "recipe or tensorwise or outlier"
+step smoke-fp8-tensorwise 150 "$PY" -m launch.train --config configs/smoke.yaml train.steps=20 train.dtype=bfloat16 \
+    precision.fp8=tensorwise logging.progress=false "train.run_dir=$LOGS/smoke-fp8" --require-loss-drop 1.0
+step fast-path-bench 120 "$PY" bench/fast_paths.py
+
+echo
+echo "== GPU check: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)') =="
+printf '%s\n' "${results[@]}"
+grep -h "fast paths:" "$LOGS/smoke-fp8-tensorwise.log" | head -1 | sed 's/^.*fast paths:/fast paths:/'
+grep -h "first loss" "$LOGS/smoke-fp8-tensorwise.log" | tail -1 | sed 's/^.*first loss/smoke: first loss/'
+sed -n '/^expert fast paths on/,$p' "$LOGS/fast-path-bench.log"
