@@ -41,7 +41,9 @@ class LocalTokenDispatcher:
         positions = torch.empty_like(order)
         positions[order] = torch.arange(order.numel(), device=order.device)
         positions = positions.reshape(num_tokens, k)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        # index_add rather than bincount: CUDA's bincount reads its input's max on the host (a sync).
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat_expert.device).index_add_(
+            0, flat_expert, torch.ones_like(flat_expert))
         return permute(x_TL, order // k, positions), counts, DispatchMetadata(positions, topk_weight)
 
     def combine(self, y_grouped: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:

@@ -102,14 +102,14 @@ def test_recipes_this_machine_cannot_run_are_refused_at_start_up():
 
 
 LOSS_GAP = 0.05
-"""|mean loss of the last 5 of 20 steps, FP8 - bf16| in nats, for each recipe. Measured on the tiny model:
-tensorwise 0.001, delayed 0.004, blockwise 0.002, mxfp8 0.005 (bf16 4.440 from 5.6 at step 1)."""
+"""|mean loss of the last 5 of 20 steps, FP8 - bf16| in nats. Measured on the tiny model: tensorwise 0.001,
+delayed 0.004, blockwise 0.002, mxfp8 0.005 (bf16 4.440 from 5.6 at step 1); the test runs two of them."""
 
 
 @pytest.mark.timeout(240)
 def test_fp8_training_stays_within_a_small_loss_gap_of_bf16(tmp_path):
     losses = {}
-    for fp8 in ("off", "tensorwise", "delayed", "blockwise", "mxfp8"):
+    for fp8 in ("off", "delayed", "mxfp8"):  # e5m2 gradients with history; power-of-two blocks (all four measured)
         cfg = tiny_config("train.steps=20", "train.dtype=bfloat16", f"precision.fp8={fp8}")
         cfg.train.run_dir, cfg.logging.progress = str(tmp_path / fp8), False
         trainer = Trainer(cfg)
