@@ -31,6 +31,8 @@ def configure(cfg: Config, device: torch.device) -> None:
     """Validate the forced choices for this device and make them the process's (kernels.selection)."""
     if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device)):
         raise ConfigError(f"kernels.grouped_gemm=grouped cannot run here: {reason}; use kernels.grouped_gemm=auto")
+    if cfg.kernels.kda == "fla" and (reason := fla_unavailable_reason(device)):
+        raise ConfigError(f"kernels.kda=fla cannot run here: {reason}; use kernels.kda=auto")
     if cfg.precision.fp8 != "off" and (reason := fp8_unavailable_reason(cfg.precision.fp8, device)):
         raise ConfigError(f"precision.fp8={cfg.precision.fp8} cannot run on {device}: {reason}")
     selection.configure(cfg.kernels, device)
@@ -38,7 +40,7 @@ def configure(cfg: Config, device: torch.device) -> None:
 
 def fast_paths(cfg: Config, device: torch.device) -> dict[str, str]:
     """Each fast path's state for this run on this device, in words."""
-    kda_reason = fla_unavailable_reason(device)
+    kda_reason = "kernels.kda=torch" if cfg.kernels.kda == "torch" else fla_unavailable_reason(device)
     triton_reason = selection.triton_unavailable_reason(device)
     if cfg.kernels.triton == "torch":
         triton = "off (kernels.triton=torch): PyTorch references"

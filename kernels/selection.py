@@ -21,6 +21,7 @@ from moe_pretrain.config import ConfigError, KernelsConfig
 class KernelChoice:
     triton: str = "auto"
     grouped_gemm: str = "auto"
+    kda: str = "auto"
 
 
 _active = KernelChoice()
@@ -50,7 +51,7 @@ def configure(cfg: KernelsConfig, device: torch.device) -> None:
     global _active
     if cfg.triton == "triton" and (reason := triton_unavailable_reason(device)):
         raise ConfigError(f"kernels.triton=triton cannot run here: {reason}; use kernels.triton=auto")
-    _active = KernelChoice(triton=cfg.triton, grouped_gemm=cfg.grouped_gemm)
+    _active = KernelChoice(triton=cfg.triton, grouped_gemm=cfg.grouped_gemm, kda=cfg.kda)
 
 
 def active() -> KernelChoice:

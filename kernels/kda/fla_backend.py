@@ -8,9 +8,10 @@ Context parallelism (cp > 1) runs KDA through parallel/context_parallel.py's own
 
 import functools
 import importlib.util
-import os
 
 import torch
+
+from kernels.selection import active
 
 
 @functools.cache
@@ -19,10 +20,7 @@ def _fla_installed() -> bool:
 
 
 def fla_unavailable_reason(device: torch.device) -> str | None:
-    """Why tensors on this device take the PyTorch reference instead of fla's kernel; None when they do not.
-    MOE_PRETRAIN_KDA_BACKEND=torch forces the reference."""
-    if os.environ.get("MOE_PRETRAIN_KDA_BACKEND", "auto") == "torch":
-        return "MOE_PRETRAIN_KDA_BACKEND=torch"
+    """Why fla's kernel cannot run for tensors on this device; None when it can."""
     if device.type != "cuda":
         return f"fla's Triton kernels need CUDA; device {device.type}"
     if not _fla_installed():
@@ -31,8 +29,8 @@ def fla_unavailable_reason(device: torch.device) -> str | None:
 
 
 def fla_chunk_kda_supported(q: torch.Tensor) -> bool:
-    """True when q lives on CUDA and fla is importable (fla_unavailable_reason's rule)."""
-    return fla_unavailable_reason(q.device) is None
+    """Whether ops.kda runs fla for q: it can (CUDA, fla importable) and kernels.kda does not force the reference."""
+    return active().kda != "torch" and fla_unavailable_reason(q.device) is None
 
 
 def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state, lower_bound=None):
