@@ -32,7 +32,7 @@ def test_fla_chunk_kda_matches_the_cpu_reference(lower_bound):
     state = torch.randn(4, 4, 64, 64, generator=torch.Generator().manual_seed(1)) * 0.1
     results = []
     for device in ("cpu", "cuda"):
-        leaves = [t.to(device).requires_grad_() for t in (q, k, v, g, beta, state)]
+        leaves = [t.detach().to(device).requires_grad_() for t in (q, k, v, g, beta, state)]
         o, final = kda(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu_seqlens.to(device),
                        output_final_state=True, lower_bound=lower_bound)
         weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(2)).to(device)
