@@ -5,13 +5,15 @@ from moe_pretrain.checkpoint.manifest import verify
 from moe_pretrain.checkpoint.store import (
     AsyncSaver,
     CheckpointError,
+    checkpoint_timeout,
     committed_checkpoints,
     find,
     load,
     prune,
     read_trainer_state,
     save,
+    shared_verify,
 )
 
-__all__ = ["AsyncSaver", "CheckpointError", "GlobalState", "committed_checkpoints", "find", "load", "prune",
-           "read_trainer_state", "save", "verify"]
+__all__ = ["AsyncSaver", "CheckpointError", "GlobalState", "checkpoint_timeout", "committed_checkpoints", "find",
+           "load", "prune", "read_trainer_state", "save", "shared_verify", "verify"]

@@ -1,6 +1,9 @@
 """The manifest that makes a checkpoint directory trustworthy: every file's size and SHA-256.
 
 Written last, after all ranks succeeded; a directory without a valid manifest is not a checkpoint.
+The work scales out: each rank fsyncs and hashes the files it wrote (hash_rank_files), rank 0 only merges
+those entries and hashes what is left (its own small JSON files), and verification is split the same
+way (verify(..., share=(rank, world))), so neither grows with the number of ranks on any one rank.
 """
 
 import hashlib
@@ -40,13 +43,33 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, info: dict[str, Any]) -> dict[str, Any]:
-    files = {}
+def file_entry(path: Path) -> dict[str, Any]:
+    """fsync a written file, then its manifest entry: size and SHA-256."""
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+
+
+def rank_files(directory: Path, rank: int) -> list[str]:
+    """The files DCP's FileSystemWriter wrote for this rank: __<rank>_<i>.distcp (the coordinator's .metadata
+    is rank 0's to hash at commit, with the other files rank 0 writes)."""
+    return sorted(p.name for p in directory.glob(f"__{rank}_*") if p.is_file())
+
+
+def hash_rank_files(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """This rank's manifest entries, name -> {bytes, sha256}."""
+    return {name: file_entry(directory / name) for name in rank_files(directory, rank)}
+
+
+def write_manifest(directory: Path, info: dict[str, Any], entries: dict[str, dict[str, Any]] | None = None
+                   ) -> dict[str, Any]:
+    """Seal a directory: `entries` are the files other ranks hashed; every other file is hashed here."""
+    files = dict(entries or {})
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        with path.open("rb") as f:
-            os.fsync(f.fileno())
-        files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
-    manifest = {"format": FORMAT_VERSION, **info, "files": files}
+        name = str(path.relative_to(directory))
+        if name not in files:
+            files[name] = file_entry(path)
+    manifest = {"format": FORMAT_VERSION, **info, "files": dict(sorted(files.items()))}
     write_durably(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -56,8 +79,23 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def verify(directory: Path) -> list[str]:
-    """Every problem with a checkpoint directory, each naming the file; [] when it is complete and intact."""
+def _share(files: dict[str, dict[str, Any]], rank: int, world: int) -> list[tuple[str, dict[str, Any]]]:
+    """The files rank checks of world: largest first, each to the share with the fewest bytes so far (the
+    same deterministic split on every rank), so every share reads about total / world bytes."""
+    loads = [0] * world
+    mine = []
+    for name, entry in sorted(files.items(), key=lambda item: (-item[1]["bytes"], item[0])):
+        owner = loads.index(min(loads))
+        loads[owner] += entry["bytes"]
+        if owner == rank:
+            mine.append((name, entry))
+    return mine
+
+
+def verify(directory: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """Every problem with a checkpoint directory, each naming the file; [] when it is complete and intact.
+    share=(rank, world) checks only that rank's share of the listed files (the manifest itself is checked by
+    every share): the union of all shares' problems is the whole directory's."""
     if not (directory / MANIFEST).is_file():
         return [f"{directory / MANIFEST}: missing (the save never committed)"]
     try:
@@ -67,7 +105,7 @@ def verify(directory: Path) -> list[str]:
     problems = []
     if ".metadata" not in manifest.get("files", {}):
         problems.append(f"{directory / '.metadata'}: not listed in the manifest")
-    for name, expected in manifest.get("files", {}).items():
+    for name, expected in _share(manifest.get("files", {}), *share):
         path = directory / name
         if not path.is_file():
             problems.append(f"{path}: missing")

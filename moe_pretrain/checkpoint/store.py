@@ -1,16 +1,25 @@
 """Saving, finding and loading checkpoints: <dir>/step_<N>/, committed atomically, with <dir>/latest.
 
-Save: every rank writes its DCP shard files into step_<N>.tmp (never overwriting); success is voted
-over all ranks; only then rank 0 writes trainer_state.json and the manifest (sizes + SHA-256 of every
-file), renames the directory to step_<N>, and replaces `latest` durably. Any failure anywhere leaves
-`latest` untouched and raises on every rank. A .tmp directory is never a checkpoint.
+Save: every rank writes its DCP shard files into step_<N>.tmp (never overwriting), then fsyncs and hashes
+them itself (in parallel with every other rank; for async saves in the background thread); success and
+the hash entries are gathered over all ranks; only then rank 0 writes trainer_state.json and the manifest
+(merging the entries, hashing only its own JSON), renames the directory to step_<N>, and replaces `latest`
+durably. Any failure anywhere leaves `latest` untouched and raises on every rank. A .tmp directory is never
+a checkpoint.
 Load: resume=auto takes the newest directory whose manifest verifies, saying plainly why it skipped
 any newer one; tensors come back through DCP (no pickles), other state from JSON.
+
+`group`: the process group for every collective here and DCP's. Their waits last as long as the slowest
+rank's I/O, so the trainer gives them a group whose timeout grows with the state each rank holds
+(checkpoint_timeout); None = the default group.
 """
 
 import json
 import re
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +29,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
-from moe_pretrain.checkpoint.manifest import fsync_dir, read_manifest, verify, write_durably, write_manifest
+from moe_pretrain.checkpoint.manifest import (
+    fsync_dir,
+    hash_rank_files,
+    read_manifest,
+    verify,
+    write_durably,
+    write_manifest,
+)
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
+WRITE_THREADS = 4
+"""Files (and writer threads) per rank and save: parallel writes, and hashing that can start per file."""
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -57,92 +75,118 @@ def _describe(err: BaseException, rank: int) -> list[str]:
     return [f"rank {rank}: {type(err).__name__}: {err}"]
 
 
-def _all_failures(local: list[str]) -> list[str]:
-    """Every rank's failure lines, deduplicated, the same list on every rank."""
+Entries = dict[str, dict[str, Any]]
+"""Manifest entries of files one rank hashed: name -> {bytes, sha256}."""
+
+
+def checkpoint_timeout(base_s: float, state_bytes: int, floor_bytes_per_s: float) -> timedelta:
+    """The limit for a collective that waits on checkpoint I/O: the usual process-group timeout plus the time
+    the largest rank's state takes at the slowest storage rate planned for, for each of the three passes
+    over it (write, hash; at resume, verify)."""
+    return timedelta(seconds=base_s + 3 * state_bytes / floor_bytes_per_s)
+
+
+def _gather(report: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's report, in rank order, on every rank."""
     if not dist.is_initialized():
-        return local
-    reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, local)
-    return sorted({line for report in reports for line in report})
+        return [report]
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, report, group=group)
+    return reports
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _prepare(root: Path, step: int) -> tuple[Path, Path]:
+def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # the partial remains of an earlier, failed save of this step
             shutil.rmtree(tmp)
-    _barrier()
+    _barrier(group)
     if final.exists():
         raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
     return final, tmp
 
 
-def _commit(root: Path, final: Path, local_failures: list[str], trainer_state: dict[str, Any],
-            info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
-    """Vote; if every rank wrote its files, rank 0 seals the directory and moves `latest` to it."""
-    failures = _all_failures(local_failures)
+def _written_and_hashed(tmp: Path, write: Any) -> tuple[list[str], Entries]:
+    """Run `write` (DCP's save, or waiting on its future), then hash this rank's files: (failures, entries)."""
+    try:
+        write()
+        return [], hash_rank_files(tmp, _rank())
+    except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
+        return _describe(err, _rank()), {}
+
+
+def _commit(root: Path, final: Path, report: tuple[list[str], Entries], trainer_state: dict[str, Any],
+            info: dict[str, Any], keep_last: int, keep_every: int, group: dist.ProcessGroup | None) -> Path:
+    """Gather every rank's (failures, hash entries); if none failed, rank 0 merges the entries into the
+    manifest, seals the directory and moves `latest` to it."""
+    reports = _gather(report, group)
+    failures = sorted({line for lines, _ in reports for line in lines})
     if failures:
         raise CheckpointError(f"checkpoint {final} not committed: " + "; ".join(failures))
     tmp = final.with_name(final.name + ".tmp")
     if _rank() == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
-        write_manifest(tmp, {"step": trainer_state["step"], **info})
+        write_manifest(tmp, {"step": trainer_state["step"], **info},
+                       {name: entry for _, entries in reports for name, entry in entries.items()})
         tmp.rename(final)
         fsync_dir(root)
         write_durably(root / LATEST, final.name + "\n")
         prune(root, keep_last, keep_every)
-    _barrier()
+    _barrier(group)
     return final
 
 
 def save(root: Path, step: int, tensors: dict[str, torch.Tensor | BoxedTensor], trainer_state: dict[str, Any],
-         info: dict[str, Any], keep_last: int, keep_every: int) -> Path:
-    """Synchronous save: write, vote, commit."""
-    final, tmp = _prepare(root, step)
-    local_failures: list[str] = []
-    try:
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, overwrite=False), planner=BoxedSavePlanner())
-    except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
-        local_failures = _describe(err, _rank())
-    return _commit(root, final, local_failures, trainer_state, info, keep_last, keep_every)
+         info: dict[str, Any], keep_last: int, keep_every: int, group: dist.ProcessGroup | None = None) -> Path:
+    """Synchronous save: write and hash (every rank its own files), gather, commit."""
+    final, tmp = _prepare(root, step, group)
+
+    def write() -> None:
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, thread_count=WRITE_THREADS, overwrite=False),
+                 planner=BoxedSavePlanner(), process_group=group)
+    report = _written_and_hashed(tmp, write)
+    return _commit(root, final, report, trainer_state, info, keep_last, keep_every, group)
 
 
 class AsyncSaver:
     """Background saves: the caller stalls only while DCP stages the tensors to host memory.
 
     The files are written by DCP's background thread over `group` (a dedicated gloo group, so its
-    collectives never interleave with training's). At most one save is in flight. poll() is called
-    once per step on every rank: an all-reduce agrees on whether every rank has finished, and only
-    then the save is voted and committed, so a background failure surfaces on every rank at the
-    next step and the checkpoint is not committed.
+    collectives never interleave with training's), then hashed by a thread of ours. At most one save is
+    in flight. poll() is called once per step on every rank: an all-reduce agrees on whether every rank has
+    finished writing and hashing, and only then the save is gathered and committed, so a background
+    failure surfaces on every rank at the next step and the checkpoint is not committed.
     """
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
         self.pending: tuple | None = None
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
 
     def start(self, root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
               info: dict[str, Any], keep_last: int, keep_every: int) -> None:
         self.wait()
-        final, tmp = _prepare(root, step)
+        final, tmp = _prepare(root, step, self.group)
         # Stage: copy every tensor to host memory now. The parameters are live and the next step
         # updates them in place, so the background writer must only ever see these copies.
         staged = {key: tensor.staged() if isinstance(tensor, BoxedTensor) else tensor.detach().to("cpu", copy=True)
                   for key, tensor in tensors.items()}
-        future = dcp.async_save(staged, storage_writer=FileSystemWriter(tmp, overwrite=False),
-                                process_group=self.group, planner=BoxedSavePlanner())
-        self.pending = (future, root, final, trainer_state, info, keep_last, keep_every)
+        written = dcp.async_save(staged, storage_writer=FileSystemWriter(tmp, thread_count=WRITE_THREADS,
+                                                                         overwrite=False),
+                                 process_group=self.group, planner=BoxedSavePlanner())
+        hashed: Future = self._hasher.submit(_written_and_hashed, tmp, written.result)
+        self.pending = (hashed, root, final, trainer_state, info, keep_last, keep_every)
 
     def poll(self) -> Path | None:
         """Commit the pending save if every rank has finished writing it (collective)."""
@@ -158,14 +202,9 @@ class AsyncSaver:
         return self._finish() if self.pending is not None else None
 
     def _finish(self) -> Path:
-        future, root, final, trainer_state, info, keep_last, keep_every = self.pending
+        hashed, root, final, trainer_state, info, keep_last, keep_every = self.pending
         self.pending = None
-        local_failures: list[str] = []
-        try:
-            future.result()
-        except (Exception, DCPCheckpointException) as err:
-            local_failures = _describe(err, _rank())
-        return _commit(root, final, local_failures, trainer_state, info, keep_last, keep_every)
+        return _commit(root, final, hashed.result(), trainer_state, info, keep_last, keep_every, self.group)
 
 
 def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
@@ -182,19 +221,32 @@ def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     return deleted
 
 
-def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from (or None) and the warnings about newer ones that failed verification."""
+def shared_verify(group: dist.ProcessGroup | None = None) -> Callable[[Path], list[str]]:
+    """verify() split over the ranks: each checks its share of the files, the problems are gathered, and
+    every rank gets the same list (one process: the whole directory)."""
+    if not dist.is_initialized():
+        return verify
+
+    def verify_on_every_rank(path: Path) -> list[str]:
+        mine = verify(path, share=(dist.get_rank(group), dist.get_world_size(group)))
+        return sorted({line for lines in _gather(mine, group) for line in lines})
+    return verify_on_every_rank
+
+
+def find(root: Path, resume: str, verifier: Callable[[Path], list[str]] = verify) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (or None) and the warnings about newer ones that failed verification.
+    With shared_verify() as verifier every rank must call it, and all get the same answer."""
     if resume == "none":
         return None, []
     if resume != "auto":
         path = Path(resume)
-        problems = verify(path) if path.is_dir() else [f"{path}: no such checkpoint directory"]
+        problems = verifier(path) if path.is_dir() else [f"{path}: no such checkpoint directory"]
         if problems:
             raise CheckpointError(f"train.resume={resume} cannot be loaded: " + "; ".join(problems))
         return path, []
     warnings = []
     for _, path in committed_checkpoints(root):
-        problems = verify(path)
+        problems = verifier(path)
         if not problems:
             return path, warnings
         warnings.append(f"skipping {path}: " + "; ".join(problems))
@@ -205,9 +257,10 @@ def find(root: Path, resume: str) -> tuple[Path | None, list[str]]:
     return None, warnings
 
 
-def load(path: Path, tensors: dict[str, torch.Tensor | BoxedTensor]) -> dict[str, Any]:
+def load(path: Path, tensors: dict[str, torch.Tensor | BoxedTensor], group: dist.ProcessGroup | None = None
+         ) -> dict[str, Any]:
     """Fill `tensors` in place from the checkpoint (resharding as needed); return the trainer state."""
-    dcp.load(tensors, storage_reader=FileSystemReader(path), planner=BoxedLoadPlanner())
+    dcp.load(tensors, storage_reader=FileSystemReader(path), planner=BoxedLoadPlanner(), process_group=group)
     return read_trainer_state(path)
 
 

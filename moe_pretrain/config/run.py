@@ -169,7 +169,13 @@ class CheckpointConfig:
     """When a background save fails (reported on every rank at the next step): stop with the error, or
     say so and keep training (the failed checkpoint is not committed either way)."""
 
+    io_floor_mb_s: float = 100.0
+    """The slowest storage rate per rank (MB/s) to plan for. Collectives that wait on checkpoint I/O (the
+    commit's gather, resume verification) time out after parallel.timeout_s plus three passes over the
+    largest rank's state at this rate, not after parallel.timeout_s alone."""
+
     def __post_init__(self) -> None:
+        require(self.io_floor_mb_s > 0, f"checkpoint.io_floor_mb_s={self.io_floor_mb_s} must be > 0")
         require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
         require(self.every_minutes >= 0, f"checkpoint.every_minutes={self.every_minutes} must be >= 0")
         require(self.keep_last >= 2, f"checkpoint.keep_last={self.keep_last} must be >= 2")

@@ -50,6 +50,13 @@ class TrainingState:
         """The data loader's position (PretrainingData.state()) as of the last save or load."""
         self.rng: list[str] | None = None
         """Every rank's RNG state as loaded (None: take the live ones at save)."""
+        self.checkpoint_group: dist.ProcessGroup | None = None
+        """The group checkpoint I/O collectives wait in (the trainer's, with a size-aware timeout); None =
+        the default group."""
+
+    def state_bytes(self) -> int:
+        """An upper bound of this rank's checkpointed bytes: parameters and two Adam moments of each."""
+        return 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def snapshot(self) -> tuple[dict, dict[str, Any], dict[str, Any]]:
         """(tensors, trainer_state JSON, manifest info) of this step, as checkpoint.save takes them.
@@ -65,11 +72,12 @@ class TrainingState:
         """Save synchronously into the checkpoint root; returns the committed step directory."""
         tensors, trainer_state, info = self.snapshot()
         c = self.cfg.checkpoint
-        return checkpoint.save(root, self.step, tensors, trainer_state, info, c.keep_last, c.keep_every)
+        return checkpoint.save(root, self.step, tensors, trainer_state, info, c.keep_last, c.keep_every,
+                               self.checkpoint_group)
 
     def load(self, path: Path) -> dict[str, Any]:
         """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state."""
-        state = checkpoint.load(path, self.tensors.state_dict())
+        state = checkpoint.load(path, self.tensors.state_dict(), self.checkpoint_group)
         self.tensors.after_load(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.data_position = state["data"]

@@ -105,12 +105,11 @@ class Trainer:
             self.pipeline = Pipeline(self.state.model, cfg, self.ctx, self._pipeline_loss)
         self.boundary_dtype = parameter_dtype(cfg)
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
-        self.async_saver = None
-        if cfg.checkpoint.async_save:
-            # Background I/O gets its own gloo group (created collectively, here, on every rank).
-            group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
-                     if self.ctx.distributed else None)
-            self.async_saver = checkpoint.AsyncSaver(group)
+        if self.ctx.distributed:
+            # Checkpoint I/O gets its own gloo group (created collectively, here, on every rank): its collectives
+            # never interleave with training's, and its timeout grows with the largest rank's state.
+            self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout())
+        self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group) if cfg.checkpoint.async_save else None
         self._loss_tokens = 1
         self._recompute = "none"
         """The recomputation the model's layers are set to (modules start with none)."""
@@ -119,6 +118,14 @@ class Trainer:
         peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, self.boundary_dtype)
         self.peak_flops = peak * self.ctx.layout.world_size
         self._flops_per_token: dict[int, float] = {}
+
+    def _checkpoint_timeout(self) -> timedelta:
+        largest = torch.tensor([self.state.state_bytes()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        limit = checkpoint.checkpoint_timeout(self.cfg.parallel.timeout_s, int(largest.item()),
+                                              self.cfg.checkpoint.io_floor_mb_s * 1e6)
+        log.debug(f"checkpoint collectives time out after {limit.total_seconds():.0f} s")
+        return limit
 
     @property
     def model(self) -> torch.nn.Module:
@@ -352,14 +359,9 @@ class Trainer:
             return None
 
     def resume(self) -> Path | None:
-        """Load the checkpoint train.resume asks for (verified on rank 0, the same choice everywhere)."""
-        found: list = [None, []]
-        if self.ctx.is_logging_rank:
-            path, warnings = checkpoint.find(self.checkpoint_root, self.cfg.train.resume)
-            found = [str(path) if path else None, warnings]
-        if self.ctx.distributed:
-            dist.broadcast_object_list(found, src=0)
-        path, warnings = found
+        """Load the checkpoint train.resume asks for (every rank verifies its share of the files; all agree)."""
+        path, warnings = checkpoint.find(self.checkpoint_root, self.cfg.train.resume,
+                                         checkpoint.shared_verify(self.state.checkpoint_group))
         if self.ctx.is_logging_rank:
             for warning in warnings:
                 log.warning(f"checkpoint: {warning}")
