@@ -20,7 +20,7 @@ from kernels.selection import choosing, triton_unavailable_reason
 from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm
 from moe_pretrain.ops import grouped_mm, situ_glu
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
-from moe_pretrain.ops.permute import permute, unpermute
+from parallel.dispatch import LocalTokenDispatcher
 
 
 def synchronize(device: torch.device) -> None:
@@ -51,15 +51,6 @@ def forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> 
     return step
 
 
-def routing(tokens: int, k: int, experts: int, device: torch.device):
-    topk = torch.rand(tokens, experts, device=device).topk(k, dim=1).indices
-    order = torch.argsort(topk.reshape(-1), stable=True)
-    positions = torch.empty_like(order)
-    positions[order] = torch.arange(order.numel(), device=device)
-    counts = torch.bincount(topk.reshape(-1), minlength=experts)
-    return order // k, positions.reshape(tokens, k), counts
-
-
 def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +77,7 @@ def main() -> None:
 
     if reason := triton_unavailable_reason(device) if cuda else "needs CUDA (on a CPU it would time the interpreter)":
         rows.append(("fused SiTU-GLU", "skipped", reason))
-        rows.append(("permute + unpermute kernels", "skipped", reason))
+        rows.append(("dispatch + combine (permute kernels)", "skipped", reason))
     else:
         gate, up = torch.randn(R, F, device=device, dtype=dtype), torch.randn(R, F, device=device, dtype=dtype)
 
@@ -97,16 +88,18 @@ def main() -> None:
             return forward_backward(run, gate, up)
         timed("fused SiTU-GLU fwd+bwd", situ("triton"), situ("torch"), "eager")
         tokens = R // args.top_k
-        token_index, positions, _ = routing(tokens, args.top_k, E, device)
+        topk = torch.rand(tokens, E, device=device).topk(args.top_k, dim=1).indices
         hidden = torch.randn(tokens, L, device=device, dtype=dtype)
         weights = torch.rand(tokens, args.top_k, device=device)
+        dispatcher = LocalTokenDispatcher(E)
 
         def moved(backend):
             def run(h, wt):
                 with choosing(triton=backend):
-                    return unpermute(permute(h, token_index, positions), positions, wt)
+                    rows, _, meta = dispatcher.dispatch(h, topk, wt)
+                    return dispatcher.combine(rows, meta)
             return forward_backward(run, hidden, weights)
-        timed("permute + unpermute fwd+bwd", moved("triton"), moved("torch"), "eager")
+        timed("dispatch + combine fwd+bwd (permute kernels)", moved("triton"), moved("torch"), "eager")
 
     def gemm(choice):
         def run(a, b):

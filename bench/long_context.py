@@ -14,11 +14,14 @@ import argparse
 import tempfile
 import time
 
-from launch.local import every_rank, run_distributed
+import torch.distributed as dist
+
+from launch.local import run_distributed
 from moe_pretrain.activation_memory import activation_bytes
 from moe_pretrain.config import load_config
 from moe_pretrain.memory import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training import Trainer
+from parallel.collectives import gather_objects
 from parallel.state import destroy_parallel, init_parallel
 
 
@@ -37,7 +40,7 @@ def measure(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
                 trainer.train_step()
             row = {"rank": rank, "allocated": allocated.peak - base, "resident": peak_resident_bytes() - before,
                    "seconds": time.perf_counter() - start}
-            return every_rank(row, ctx.distributed)
+            return gather_objects(row, dist.group.WORLD if ctx.distributed else None)
         finally:
             destroy_parallel()
 

@@ -14,10 +14,13 @@ moments are 16 bytes a parameter, so 1.0 is a rank holding nothing but its state
 import argparse
 import tempfile
 
-from launch.local import every_rank, run_distributed
+import torch.distributed as dist
+
+from launch.local import run_distributed
 from moe_pretrain.config import load_config
 from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training import Trainer
+from parallel.collectives import gather_objects
 from parallel.state import destroy_parallel, init_parallel
 
 PHASES = ("build", "step", "save")
@@ -44,7 +47,7 @@ def measure(rank: int, world_size: int, config: str, overrides: list[str]) -> li
             row["save"] = peak_resident_bytes()
             row["params"] = sum(p.numel() for p in trainer.model.parameters())
             row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank
-            return every_rank(row, ctx.distributed)
+            return gather_objects(row, dist.group.WORLD if ctx.distributed else None)
         finally:
             destroy_parallel()
 

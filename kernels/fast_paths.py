@@ -16,20 +16,17 @@ from moe_pretrain.fp8.recipes import describe as describe_fp8
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
 
 
-def _expert_compute_dtype(cfg: Config) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.train.dtype]
-
-
-def grouped_gemm_reason(cfg: Config, device: torch.device) -> str | None:
-    """Why the routed experts' GEMMs (in and out of the latent width) cannot run as torch._grouped_mm."""
+def grouped_gemm_reason(cfg: Config, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the routed experts' GEMMs (in and out of the latent width, in the compute dtype) cannot run as
+    torch._grouped_mm."""
     moe = cfg.model.moe
-    return grouped_kernel_unavailable_reason(device, _expert_compute_dtype(cfg), moe.latent_size,
-                                             moe.expert_intermediate)
+    return grouped_kernel_unavailable_reason(device, dtype, moe.latent_size, moe.expert_intermediate)
 
 
-def configure(cfg: Config, device: torch.device) -> None:
-    """Validate the forced choices for this device and make them the process's (kernels.selection)."""
-    if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device)):
+def configure(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
+    """Validate the forced choices for this device and compute dtype (train.dtype's) and make them the
+    process's (kernels.selection)."""
+    if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device, dtype)):
         raise ConfigError(f"kernels.grouped_gemm=grouped cannot run here: {reason}; use kernels.grouped_gemm=auto")
     if cfg.kernels.kda == "fla" and (reason := fla_unavailable_reason(device)):
         raise ConfigError(f"kernels.kda=fla cannot run here: {reason}; use kernels.kda=auto")
@@ -38,7 +35,7 @@ def configure(cfg: Config, device: torch.device) -> None:
     selection.configure(cfg.kernels, device)
 
 
-def fast_paths(cfg: Config, device: torch.device) -> dict[str, str]:
+def fast_paths(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """Each fast path's state for this run on this device, in words."""
     kda_reason = "kernels.kda=torch" if cfg.kernels.kda == "torch" else fla_unavailable_reason(device)
     triton_reason = selection.triton_unavailable_reason(device)
@@ -48,7 +45,7 @@ def fast_paths(cfg: Config, device: torch.device) -> dict[str, str]:
         triton = "on"
     else:
         triton = f"off ({triton_reason or 'auto takes them on CUDA only'}): PyTorch references"
-    grouped_reason = grouped_gemm_reason(cfg, device)
+    grouped_reason = grouped_gemm_reason(cfg, device, dtype)
     grouped = ("off (kernels.grouped_gemm=loop): one matmul per expert" if cfg.kernels.grouped_gemm == "loop"
                else f"off ({grouped_reason}): one matmul per expert" if grouped_reason
                else "torch._grouped_mm, forward and backward")
@@ -62,5 +59,5 @@ def fast_paths(cfg: Config, device: torch.device) -> dict[str, str]:
     }
 
 
-def describe(cfg: Config, device: torch.device) -> str:
-    return "fast paths: " + "; ".join(f"{name}: {state}" for name, state in fast_paths(cfg, device).items())
+def describe(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
+    return "fast paths: " + "; ".join(f"{name}: {state}" for name, state in fast_paths(cfg, device, dtype).items())

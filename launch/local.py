@@ -70,13 +70,3 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     result_file.parent.rmdir()
     return result
 
-
-def every_rank(row, distributed: bool) -> list:
-    """[row] on one process; every rank's row, in rank order, under torch.distributed (collective)."""
-    if not distributed:
-        return [row]
-    import torch.distributed as dist
-
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, row)
-    return rows

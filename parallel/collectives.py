@@ -57,6 +57,16 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     return out
 
 
+def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:
+    """Every rank's picklable obj, in rank order, on every rank ([obj] without a group). For small per-rank
+    reports (failures, file lists, bench rows), never per-step state."""
+    if group_size(group) == 1:
+        return [obj]
+    objects: list = [None] * group_size(group)
+    dist.all_gather_object(objects, obj, group=group)
+    return objects
+
+
 def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group_size(group) == 1:
         return x

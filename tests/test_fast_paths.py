@@ -14,23 +14,23 @@ CPU = torch.device("cpu")
 
 def test_forced_fast_paths_that_cannot_run_are_refused_naming_the_key(monkeypatch):
     with pytest.raises(ConfigError, match=r"kernels\.grouped_gemm=grouped cannot run here: .*float64"):
-        configure(tiny_config("kernels.grouped_gemm=grouped", "train.dtype=float64"), CPU)
+        configure(tiny_config("kernels.grouped_gemm=grouped", "train.dtype=float64"), CPU, torch.float64)
     with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's Triton kernels need CUDA"):
-        configure(tiny_config("kernels.kda=fla"), CPU)
+        configure(tiny_config("kernels.kda=fla"), CPU, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match=r"kernels\.triton=triton cannot run here: device cpu needs TRITON_INTERPRET"):
-        configure(tiny_config("kernels.triton=triton"), CPU)
+        configure(tiny_config("kernels.triton=triton"), CPU, torch.float32)
 
 
 def test_the_report_names_each_fast_path_and_why_it_is_off():
     cfg = tiny_config("precision.fp8=blockwise", "kernels.triton=torch", "kernels.kda=torch")
     with selection.choosing():
-        configure(cfg, CPU)
-        text = describe(cfg, CPU)
+        configure(cfg, CPU, torch.float32)
+        text = describe(cfg, CPU, torch.float32)
     assert "KDA: PyTorch chunk form (kernels.kda=torch)" in text
     assert "FP8: blockwise on the routed experts' GEMMs via exact CPU emulation" in text
     assert "grouped GEMM: torch._grouped_mm, forward and backward (unused by the FP8 expert GEMMs" in text
     assert "Triton kernels (SiTU-GLU, MoE permute): off (kernels.triton=torch)" in text
     loop = tiny_config("kernels.grouped_gemm=loop")
-    assert "grouped GEMM: off (kernels.grouped_gemm=loop): one matmul per expert" in describe(loop, CPU)
-    assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in describe(loop, CPU)
+    assert "grouped GEMM: off (kernels.grouped_gemm=loop): one matmul per expert" in describe(loop, CPU, torch.float32)
+    assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in describe(loop, CPU, torch.float32)

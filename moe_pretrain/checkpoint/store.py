@@ -37,6 +37,7 @@ from moe_pretrain.checkpoint.manifest import (
     write_durably,
     write_manifest,
 )
+from parallel.collectives import gather_objects
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
 WRITE_THREADS = 4
@@ -87,12 +88,8 @@ def checkpoint_timeout(base_s: float, state_bytes: int, floor_bytes_per_s: float
 
 
 def _gather(report: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's report, in rank order, on every rank."""
-    if not dist.is_initialized():
-        return [report]
-    reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, report, group=group)
-    return reports
+    """Every rank's report, in rank order, on every rank (group None: the default group, if any)."""
+    return gather_objects(report, group or (dist.group.WORLD if dist.is_initialized() else None))
 
 
 def _rank() -> int:

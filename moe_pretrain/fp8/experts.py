@@ -4,7 +4,9 @@ Shape legend: R rows grouped by expert (counts[e] of expert e), I in features, O
 y_e = x_e W_e^T; dx_e = dy_e W_e; dW_e = dy_e^T x_e. Every operand is quantized for the GEMM it enters,
 along that GEMM's contracted dimension (recipes.py), from the high-precision tensors the forward saved:
 weights stay high precision in the model and in checkpoints, and only the GEMM inputs are FP8. Each expert
-has its own scales (as Transformer Engine's grouped linear gives each GEMM its own). The loop reads the
+has its own scales (as Transformer Engine's grouped linear gives each GEMM its own). Where the recipe's
+weight blocks are symmetric (tensorwise, delayed, blockwise's 128x128) the backward reuses the forward's
+FP8 weights, transposed, instead of quantizing every expert's weights a second time. The loop reads the
 counts on the host, as TE's grouped linear does with its m_splits.
 
 Delayed scaling keeps, per expert and per tensor (x, w, dy of each of the three expert GEMMs), the largest
@@ -71,15 +73,18 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI, w_EOI, counts, fp8, name):
         out = x_RI.new_empty(x_RI.shape[0], w_EOI.shape[1])
+        weights: dict[int, Quantized] = {}
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                out[rows] = scaled_matmul(fp8.quantize(x_RI[rows], f"{name}.x", e),
-                                          fp8.quantize(w_EOI[e], f"{name}.w", e, weight=True), x_RI.dtype)
+                weights[e] = fp8.quantize(w_EOI[e], f"{name}.w", e, weight=True)
+                out[rows] = scaled_matmul(fp8.quantize(x_RI[rows], f"{name}.x", e), weights[e], x_RI.dtype)
             start += n
         ctx.save_for_backward(x_RI, w_EOI)
         ctx.counts, ctx.fp8, ctx.name = counts, fp8, name
+        # Kept for dx = dy W where transposing them is exact (FP8 bytes: a quarter of the fp32 weights).
+        ctx.weights = weights if fp8.recipe.weight_transposable else None
         return out
 
     @staticmethod
@@ -93,8 +98,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 rows = slice(start, start + n)
                 dy = grad_RO[rows]
                 # dx = dy W: contracted over O. dW = dy^T x: contracted over the expert's rows.
-                grad_x[rows] = scaled_matmul(fp8.quantize(dy, f"{name}.dy", e, grad=True),
-                                             fp8.quantize(w_EOI[e].T, f"{name}.w", e, weight=True), x_RI.dtype)
+                w_T = (ctx.weights[e].transposed() if ctx.weights is not None
+                       else fp8.quantize(w_EOI[e].T, f"{name}.w", e, weight=True))
+                grad_x[rows] = scaled_matmul(fp8.quantize(dy, f"{name}.dy", e, grad=True), w_T, x_RI.dtype)
                 grad_w[e] = scaled_matmul(fp8.quantize(dy.T, f"{name}.dy", e, grad=True),
                                           fp8.quantize(x_RI[rows].T, f"{name}.x", e), w_EOI.dtype)
             start += n

@@ -30,10 +30,17 @@ class Quantized:
     block: tuple[int, int]
 
     def dequantize(self) -> torch.Tensor:
-        rows, cols = self.data.shape
-        br, bc = self.block
-        scale = self.scale_inv.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
-        return self.data.float() * scale
+        return self.data.float() * _per_element(self.scale_inv, self.block, self.data.shape)
+
+    def transposed(self) -> "Quantized":
+        """The same values as the operand [K, M]: the FP8 data and block scales transposed, no requantizing."""
+        return Quantized(self.data.T, self.scale_inv.T, (self.block[1], self.block[0]))
+
+
+def _per_element(scale_inv: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """Block scales [ceil(M/br), ceil(K/bc)] spread to every element of an [M, K] operand."""
+    rows, cols = shape
+    return scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
 def block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -56,9 +63,8 @@ def quantize(t: torch.Tensor, block: Block, dtype: torch.dtype, *, power_of_two:
     scale_inv = scale_inv.clamp_min(_TINY) / fp8_max(dtype)
     if power_of_two:
         scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
-    expanded = scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     limit = fp8_max(dtype)
-    data = (t.float() / expanded).clamp(-limit, limit).to(dtype)
+    data = (t.float() / _per_element(scale_inv, block, t.shape)).clamp(-limit, limit).to(dtype)
     return Quantized(data, scale_inv, block)
 
 

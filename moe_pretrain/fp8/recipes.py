@@ -38,6 +38,12 @@ class Recipe:
     forward_dtype: torch.dtype = torch.float8_e4m3fn
 
     @property
+    def weight_transposable(self) -> bool:
+        """The weight's scale blocks are symmetric (one per tensor, or square), so its forward quantization,
+        transposed, is exactly what the dx = dy W GEMM would quantize (no second pass over the weights)."""
+        return self.weight_block is None or self.weight_block[0] == self.weight_block[1]
+
+    @property
     def tensorwise(self) -> bool:
         """One scale per operand: the GEMM can run as torch's tensorwise scaled_mm."""
         return self.activation_block is None and self.weight_block is None

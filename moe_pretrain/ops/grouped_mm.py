@@ -22,7 +22,6 @@ from kernels.selection import active
 _ALIGNMENT_BYTES = 16
 
 
-@functools.cache
 def _kernel_fails(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run the three grouped GEMMs of a forward and backward once on a tiny problem: which devices and dtypes
     the installed torch's _grouped_mm takes varies by release, so ask it rather than a version table."""
@@ -38,9 +37,11 @@ def _kernel_fails(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+@functools.cache
 def grouped_kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, in_features: int,
                                       out_features: int) -> str | None:
-    """Why torch._grouped_mm cannot run these GEMMs (forward and backward); None when it can."""
+    """Why torch._grouped_mm cannot run these GEMMs (forward and backward); None when it can. Cached: the
+    ops ask once per device, dtype and widths, not at every GEMM."""
     if device.type == "cuda":
         if dtype != torch.bfloat16:
             return f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}"

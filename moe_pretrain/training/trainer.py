@@ -38,7 +38,7 @@ from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.watchdog import StepWatchdog
-from parallel.collectives import all_reduce_sum
+from parallel.collectives import all_reduce_max, all_reduce_sum
 from parallel.context_parallel import ContextParallel, NoContextParallel
 from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
@@ -91,12 +91,12 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
         self.ctx = ctx or ParallelContext.single()
         resolve_layout(cfg, self.ctx.layout.world_size)
-        configure_fast_paths(cfg, self.ctx.device)
+        self.dtype = DTYPES[cfg.train.dtype]
+        configure_fast_paths(cfg, self.ctx.device, self.dtype)
         self.cfg = cfg
         self.data = PretrainingData(cfg)
         check_vocabulary(cfg, self.data)
         self.device = self.ctx.device
-        self.dtype = DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
         enable_fp8(self.state.model, cfg.precision.fp8, cfg.precision.fp8_amax_history)
@@ -120,8 +120,8 @@ class Trainer:
         self._flops_per_token: dict[int, float] = {}
 
     def _checkpoint_timeout(self) -> timedelta:
-        largest = torch.tensor([self.state.state_bytes()], dtype=torch.float64, device=self.device)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        largest = all_reduce_max(torch.tensor([self.state.state_bytes()], dtype=torch.float64, device=self.device),
+                                 dist.group.WORLD)
         limit = checkpoint.checkpoint_timeout(self.cfg.parallel.timeout_s, int(largest.item()),
                                               self.cfg.checkpoint.io_floor_mb_s * 1e6)
         log.debug(f"checkpoint collectives time out after {limit.total_seconds():.0f} s")
