@@ -10,7 +10,7 @@ from moe_pretrain.config import ConfigError
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data import tokenizer as tok
 from moe_pretrain.data.embedded import split_text
-from moe_pretrain.data.packing import Document, SequencePacker
+from moe_pretrain.data.packing import DocumentRef, RowPlan, Segment, SequencePacker, assemble_row
 from moe_pretrain.data.patches import patchify
 from moe_pretrain.data.stdlib_corpus import stdlib_source_files
 from moe_pretrain.data.synthetic_images import make_image
@@ -53,22 +53,39 @@ def test_images_are_deterministic_and_captioned():
 
 
 def test_packer_keeps_boundaries_and_never_cuts_images():
-    image = Document(np.array([tok.BOS, tok.IMAGE_START, tok.IMAGE_PATCH, tok.IMAGE_END, 65, tok.EOS]),
-                     np.ones((1, 3), np.float32), ("images", 0))
-    text = Document(np.array([tok.BOS, *range(97, 97 + 8), tok.EOS]), None, ("text", 5))
+    image_tokens = np.array([tok.BOS, tok.IMAGE_START, tok.IMAGE_PATCH, tok.IMAGE_END, 65, tok.EOS])
+    text_tokens = np.array([tok.BOS, *range(97, 97 + 8), tok.EOS])
+    image, text = DocumentRef(("images", 0), 6, True), DocumentRef(("text", 5), 10, False)
     documents = itertools.cycle([text, image])
-    packer = SequencePacker(lambda: next(documents), seq_len=14, pad_id=tok.PAD)
-    row1, row2 = packer.next_row(), packer.next_row()
+    packer = SequencePacker(lambda: next(documents), seq_len=14)
+    plan1, plan2 = packer.next_row(), packer.next_row()
     # Row 1: text (10 tokens), then the 6-token image does not fit the 5 left: padding.
-    assert row1.tokens.tolist() == [*text.tokens, *[tok.PAD] * 5]
-    assert row1.doc_ids.tolist() == [0] * 10 + [1] * 5 and row1.patches == []
+    assert plan1 == RowPlan([Segment(("text", 5), 0, 10, False)], 5)
     # Row 2: the image, then the text cut after 9 of its 10 tokens.
-    assert row2.tokens.tolist() == [*image.tokens, *text.tokens[:9]]
-    assert row2.doc_ids.tolist() == [0] * 6 + [1] * 9 and len(row2.patches) == 1
+    assert plan2 == RowPlan([Segment(("images", 0), 0, 6, True), Segment(("text", 5), 0, 9, False)], 0)
     # The cut text continues as a new segment, and remembers where it came from (for resume).
-    assert (packer.pending.origin, packer.pending.offset) == (("text", 5), 9)
-    row3 = packer.next_row()
-    assert row3.tokens[0] == text.tokens[9]
+    assert (packer.pending.origin, packer.pending.offset, packer.pending.length) == (("text", 5), 9, 1)
+    assert packer.next_row().segments[0] == Segment(("text", 5), 9, 1, False)
+
+    documents = {("images", 0): (image_tokens, np.ones((1, 3), np.float32)), ("text", 5): (text_tokens, None)}
+    row1, row2 = (assemble_row(plan, documents.__getitem__, tok.PAD) for plan in (plan1, plan2))
+    assert row1.tokens.tolist() == [*text_tokens, *[tok.PAD] * 5]
+    assert row1.doc_ids.tolist() == [0] * 10 + [1] * 5 and row1.patches == []
+    assert row2.tokens.tolist() == [*image_tokens, *text_tokens[:9]]
+    assert row2.doc_ids.tolist() == [0] * 6 + [1] * 9 and len(row2.patches) == 1
+
+
+def test_ranks_without_patches_read_the_same_tokens_and_no_pixels(monkeypatch):
+    """A pipeline's later stages get the same tokens, labels and image mask, and never read a pixel."""
+    cfg = tiny_config("data.image_fraction=0.3", "data.seq_len=128", "data.text_doc_bytes=256")
+    full = PretrainingData(cfg).next_batch(8)
+    data = PretrainingData(cfg)
+    for dataset in data.datasets.values():
+        monkeypatch.setattr(dataset, "images", None)  # any pixel read would now fail
+    light = data.next_batch(8, with_patches=False)
+    assert int(full.image_mask.sum()) > 0 and light.patches.shape == (0, 48)
+    for name in ("tokens", "labels", "doc_ids", "image_mask"):
+        assert torch.equal(getattr(full, name), getattr(light, name)), name
 
 
 def test_batches_mask_non_text_and_cross_document_targets():
@@ -91,19 +108,19 @@ def test_embedded_images_round_trip_through_the_dataset():
     cfg = tiny_config("data.image_fraction=1.0", "data.seq_len=128")
     data = PretrainingData(cfg)
     doc = data._next_document()
-    record = doc.origin[1]
-    image, caption = make_image(cfg.data.seed, record, cfg.data.image_size)
-    assert np.abs(doc.patches - patchify(image, 4)).max() <= 1 / 127.5 + 1e-6
-    assert tok.decode(doc.tokens.tolist()).endswith(caption + "<eos>")
-    assert (doc.tokens == tok.IMAGE_PATCH).sum() == len(doc.patches) == 4
+    tokens, patches = data.read_document(doc.origin)
+    image, caption = make_image(cfg.data.seed, doc.origin[1], cfg.data.image_size)
+    assert np.abs(patches - patchify(image, 4)).max() <= 1 / 127.5 + 1e-6
+    assert tok.decode(tokens.tolist()).endswith(caption + "<eos>")
+    assert (tokens == tok.IMAGE_PATCH).sum() == len(patches) == 4 and len(tokens) == doc.length
 
 
 def test_image_token_share_follows_config():
     cfg = tiny_config("data.image_fraction=0.25")
     data = PretrainingData(cfg)
     docs = [data._next_document() for _ in range(400)]
-    image_tokens = sum(len(d.tokens) for d in docs if d.is_image)
-    share = image_tokens / sum(len(d.tokens) for d in docs)
+    image_tokens = sum(d.length for d in docs if d.is_image)
+    share = image_tokens / sum(d.length for d in docs)
     assert abs(share - 0.25) < 0.02, share  # the mixer tracks the share to within one text document
 
 

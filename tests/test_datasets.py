@@ -121,8 +121,8 @@ def test_blend_token_shares_follow_the_weights(tmp_path):
     b = lettered_dataset(tmp_path, "b", "b", [10, 200] * 20)
     cfg = tiny_config(f"data.blend=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]")
     docs = drawn_tokens(PretrainingData(cfg), 600)
-    from_a = sum(len(d.tokens) for d in docs if d.origin[0] == a)
-    share = from_a / sum(len(d.tokens) for d in docs)
+    from_a = sum(d.length for d in docs if d.origin[0] == a)
+    share = from_a / sum(d.length for d in docs)
     assert abs(share - 0.7) < 0.01, share  # greedy token share: within one document of the target
 
 
@@ -135,11 +135,11 @@ def test_long_document_share_per_stage(tmp_path):
     cfg = tiny_config(stages, "train.steps=4", f"data.blend=[{{path: {path}}}]")
     data = PretrainingData(cfg)
     natural = drawn_tokens(data, 500)
-    natural_share = sum(len(d.tokens) for d in natural if len(d.tokens) >= 80) / sum(len(d.tokens) for d in natural)
+    natural_share = sum(d.length for d in natural if d.length >= 80) / sum(d.length for d in natural)
     assert abs(natural_share - 160 / 1260) < 0.02, natural_share
     data.set_stage(1)
     upsampled = drawn_tokens(data, 500)
-    share = sum(len(d.tokens) for d in upsampled if len(d.tokens) >= 80) / sum(len(d.tokens) for d in upsampled)
+    share = sum(d.length for d in upsampled if d.length >= 80) / sum(d.length for d in upsampled)
     assert abs(share - 0.5) < 0.02, share
     bad = tiny_config(stages.replace("long_doc_tokens: 80", "long_doc_tokens: 500"), "train.steps=4",
                       f"data.blend=[{{path: {path}}}]")

@@ -39,9 +39,14 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
         dist.all_gather(everyone, biases, group=ctx.tp_dp_group)
         identical = all(torch.equal(b, everyone[0]) for b in everyone)
         losses = [(h["loss"], h["grad_norm"]) for h in history]
-        return losses, state, identical, trainer.optimizer.state_bytes()
+        return losses, state, identical, trainer.optimizer.state_bytes(), expert_loads(history)
     finally:
         destroy_parallel()
+
+
+def expert_loads(history: list[dict]) -> list[dict[str, float]]:
+    """Per step, every MoE layer's mean expert load: on the logging rank, from all pipeline stages."""
+    return [{layer: stats["load_mean"] for layer, stats in h["moe"].items()} for h in history]
 
 
 def single_process(tmp_path, dtype):
@@ -72,10 +77,12 @@ def single_process(tmp_path, dtype):
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))
-    ref_losses = [(h["loss"], h["grad_norm"]) for h in trainer.run()]
+    ref_history = trainer.run()
+    ref_losses = [(h["loss"], h["grad_norm"]) for h in ref_history]
     ref_state = trainer.model.state_dict()
-    losses, state, identical, _ = run_distributed(
+    losses, state, identical, _, loads = run_distributed(
         train_worker, world_size, str(tmp_path / "parallel"), "float64", overrides)
+    assert loads == expert_loads(ref_history)  # every layer's health reaches the log, whichever stage holds it
     # Losses and global gradient norms (clipping counts every element once, whatever the layout).
     assert [x for pair in losses for x in pair] == pytest.approx([x for pair in ref_losses for x in pair], rel=1e-9)
     assert state.keys() == ref_state.keys()
@@ -88,7 +95,7 @@ def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
 @pytest.mark.parametrize("overrides", [["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"]], ids=["ep2", "tp2xep2"])
 def test_fp32_layout_matches(tmp_path, overrides):
     ref_losses, ref_state, _ = single_process(tmp_path, "float32")
-    losses, state, identical, _ = run_distributed(
+    losses, state, identical, _, _ = run_distributed(
         train_worker, 2, str(tmp_path / "parallel"), "float32", overrides)
     assert [x for pair in losses for x in pair] == pytest.approx([x for pair in ref_losses for x in pair], rel=1e-4)
     for name, tensor in ref_state.items():
@@ -99,6 +106,6 @@ def test_fp32_layout_matches(tmp_path, overrides):
 @pytest.mark.timeout(300)
 def test_zero1_shards_optimizer_state(tmp_path):
     _, _, single_bytes = single_process(tmp_path, "float64")
-    _, _, _, dp2_bytes = run_distributed(train_worker, 2, str(tmp_path / "parallel"), "float64", [])
+    _, _, _, dp2_bytes, _ = run_distributed(train_worker, 2, str(tmp_path / "parallel"), "float64", [])
     # Master slice + two Adam moments per element, now for half of them (plus bucket padding).
     assert 0.49 < dp2_bytes / single_bytes < 0.52, (dp2_bytes, single_bytes)

@@ -77,6 +77,9 @@ class DataConfig:
     """Embedded corpus: side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
     seed: int = 1234
     """Document order (a fresh permutation of every dataset each epoch) and the synthetic images."""
+    prefetch: bool = True
+    """Prepare the next step's batches in a background thread while the current step computes (the
+    metrics' data_wait_s is what a step still waits); false = prepare them inside the step."""
 
     def __post_init__(self) -> None:
         require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size, image_size=self.image_size,

@@ -12,10 +12,10 @@ import torch
 
 from moe_pretrain.config import BlendConfig, Config, ConfigError
 from moe_pretrain.data.embedded import embedded_blend
-from moe_pretrain.data.indexed import IndexedDocuments
+from moe_pretrain.data.indexed import DataError, IndexedDocuments
 from moe_pretrain.data.mixture import DocumentMixture, PoolShare, split_pools
-from moe_pretrain.data.packing import Document, PackedRow, SequencePacker
-from moe_pretrain.data.patches import expand_images, patches_per_image
+from moe_pretrain.data.packing import DocumentRef, PackedRow, SequencePacker, assemble_row
+from moe_pretrain.data.patches import expand_image_tokens, expand_images, patches_per_image
 from moe_pretrain.data.vocabulary import Vocabulary
 
 IGNORE_INDEX = -100
@@ -32,7 +32,8 @@ class Batch:
     image_mask: torch.Tensor
     """[B, T] bool, True at image patch inputs."""
     patches: torch.Tensor
-    """[P, patch_dim] float32, one per True in image_mask, in row-major order."""
+    """[P, patch_dim] float32, one per True in image_mask, in row-major order; [0, patch_dim] on a rank
+    that does not embed images (a pipeline's later stages), which never reads their pixels."""
 
     @property
     def loss_tokens(self) -> int:
@@ -59,7 +60,7 @@ class Batch:
                                                 self.patches)))
 
 
-def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary) -> Batch:
+def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary, with_patches: bool = True) -> Batch:
     tokens = np.stack([r.tokens for r in rows])
     doc_ids = np.stack([r.doc_ids for r in rows])
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -68,7 +69,7 @@ def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary) -> B
     labels = np.where(text_target & same_doc, targets, IGNORE_INDEX)
     image_mask = inputs == vocab.image_patch
     patches = []
-    for row, mask in zip(rows, image_mask):
+    for row, mask in zip(rows, image_mask) if with_patches else ():
         patches.extend(row.patches[: int(mask.sum())])  # a patch at the row's last position is label-only
     patch_array = np.stack(patches).astype(np.float32) if patches else np.zeros((0, patch_dim), np.float32)
     return Batch(
@@ -100,6 +101,8 @@ class PretrainingData:
         self.cfg = cfg
         self.patch_size, self.patch_dim = cfg.model.vision.patch_size, cfg.model.vision.patch_dim
         self.datasets: dict[str, IndexedDocuments] = {}
+        self.lengths: dict[str, np.ndarray] = {}
+        """Dataset path -> every document's length in tokens, images expanded: all the packer reads."""
         self.names: dict[str, str] = {}
         """Dataset path -> the name positions are saved under (cached corpora: their file name)."""
         self._embedded: list[BlendConfig] | None = None
@@ -110,7 +113,7 @@ class PretrainingData:
         """Documents drawn so far from each pool (by pool key): with the mixture counters, the position."""
         self.mixture_index = 0
         self.rows = 0
-        self.packer = SequencePacker(self._next_document, self.plans[0].seq_len, self.vocabulary.pad)
+        self.packer = SequencePacker(self._next_document, self.plans[0].seq_len)
 
     def _plans(self) -> list[MixturePlan]:
         data = self.cfg.data
@@ -154,8 +157,8 @@ class PretrainingData:
         shares: list[PoolShare] = []
         for entry in blend:
             dataset = self._open(entry.path)
-            per_image = patches_per_image(dataset.image_shape, self.patch_size) if dataset.image_shape else 0
-            lengths = dataset.document_lengths(per_image)
+            lengths = dataset.document_lengths(self._patches_per_image(dataset))
+            self.lengths[entry.path] = lengths
             with_images = np.flatnonzero(dataset.images_per_document > 0)
             if with_images.size and lengths[with_images].max() > plan.seq_len + 1:
                 record = int(with_images[np.argmax(lengths[with_images])])
@@ -173,18 +176,39 @@ class PretrainingData:
     def vocabulary(self) -> Vocabulary:
         return next(iter(self.datasets.values())).vocabulary
 
-    def _read(self, prefix: str, record: int, offset: int = 0) -> Document:
-        raw = self.datasets[prefix].document(record)
-        tokens, patches = expand_images(raw.tokens, raw.images, self.vocabulary, self.patch_size)
-        return Document(tokens[offset:], patches, (prefix, record), offset)
+    def _patches_per_image(self, dataset: IndexedDocuments) -> int:
+        return patches_per_image(dataset.image_shape, self.patch_size) if dataset.image_shape else 0
 
-    def _next_document(self) -> Document:
+    def _reference(self, prefix: str, record: int, offset: int = 0) -> DocumentRef:
+        dataset = self.datasets[prefix]
+        return DocumentRef((prefix, record), int(self.lengths[prefix][record]) - offset,
+                           bool(dataset.images_per_document[record]), offset)
+
+    def read_document(self, origin: tuple[str, int], with_patches: bool = True) -> tuple[np.ndarray,
+                                                                                       np.ndarray | None]:
+        """A whole document's tokens (images expanded) and its patches (None for text, or without patches:
+        then its pixels are not even read)."""
+        prefix, record = origin
+        dataset = self.datasets[prefix]
+        raw = dataset.document(record, with_images=with_patches)
+        if with_patches:
+            tokens, patches = expand_images(raw.tokens, raw.images, self.vocabulary, self.patch_size)
+        else:
+            count = int(dataset.images_per_document[record])
+            tokens = expand_image_tokens(raw.tokens, [self._patches_per_image(dataset)] * count, self.vocabulary)
+            patches = None
+        if len(tokens) != self.lengths[prefix][record]:
+            raise DataError(f"{prefix}: record {record} reads as {len(tokens)} tokens, its index says "
+                            f"{int(self.lengths[prefix][record])}")
+        return tokens, patches
+
+    def _next_document(self) -> DocumentRef:
         mixture = self.mixtures[self.mixture_index]
         pool = mixture.pick()
         k = self.drawn.get(pool.key, 0)
         self.drawn[pool.key] = k + 1
-        doc = self._read(pool.dataset.prefix, pool.document_id(k))
-        mixture.record(pool, len(doc.tokens))
+        doc = self._reference(pool.dataset.prefix, pool.document_id(k))
+        mixture.record(pool, doc.length)
         return doc
 
     def max_patches_per_row(self, index: int) -> int:
@@ -209,18 +233,25 @@ class PretrainingData:
         self.mixture_index = index
         self.packer.row_len = self.plans[index].seq_len + 1
 
-    def next_batch(self, rows: int, shard: int = 0, num_shards: int = 1) -> Batch:
+    def next_batch(self, rows: int, shard: int = 0, num_shards: int = 1, with_patches: bool = True) -> Batch:
         """The next `rows` rows of the global stream, or data-parallel shard `shard` of them.
 
-        Every rank packs the same global rows and keeps its contiguous slice, so the global batch,
-        and with it the training, is the same for any data-parallel size.
+        Every rank plans the same global rows (from document lengths only) and reads, packs and cuts
+        images into patches for its contiguous slice alone, so the global batch, and with it the
+        training, is the same for any data-parallel size. with_patches=False: no pixels are read.
         """
         if rows % num_shards:
             raise ValueError(f"{rows} rows cannot be split into {num_shards} data-parallel shards")
-        packed = [self.packer.next_row() for _ in range(rows)]
+        plans = [self.packer.next_row() for _ in range(rows)]
         self.rows += rows
         per_shard = rows // num_shards
-        return rows_to_batch(packed[shard * per_shard:(shard + 1) * per_shard], self.patch_dim, self.vocabulary)
+        vocab = self.vocabulary
+
+        def read(origin: tuple[str, int]) -> tuple[np.ndarray, np.ndarray | None]:
+            return self.read_document(origin, with_patches)
+
+        own = [assemble_row(plan, read, vocab.pad) for plan in plans[shard * per_shard:(shard + 1) * per_shard]]
+        return rows_to_batch(own, self.patch_dim, vocab, with_patches)
 
     def state(self) -> dict:
         """The stream's position (JSON): counters only, so resuming costs the same at any point of a run."""
@@ -241,6 +272,6 @@ class PretrainingData:
         pending = state["pending"]
         if pending:
             paths = {name: path for path, name in self.names.items()}
-            self.packer.pending = self._read(paths[pending[0]], pending[1], pending[2])
+            self.packer.pending = self._reference(paths[pending[0]], pending[1], pending[2])
         else:
             self.packer.pending = None

@@ -181,14 +181,15 @@ class IndexedDocuments:
         body = self.tokens.index.sequence_lengths.astype(np.int64)
         return body + 2 + self.images_per_document * patches_per_image
 
-    def document(self, index: int) -> Document:
+    def document(self, index: int, with_images: bool = True) -> Document:
+        """Record `index`; without its images' pixels (images empty) when with_images is False."""
         vocab = self.vocabulary
         body = self.tokens[index].astype(np.int64)
         if body.size and body.max() >= vocab.size:
             raise DataError(f"{self.prefix}.bin: record {index} holds token id {int(body.max())}, outside the "
                             f"vocabulary of {vocab.size} ({vocab.kind})")
         images = []
-        if self.images is not None:
+        if self.images is not None and with_images:
             start, end = self.images.index.document_indices[index:index + 2]
             pixels = int(np.prod(self.image_shape))
             for i in range(start, end):
@@ -197,7 +198,7 @@ class IndexedDocuments:
                     raise DataError(f"{self.prefix}.images.bin: record {index} has an image of {flat.size} values, "
                                     f"expected {list(self.image_shape)} = {pixels}")
                 images.append(flat.reshape(self.image_shape))
-        if int((body == vocab.image_start).sum()) != len(images):
-            raise DataError(f"{self.prefix}.bin: record {index} has {int((body == vocab.image_start).sum())} image "
-                            f"markers but {len(images)} images")
+        markers, indexed = int((body == vocab.image_start).sum()), int(self.images_per_document[index])
+        if markers != indexed:
+            raise DataError(f"{self.prefix}.bin: record {index} has {markers} image markers but {indexed} images")
         return Document(np.concatenate([[vocab.bos], body, [vocab.eos]]), images)

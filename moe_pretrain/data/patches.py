@@ -20,16 +20,24 @@ def patches_per_image(image_shape: tuple[int, ...], patch_size: int) -> int:
     return (H // patch_size) * (W // patch_size)
 
 
+def expand_image_tokens(tokens: np.ndarray, patch_counts: list[int], vocab: Vocabulary) -> np.ndarray:
+    """Put each image's patch tokens (patch_counts[i] of them) after its IMAGE_START: the token stream of
+    a document with images, which needs no pixels (ranks that do not embed images never read them)."""
+    if not patch_counts:
+        return tokens
+    pieces, start = [], 0
+    for marker, count in zip(np.flatnonzero(tokens == vocab.image_start), patch_counts):
+        pieces += [tokens[start:marker + 1], np.full(count, vocab.image_patch, dtype=np.int64)]
+        start = marker + 1
+    pieces.append(tokens[start:])
+    return np.concatenate(pieces)
+
+
 def expand_images(tokens: np.ndarray, images: list[np.ndarray], vocab: Vocabulary,
                   patch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Put each image's patch tokens between its IMAGE_START and IMAGE_END; pixels (uint8) become
-    [-1, 1] floats. -> (tokens, [P, patch_dim] float32 patches or None for a text document)."""
+    """Tokens with each image's patch tokens in place, and the patches: pixels (uint8) become [-1, 1]
+    floats. -> (tokens, [P, patch_dim] float32 patches or None for a text document)."""
     if not images:
         return tokens, None
     patches = [patchify(image.astype(np.float32) / 127.5 - 1.0, patch_size) for image in images]
-    pieces, start = [], 0
-    for marker, image_patches in zip(np.flatnonzero(tokens == vocab.image_start), patches):
-        pieces += [tokens[start:marker + 1], np.full(len(image_patches), vocab.image_patch, dtype=np.int64)]
-        start = marker + 1
-    pieces.append(tokens[start:])
-    return np.concatenate(pieces), np.concatenate(patches)
+    return expand_image_tokens(tokens, [len(p) for p in patches], vocab), np.concatenate(patches)

@@ -25,11 +25,13 @@ from kernels.fast_paths import configure as configure_fast_paths
 from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
+from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.fp8 import advance_amax_histories, enable_fp8
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
+from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
 from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
@@ -57,6 +59,8 @@ class StepResult:
     stage: str
     skipped: bool
     cp: int = 1
+    data_wait_s: float = 0.0
+    """Seconds the step waited for its batches (near zero when they were prepared in the background)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class Trainer:
         self.cfg = cfg
         self.data = PretrainingData(cfg)
         check_vocabulary(cfg, self.data)
+        self.batches = BatchPrefetcher(self.data, background=cfg.data.prefetch)
         self.device = self.ctx.device
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
@@ -157,13 +162,16 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def step_plan(self) -> StepPlan:
+    def step_plan(self, step: int | None = None, tokens_seen: int | None = None) -> StepPlan:
+        """The plan of the step after `step` steps and `tokens_seen` tokens (default: the next one)."""
         cfg = self.cfg
+        step = self.step if step is None else step
+        tokens_seen = self.tokens_seen if tokens_seen is None else tokens_seen
         if not cfg.stages:
             return StepPlan(cfg.data.seq_len, cfg.data.batch_size, cfg.data.micro_batches,
-                            learning_rate(self.step, cfg.train.steps, cfg.optim), "main", None,
+                            learning_rate(step, cfg.train.steps, cfg.optim), "main", None,
                             cp=cfg.parallel.cp, recompute=cfg.train.recompute)
-        point = stage_at(cfg.stages, self.tokens_seen)
+        point = stage_at(cfg.stages, tokens_seen)
         stage = point.stage
         return StepPlan(stage.seq_len, stage.rows, stage.micro_batches, stage_learning_rate(point), stage.name,
                         point.end_tokens, point.index, stage.rope_theta, stage.cp or cfg.parallel.cp,
@@ -190,13 +198,21 @@ class Trainer:
             if isinstance(module, GatedMLA):
                 module.rope_theta = theta
 
-    def _next_micro_batches(self, plan: StepPlan):
-        ctx = self.ctx
-        self.data.set_stage(plan.stage_index)
-        rows = plan.rows // plan.micro_batches
-        data_parallel = ctx.context(plan.cp)
-        return [self.data.next_batch(rows, shard=data_parallel.dp_rank, num_shards=data_parallel.dp_size)
-                .to(self.device) for _ in range(plan.micro_batches)]
+    def _batch_request(self, plan: StepPlan) -> BatchRequest:
+        """This rank's rows of the plan's batches; only ranks that embed images read their pixels."""
+        data_parallel = self.ctx.context(plan.cp)
+        with_patches = self.pipeline is None or self.pipeline.holds_first
+        return BatchRequest(plan.stage_index, plan.rows // plan.micro_batches, plan.micro_batches,
+                            data_parallel.dp_rank, data_parallel.dp_size, with_patches)
+
+    def _next_micro_batches(self, plan: StepPlan) -> list[Batch]:
+        """This step's batches, then the next step's started in the background (unless this is the last)."""
+        batches = self.batches.take(self._batch_request(plan))
+        if self.step + 1 < (self.cfg.train.exit_at_step or self.cfg.train.steps):
+            step_tokens = plan.rows * plan.seq_len
+            self.batches.prepare_ahead(self._batch_request(self.step_plan(self.step + 1,
+                                                                          self.tokens_seen + step_tokens)))
+        return [batch.to(self.device) for batch in batches]
 
     def train_step(self) -> StepResult:
         cfg, ctx = self.cfg, self.ctx
@@ -234,7 +250,7 @@ class Trainer:
         step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
-                          plan.stage, skipped, plan.cp)
+                          plan.stage, skipped, plan.cp, self.batches.wait_s)
 
     def _count_skip(self, loss: float, grad_norm: float) -> None:
         self.skipped_total += 1
@@ -318,6 +334,7 @@ class Trainer:
             "skipped": result.skipped,
             "skipped_total": self.skipped_total,
             "step_time_s": result.seconds,
+            "data_wait_s": result.data_wait_s,
             "moe": self._moe_stats(),
         }
 
@@ -326,18 +343,16 @@ class Trainer:
         return bool(every) and (self.step == 1 or self.step % every == 0 or self.step == self.cfg.train.steps)
 
     def _moe_stats(self) -> dict[str, dict[str, float | list[int]]]:
-        """Every MoE layer's health, gathered from all pipeline stages (collective)."""
+        """Every MoE layer's health, combined over the pipeline stages (collective over the pp group)."""
         with_loads = self._records_loads()
-        stats = {str(i): r.pop_stats(with_loads) for i, r in self.model.routers().items()}
-        if self.ctx.layout.pp > 1:
-            everyone: list[dict] = [{} for _ in range(self.ctx.layout.world_size)]
-            dist.all_gather_object(everyone, stats)
-            stats = {k: v for rank_stats in everyone for k, v in rank_stats.items()}
-        return dict(sorted(stats.items(), key=lambda kv: int(kv[0])))
+        local = {i: r.pop_stats(with_loads) for i, r in self.model.routers().items()}
+        group = self.ctx.pp_group if self.ctx.layout.pp > 1 else None
+        return combine_moe_stats(local, self.cfg.model.num_layers, self.cfg.model.moe.num_experts,
+                                 with_loads, group)
 
     def save_checkpoint(self) -> Path | None:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
-        self.state.data_position = self.data.state()
+        self.state.data_position = self.batches.position
         if self.async_saver is None:
             self.last_checkpoint = self.state.save(self.checkpoint_root)
             return self.last_checkpoint
@@ -368,7 +383,7 @@ class Trainer:
         if path is None:
             return None
         self.state.load(Path(path))
-        self.data.load_state(self.state.data_position)
+        self.batches.load_state(self.state.data_position)
         self.state.restore_rng()
         log.info(f"checkpoint: resumed from {path} at step {self.step}")
         self.last_checkpoint = Path(path)
@@ -437,6 +452,7 @@ class Trainer:
                 self.save_checkpoint()
             self._wait_for_async_save()
         finally:
+            self.batches.close()
             watchdog.close()
             signals.close()
             if writer is not None:
