@@ -3,7 +3,12 @@
   inspect DIR                      step, tokens, layout, parameter count, bytes per component, files
   verify DIR                       completeness and every SHA-256; exit 0 only if all hold
   prune DIR --keep-last N [--keep-every K]   never touches the checkpoint `latest` names
-  export DIR OUT [--max-shard-mb M]           model weights as sharded safetensors + index + config.json
+  export DIR OUT [--format native|kimi-k3-hf] [--max-shard-mb M]
+                                   model weights as sharded safetensors + index + config.json, under our
+                                   names or the released Kimi K3 checkpoint's (names, shapes, bf16 / fp32)
+  import HF_DIR OUT --config FILE [--set key=value ...]
+                                   a kimi-k3-hf directory as a model-only checkpoint OUT/step_00000000 that
+                                   training resumes from (fresh optimizer and data position)
   reshard DIR OUT --tp A --pp B --ep C [--dp D] [--set key=value ...]
                                    rewrite as that layout would save it (all 1 = consolidate), locally
 
@@ -21,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
-from moe_pretrain.checkpoint.export import export
+from moe_pretrain.checkpoint.export import LAYOUTS, export
 from moe_pretrain.checkpoint.manifest import read_manifest
 from moe_pretrain.checkpoint.store import LATEST
 
@@ -55,8 +60,9 @@ def inspect(path: Path) -> int:
     state = read_trainer_state(path)
     print(f"checkpoint  {path}")
     data = state["data"]
-    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   data rows {data['rows']:,}   "
-          f"documents drawn {sum(data['drawn'].values()):,} (mixture {data['mixture']})")
+    position = (f"data rows {data['rows']:,}   documents drawn {sum(data['drawn'].values()):,} (mixture "
+                f"{data['mixture']})" if data else "model only (no optimizer or data state)")
+    print(f"step        {manifest['step']}   tokens {manifest['tokens']:,}   {position}")
     print(f"layout      {manifest['layout_text']}")
     print(f"parameters  {params:,}")
     print("bytes per component:")
@@ -93,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     exporting.add_argument("dir", type=Path)
     exporting.add_argument("out", type=Path)
     exporting.add_argument("--max-shard-mb", type=float, default=1024.0)
+    exporting.add_argument("--format", choices=LAYOUTS, default="native")
+    importing = commands.add_parser("import")
+    importing.add_argument("dir", type=Path)
+    importing.add_argument("out", type=Path)
+    importing.add_argument("--config", type=Path, required=True, help="the training config the weights are for")
+    importing.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     resharding = commands.add_parser("reshard")
     resharding.add_argument("dir", type=Path)
     resharding.add_argument("out", type=Path)
@@ -108,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         return inspect(args.dir)
     if args.command == "verify":
         return verify_command(args.dir)
+    if args.command == "import":
+        from moe_pretrain.checkpoint.hf_import import import_hf
+        from moe_pretrain.config import load_config
+
+        path = import_hf(args.dir, args.out, load_config(args.config, args.set))
+        print(f"wrote {path} (model only: resume from it with train.resume={path})")
+        return 0
     if args.command in ("reshard", "export"):
         source = resolve(args.dir)
         problems = verify(source)
@@ -128,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.exists():
             print(f"checkpoints_tool: {args.out} exists; export never overwrites", file=sys.stderr)
             return 2
-        for file in export(source, args.out, int(args.max_shard_mb * 2**20)):
+        for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format):
             print(f"wrote {file}")
         return 0
     if args.keep_last < 1:

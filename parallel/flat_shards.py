@@ -85,10 +85,6 @@ class BoxedTensor:
                 return view
         raise ValueError(f"{index.fqn}: no box at offset {index.offset} on this rank")
 
-    def staged(self) -> "BoxedTensor":
-        """A host copy (for a background save)."""
-        return BoxedTensor(self.global_size, [(o, v.detach().to("cpu", copy=True)) for o, v in self.boxes])
-
 
 def storage_exact_alias(tensor: torch.Tensor) -> torch.Tensor:
     """The same CPU memory as a tensor whose storage is exactly its bytes (no copy).

@@ -2,13 +2,15 @@
 (and at resume verifies) only its own share, and the waits for that I/O run in a group whose timeout grows
 with the state's size (checkpoint_timeout), not in the default group.
 
-The simulation: 4 gloo processes, a 2 s default timeout, 4 shard files of 0.25 MB per rank, SHA-256 slowed
-to 1 s per MB, and rank 3 on storage 4.5 times slower still: the other ranks wait about 3.5 s for rank 3 in
-the commit's gather and again in verification, well past the default timeout (the same test with the
-default group fails), and rank 0 hashing every file alone, as it once did, would take 7.5 s.
+The simulation: 4 gloo processes, a 2 s default timeout, 4 shard files of 0.25 MB per rank, writing (and
+hashing while writing) and verification's SHA-256 slowed to 1 s per MB, and rank 3 on storage 4.5 times
+slower still: the other ranks wait about 3.5 s for rank 3 in the commit's gather and again in verification,
+well past the default timeout (the same test with the default group fails), and rank 0 hashing every file
+alone, as it once did, would take 7.5 s.
 """
 
 import json
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +29,7 @@ SHARD = (32, 1024)  # fp32: 0.125 MB; 8 per rank
 
 def slow_hashing_worker(rank: int, world: int, root: str) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
-    from moe_pretrain.checkpoint import manifest
+    from moe_pretrain.checkpoint import hashing_writer, manifest, store
 
     original, hashed = manifest.sha256, []
 
@@ -36,6 +38,20 @@ def slow_hashing_worker(rank: int, world: int, root: str) -> dict:
         hashed.append(path.name)
         return original(path)
     manifest.sha256 = slow_sha256
+    write, link = hashing_writer._HashingStream.write, threading.Lock()
+
+    def slow_write(stream, data) -> int:
+        with link:  # the rank's writer threads share its storage bandwidth
+            time.sleep(memoryview(data).nbytes / 1e6 * SECONDS_PER_MB[rank])
+        return write(stream, data)
+    hashing_writer._HashingStream.write = slow_write
+    entries = store.rank_entries
+
+    def recorded_entries(directory, rank_, written):
+        found = entries(directory, rank_, written)
+        hashed.extend(found)
+        return found
+    store.rank_entries = recorded_entries
     tensors = {f"rank{rank}.shard{i}": torch.full(SHARD, float(rank * 8 + i)) for i in range(8)}
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     group = dist.new_group(backend="gloo", timeout=checkpoint_timeout(DEFAULT_TIMEOUT_S, state_bytes,
@@ -67,7 +83,7 @@ def test_slow_hashing_commits_and_verifies_without_a_collective_timing_out(tmp_p
         assert report["problems"] == []
         own = [name for name in report["saved_hashes"] if name.endswith(".distcp")]
         assert own and all(name.startswith(f"__{rank}_") for name in own), (rank, report["saved_hashes"])
-        assert report["save_s"] > 1.5 * DEFAULT_TIMEOUT_S  # rank 3's hashing outlasted the default timeout
+        assert report["save_s"] > 1.5 * DEFAULT_TIMEOUT_S  # rank 3's writing outlasted the default timeout
         assert 2 <= len([n for n in report["verified"] if n.endswith(".distcp")]) <= 6  # about a quarter each
     verified = sorted(name for report in out["ranks"] for name in report["verified"])
     assert verified == sorted(manifest["files"])  # every file checked once, by one rank

@@ -2,16 +2,19 @@
 
 Works from the DCP metadata alone (global shapes and dtypes), in one process: no model is built.
 Writes model-0000i-of-0000n.safetensors (each at most max_shard_bytes, tensors whole),
-model.safetensors.index.json (weight_map, as the Hugging Face convention) and config.json, whose
-field names follow MODEL.md. It streams: the files are planned from the metadata, and each is read
-(only its tensors) and written before the next, so memory peaks at one file (or one tensor larger
-than max_shard_bytes), never the model.
+model.safetensors.index.json (weight_map, as the Hugging Face convention) and config.json. Two layouts:
+native (our names and dtypes, config.json under MODEL.md's names) and kimi-k3-hf (the released Kimi K3
+checkpoint's names, shapes and dtypes, kimi_k3.py; what our model has and that layout has not goes to
+moe_pretrain_extras.safetensors). It streams: the files are planned from the metadata, and each is
+read (only its tensors, and of a stacked expert weight only the experts it holds) and written before the
+next, so memory peaks at one file, never the model.
 """
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,9 +22,15 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from moe_pretrain.checkpoint.kimi_k3 import kimi_k3_tensors, text_config
 from moe_pretrain.checkpoint.store import read_trainer_state
+from moe_pretrain.config import ModelConfig
+from moe_pretrain.config.loader import build
+from parallel.flat_shards import BoxedLoadPlanner, BoxedTensor
 
 PREFIX = "model."
+LAYOUTS = ("native", "kimi-k3-hf")
+EXTRAS = "moe_pretrain_extras.safetensors"
 
 
 def model_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
@@ -31,12 +40,50 @@ def model_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
             if key.startswith(PREFIX) and isinstance(meta, TensorStorageMetadata)}
 
 
-def read_tensors(path: Path, metadata: dict[str, TensorStorageMetadata], keys: list[str]) -> dict[str, torch.Tensor]:
-    """The named model tensors (metadata: model_tensor_metadata's), whole (consolidated from every rank's
-    shards), keyed without the prefix."""
-    tensors = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype) for key in keys}
-    dcp.load(tensors, storage_reader=FileSystemReader(path), no_dist=True)
-    return {key[len(PREFIX):]: tensor for key, tensor in tensors.items()}
+def read_rows(path: Path, meta: TensorStorageMetadata, key: str, rows: tuple[int, int] | None) -> torch.Tensor:
+    """A model tensor of the checkpoint, whole (consolidated from every rank's shards), or only its rows
+    [start, stop) along dim 0 (an expert range of a stacked expert weight): nothing else is read."""
+    start, stop = rows or (0, meta.size[0])
+    box = torch.empty((stop - start, *meta.size[1:]), dtype=meta.properties.dtype)
+    dcp.load({key: BoxedTensor(meta.size, [((start, *(0,) * (len(meta.size) - 1)), box)])},
+             storage_reader=FileSystemReader(path), planner=BoxedLoadPlanner(), no_dist=True)
+    return box
+
+
+def model_config(config: dict[str, Any]) -> ModelConfig:
+    return build(ModelConfig, config["model"], "model")
+
+
+class OutTensor(Protocol):
+    """One exported tensor: its name, shape and dtype there, and where it comes from."""
+
+    name: str
+    ours: str
+    expert: int | None
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def to_hf(self, ours: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SameTensor:
+    """A tensor exported under our own name, as it is."""
+
+    name: str
+    ours: str
+    expert: None
+    shape: tuple[int, ...]
+    source_dtype: torch.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.source_dtype
+
+    def to_hf(self, ours: torch.Tensor) -> torch.Tensor:
+        return ours
 
 
 def model_card(config: dict[str, Any]) -> dict[str, Any]:
@@ -64,33 +111,84 @@ def model_card(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _nbytes(meta: TensorStorageMetadata) -> int:
-    return math.prod(meta.size) * meta.properties.dtype.itemsize
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
-def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30) -> list[Path]:
-    metadata = model_tensor_metadata(path)
-    config = read_trainer_state(path)["config"]
-    plan: list[list[str]] = [[]]
+def _same(metadata: dict[str, TensorStorageMetadata], keys: list[str]) -> list[OutTensor]:
+    return [SameTensor(key[len(PREFIX):], key[len(PREFIX):], None, tuple(metadata[key].size),
+                       metadata[key].properties.dtype) for key in sorted(keys)]
+
+
+def plan_layout(layout: str, metadata: dict[str, TensorStorageMetadata], config: dict[str, Any]
+                ) -> tuple[list[OutTensor], list[OutTensor]]:
+    """(tensors of the layout, our tensors it has no place for) for a checkpoint; every released tensor's
+    source must exist with the shape the layout needs."""
+    if layout == "native":
+        return _same(metadata, list(metadata)), []
+    tensors = kimi_k3_tensors(model_config(config))
+    for tensor in tensors:
+        meta = metadata.get(PREFIX + tensor.ours)
+        if meta is None:
+            raise ValueError(f"{tensor.name}: the checkpoint has no {PREFIX}{tensor.ours}")
+    used = {PREFIX + t.ours for t in tensors}
+    return tensors, _same(metadata, [key for key in metadata if key not in used])
+
+
+def write_shards(path: Path, out: Path, metadata: dict[str, TensorStorageMetadata], tensors: list[OutTensor],
+                 max_shard_bytes: int) -> dict[str, str]:
+    """Write `tensors` into model-*.safetensors files of at most max_shard_bytes; returns the weight map."""
+    plan: list[list[OutTensor]] = [[]]
     size = 0
-    for key in sorted(metadata):
-        nbytes = _nbytes(metadata[key])
+    for tensor in tensors:
+        nbytes = _nbytes(tensor.shape, tensor.dtype)
         if plan[-1] and size + nbytes > max_shard_bytes:
             plan.append([])
             size = 0
-        plan[-1].append(key)
+        plan[-1].append(tensor)
         size += nbytes
-    out.mkdir(parents=True, exist_ok=False)
-    files, weight_map = [], {}
-    for i, keys in enumerate(plan, start=1):
+    weight_map = {}
+    for i, shard in enumerate(plan, start=1):
         file = out / f"model-{i:05d}-of-{len(plan):05d}.safetensors"
-        shard = read_tensors(path, metadata, keys)
-        save_file(shard, str(file), metadata={"format": "pt"})
-        del shard
-        files.append(file)
-        weight_map.update({key[len(PREFIX):]: file.name for key in keys})
-    total = sum(_nbytes(meta) for meta in metadata.values())
+        save_file(_read_shard(path, metadata, shard), str(file), metadata={"format": "pt"})
+        weight_map.update({tensor.name: file.name for tensor in shard})
+    return weight_map
+
+
+def _read_shard(path: Path, metadata: dict[str, TensorStorageMetadata], shard: list[OutTensor]
+                ) -> dict[str, torch.Tensor]:
+    """One file's tensors: each source read once, a stacked expert weight only over the experts needed."""
+    sources: dict[str, list[OutTensor]] = {}
+    for tensor in shard:
+        sources.setdefault(tensor.ours, []).append(tensor)
+    out = {}
+    for ours, made in sources.items():
+        experts = [t.expert for t in made if t.expert is not None]
+        rows = (min(experts), max(experts) + 1) if experts else None
+        source = read_rows(path, metadata[PREFIX + ours], PREFIX + ours, rows)
+        for tensor in made:
+            out[tensor.name] = tensor.to_hf(source if tensor.expert is None else source[tensor.expert - rows[0]])
+        del source
+    return out
+
+
+def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30, layout: str = "native") -> list[Path]:
+    """Write the checkpoint's model in `layout` (LAYOUTS) into the new directory `out`; returns its files."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    metadata = model_tensor_metadata(path)
+    config = read_trainer_state(path)["config"]
+    tensors, extras = plan_layout(layout, metadata, config)
+    out.mkdir(parents=True, exist_ok=False)
+    weight_map = write_shards(path, out, metadata, tensors, max_shard_bytes)
+    total = sum(_nbytes(t.shape, t.dtype) for t in tensors)
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
-    (out / "config.json").write_text(json.dumps(model_card(config), indent=1))
-    return files
+    card = model_card(config)
+    if layout == "kimi-k3-hf":
+        card = {"model_type": "kimi_k3", "torch_dtype": "bfloat16", "text_config": text_config(model_config(config)),
+                "moe_pretrain": {"config": config, "card": card}}
+    if extras:
+        save_file(_read_shard(path, metadata, extras), str(out / EXTRAS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(card, indent=1))
+    return sorted(out.glob("model-*.safetensors"))

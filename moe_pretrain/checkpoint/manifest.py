@@ -1,7 +1,8 @@
 """The manifest that makes a checkpoint directory trustworthy: every file's size and SHA-256.
 
 Written last, after all ranks succeeded; a directory without a valid manifest is not a checkpoint.
-The work scales out: each rank fsyncs and hashes the files it wrote (hash_rank_files), rank 0 only merges
+The work scales out: each rank hashes the files it writes while writing them (hashing_writer.py,
+rank_entries), rank 0 only merges
 those entries and hashes what is left (its own small JSON files), and verification is split the same
 way (verify(..., share=(rank, world))), so neither grows with the number of ranks on any one rank.
 """
@@ -9,10 +10,13 @@ way (verify(..., share=(rank, world))), so neither grows with the number of rank
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+VERIFY_THREADS = 4
+"""Files one rank reads and hashes at once when verifying."""
 FORMAT_VERSION = 1
 
 
@@ -56,9 +60,18 @@ def rank_files(directory: Path, rank: int) -> list[str]:
     return sorted(p.name for p in directory.glob(f"__{rank}_*") if p.is_file())
 
 
-def hash_rank_files(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """This rank's manifest entries, name -> {bytes, sha256}."""
-    return {name: file_entry(directory / name) for name in rank_files(directory, rank)}
+def rank_entries(directory: Path, rank: int, written: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """This rank's manifest entries, name -> {bytes, sha256}, from the digests taken while writing
+    (`written`); each checked against the file on disk, so a file the writer did not hash is never listed."""
+    entries = {}
+    for name in rank_files(directory, rank):
+        entry = written.get(name)
+        size = (directory / name).stat().st_size
+        if entry is None or entry["bytes"] != size:
+            raise OSError(f"{directory / name}: {size} bytes on disk, but the writer hashed "
+                          f"{'nothing' if entry is None else entry['bytes']}")
+        entries[name] = entry
+    return entries
 
 
 def write_manifest(directory: Path, info: dict[str, Any], entries: dict[str, dict[str, Any]] | None = None
@@ -105,16 +118,21 @@ def verify(directory: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
     problems = []
     if ".metadata" not in manifest.get("files", {}):
         problems.append(f"{directory / '.metadata'}: not listed in the manifest")
-    for name, expected in _share(manifest.get("files", {}), *share):
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            problems.append(f"{path}: {size} bytes, expected {expected['bytes']}")
-            continue
-        found = sha256(path)
-        if found != expected["sha256"]:
-            problems.append(f"{path}: sha256 {found}, expected {expected['sha256']}")
+    share_files = _share(manifest.get("files", {}), *share)
+    with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="verify") as pool:
+        # SHA-256 releases the GIL: a rank's files are read and hashed VERIFY_THREADS at a time.
+        for problem in pool.map(lambda item: _check_file(directory / item[0], item[1]), share_files):
+            problems += problem
     return problems
+
+
+def _check_file(path: Path, expected: dict[str, Any]) -> list[str]:
+    if not path.is_file():
+        return [f"{path}: missing"]
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return [f"{path}: {size} bytes, expected {expected['bytes']}"]
+    found = sha256(path)
+    if found != expected["sha256"]:
+        return [f"{path}: sha256 {found}, expected {expected['sha256']}"]
+    return []

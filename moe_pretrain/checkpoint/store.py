@@ -1,7 +1,7 @@
 """Saving, finding and loading checkpoints: <dir>/step_<N>/, committed atomically, with <dir>/latest.
 
-Save: every rank writes its DCP shard files into step_<N>.tmp (never overwriting), then fsyncs and hashes
-them itself (in parallel with every other rank; for async saves in the background thread); success and
+Save: every rank writes its DCP shard files into step_<N>.tmp (never overwriting), fsyncing them and hashing
+every byte as it writes it (in parallel with every other rank; for async saves in the background); success and
 the hash entries are gathered over all ranks; only then rank 0 writes trainer_state.json and the manifest
 (merging the entries, hashing only its own JSON), renames the directory to step_<N>, and replaces `latest`
 durably. Any failure anywhere leaves `latest` untouched and raises on every rank. A .tmp directory is never
@@ -26,17 +26,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
+from moe_pretrain.checkpoint.hashing_writer import HashingFileSystemWriter
 from moe_pretrain.checkpoint.manifest import (
     fsync_dir,
-    hash_rank_files,
+    rank_entries,
     read_manifest,
     verify,
     write_durably,
     write_manifest,
 )
+from moe_pretrain.checkpoint.staging import ReusedHostStager
 from parallel.collectives import gather_objects
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
@@ -114,11 +116,19 @@ def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Pa
     return final, tmp
 
 
-def _written_and_hashed(tmp: Path, write: Any) -> tuple[list[str], Entries]:
-    """Run `write` (DCP's save, or waiting on its future), then hash this rank's files: (failures, entries)."""
+def _writer(tmp: Path, file_per_item: bool = False) -> HashingFileSystemWriter:
+    """DCP's writer: WRITE_THREADS files per rank (or one per tensor piece: DCP's writer holds a file's
+    tensors until the file is closed), each fsync'd and hashed as it is written."""
+    return HashingFileSystemWriter(tmp, thread_count=WRITE_THREADS, overwrite=False, sync_files=True,
+                                   single_file_per_rank=not file_per_item)
+
+
+def _written_and_hashed(tmp: Path, write: Any, writer: HashingFileSystemWriter) -> tuple[list[str], Entries]:
+    """Run `write` (DCP's save, or waiting on its future); then this rank's files' entries, hashed by
+    `writer` as it wrote them: (failures, entries)."""
     try:
         write()
-        return [], hash_rank_files(tmp, _rank())
+        return [], rank_entries(tmp, _rank(), writer.entries)
     except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
         return _describe(err, _rank()), {}
 
@@ -145,22 +155,25 @@ def _commit(root: Path, final: Path, report: tuple[list[str], Entries], trainer_
 
 
 def save(root: Path, step: int, tensors: dict[str, torch.Tensor | BoxedTensor], trainer_state: dict[str, Any],
-         info: dict[str, Any], keep_last: int, keep_every: int, group: dist.ProcessGroup | None = None) -> Path:
-    """Synchronous save: write and hash (every rank its own files), gather, commit."""
+         info: dict[str, Any], keep_last: int, keep_every: int, group: dist.ProcessGroup | None = None,
+         planner: BoxedSavePlanner | None = None, file_per_item: bool = False) -> Path:
+    """Synchronous save: write and hash (every rank its own files), gather, commit. `planner`: one that
+    produces tensors as they are written (the importer's); file_per_item bounds the memory that takes."""
     final, tmp = _prepare(root, step, group)
+    writer = _writer(tmp, file_per_item)
 
     def write() -> None:
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp, thread_count=WRITE_THREADS, overwrite=False),
-                 planner=BoxedSavePlanner(), process_group=group)
-    report = _written_and_hashed(tmp, write)
+        dcp.save(tensors, storage_writer=writer, planner=planner or BoxedSavePlanner(), process_group=group)
+    report = _written_and_hashed(tmp, write, writer)
     return _commit(root, final, report, trainer_state, info, keep_last, keep_every, group)
 
 
 class AsyncSaver:
-    """Background saves: the caller stalls only while DCP stages the tensors to host memory.
+    """Background saves: the caller stalls only while the stager copies the tensors to host memory.
 
-    The files are written by DCP's background thread over `group` (a dedicated gloo group, so its
-    collectives never interleave with training's), then hashed by a thread of ours. At most one save is
+    The files are written (and hashed as written) by DCP's background thread over `group` (a dedicated
+    gloo group, so its collectives never interleave with training's); a thread of ours then collects
+    their manifest entries. At most one save is
     in flight. poll() is called once per step on every rank: an all-reduce agrees on whether every rank has
     finished writing and hashing, and only then the save is gathered and committed, so a background
     failure surfaces on every rank at the next step and the checkpoint is not committed.
@@ -170,19 +183,18 @@ class AsyncSaver:
         self.group = group
         self.pending: tuple | None = None
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+        self._stager = ReusedHostStager()
 
     def start(self, root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
               info: dict[str, Any], keep_last: int, keep_every: int) -> None:
         self.wait()
         final, tmp = _prepare(root, step, self.group)
-        # Stage: copy every tensor to host memory now. The parameters are live and the next step
-        # updates them in place, so the background writer must only ever see these copies.
-        staged = {key: tensor.staged() if isinstance(tensor, BoxedTensor) else tensor.detach().to("cpu", copy=True)
-                  for key, tensor in tensors.items()}
-        written = dcp.async_save(staged, storage_writer=FileSystemWriter(tmp, thread_count=WRITE_THREADS,
-                                                                         overwrite=False),
-                                 process_group=self.group, planner=BoxedSavePlanner())
-        hashed: Future = self._hasher.submit(_written_and_hashed, tmp, written.result)
+        # The parameters are live and the next step updates them in place, so the background writer only
+        # ever sees the stager's host copies, taken here before returning.
+        writer = _writer(tmp)
+        written = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, planner=BoxedSavePlanner(),
+                                 async_stager=self._stager)
+        hashed: Future = self._hasher.submit(_written_and_hashed, tmp, written.result, writer)
         self.pending = (hashed, root, final, trainer_state, info, keep_last, keep_every)
 
     def poll(self) -> Path | None:

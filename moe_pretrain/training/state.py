@@ -76,8 +76,12 @@ class TrainingState:
                                self.checkpoint_group)
 
     def load(self, path: Path) -> dict[str, Any]:
-        """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state."""
-        state = checkpoint.load(path, self.tensors.state_dict(), self.checkpoint_group)
+        """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state.
+        A model-only checkpoint (an import of released weights) fills the model; the optimizer starts fresh."""
+        tensors = self.tensors.state_dict()
+        if checkpoint.read_trainer_state(path).get("model_only"):
+            tensors = {key: value for key, value in tensors.items() if key.startswith("model.")}
+        state = checkpoint.load(path, tensors, self.checkpoint_group)
         self.tensors.after_load(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.data_position = state["data"]

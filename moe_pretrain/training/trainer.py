@@ -383,7 +383,8 @@ class Trainer:
         if path is None:
             return None
         self.state.load(Path(path))
-        self.batches.load_state(self.state.data_position)
+        if self.state.data_position:  # a model-only checkpoint (imported weights) starts the data afresh
+            self.batches.load_state(self.state.data_position)
         self.state.restore_rng()
         log.info(f"checkpoint: resumed from {path} at step {self.step}")
         self.last_checkpoint = Path(path)

@@ -1,0 +1,132 @@
+"""A released-layout (kimi-k3-hf) directory into a checkpoint this system resumes from (continued pretraining).
+
+The result is a model-only checkpoint at step 0: the model's tensors under their global keys, sealed with
+the usual manifest, and a trainer_state that says model_only, so resuming from it loads the weights into
+any layout, starts the optimizer fresh (Adam moments zero, as megatron-core's --no-load-optim and
+torchtitan's model-only initial load do) and the data from its beginning.
+
+It streams in one process: the checkpoint's tensors are planned from shapes alone (the meta model of the
+config) and each piece is read from the safetensors files only when DCP writes it, one file per piece,
+so memory peaks at one piece (a stacked expert weight is cut into pieces of at most PIECE_BYTES), never
+the model: the same code imports a full-size release on one host.
+"""
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch.distributed.checkpoint.planner import WriteItem
+
+from moe_pretrain.checkpoint.export import EXTRAS
+from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors, text_config
+from moe_pretrain.checkpoint.store import save, step_dir
+from moe_pretrain.config import Config, ConfigError, config_to_dict
+from moe_pretrain.training.parallelize import meta_model, parameter_dtype
+from parallel.flat_shards import BoxedSavePlanner, BoxedTensor
+
+PIECE_BYTES = 1 << 30
+"""Largest piece of a stacked expert weight written (and held) at once."""
+INDEX = "model.safetensors.index.json"
+
+
+class _Files:
+    """Lazy reads from the directory's safetensors files, by tensor name."""
+
+    def __init__(self, directory: Path, weight_map: dict[str, str]):
+        self.directory, self.weight_map = directory, weight_map
+        self._open: dict[str, Any] = {}
+
+    def read(self, name: str) -> torch.Tensor:
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.directory / file), framework="pt")
+        return self._open[file].get_tensor(name)
+
+
+class _ProducingPlanner(BoxedSavePlanner):
+    """Save planner whose boxes are meta placeholders: each is produced from the source files when DCP writes
+    it (producers: (key, box offsets) -> tensor)."""
+
+    def __init__(self, producers: dict[tuple[str, tuple[int, ...]], Any]):
+        super().__init__()
+        self.producers = producers
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        produce = self.producers[(write_item.index.fqn, tuple(write_item.index.offset))]
+        return produce()
+
+
+def _check_config(directory: Path, cfg: Config) -> None:
+    """The directory's config.json text_config must describe cfg's model (field by field)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return
+    found = json.loads(path.read_text()).get("text_config", {})
+    for key, value in text_config(cfg.model).items():
+        if key in found and found[key] != value:
+            raise ConfigError(f"{path}: text_config.{key}={found[key]!r}, but the config's model gives {value!r}; "
+                              "import with the model section the weights were trained with")
+
+
+def import_hf(directory: Path, root: Path, cfg: Config) -> Path:
+    """Write the kimi-k3-hf directory as a model-only checkpoint step_00000000 under `root`; returns it."""
+    index = directory / INDEX
+    if not index.is_file():
+        raise FileNotFoundError(f"{index}: missing; {directory} is not a safetensors checkpoint directory")
+    _check_config(directory, cfg)
+    weight_map = dict(json.loads(index.read_text())["weight_map"])
+    released = kimi_k3_tensors(cfg.model)
+    missing = [t.name for t in released if t.name not in weight_map]
+    if missing:
+        raise ValueError(f"{index}: {len(missing)} tensors of the config's layout are missing, e.g. {missing[:3]}")
+    extras = directory / EXTRAS
+    if extras.is_file():
+        with safe_open(str(extras), framework="pt") as f:
+            weight_map.update({name: EXTRAS for name in f.keys()})
+    files = _Files(directory, weight_map)
+    model, _ = meta_model(cfg)
+    params = dict(model.named_parameters())
+    tensors, producers = {}, {}
+    sources = by_source(released)
+    for name, meta in model.state_dict().items():
+        dtype = parameter_dtype(cfg) if name in params else meta.dtype
+        if name in sources:
+            pieces = _pieces(name, tuple(meta.shape), sources[name], files, cfg, dtype)
+        elif name in weight_map:  # in the side file, under our own name
+            pieces = [((0,) * meta.dim(), tuple(meta.shape), lambda n=name, d=dtype: files.read(n).to(d))]
+        else:
+            raise ValueError(f"{directory}: nothing holds our model's {name} (the released layout has no place "
+                             f"for it and {EXTRAS} is absent or lacks it)")
+        key = f"model.{name}"
+        tensors[key] = BoxedTensor(torch.Size(meta.shape), [(offsets, torch.empty(sizes, dtype=dtype, device="meta"))
+                                                            for offsets, sizes, _ in pieces])
+        producers.update({(key, offsets): produce for offsets, _, produce in pieces})
+    state = {"step": 0, "tokens_seen": 0, "data": {}, "config": config_to_dict(cfg), "rng": None,
+             "model_only": True, "imported_from": str(directory.resolve())}
+    info = {"tokens": 0, "model_only": True, "layout_text": f"model only, imported from {directory.resolve()}"}
+    if step_dir(root, 0).exists():
+        raise FileExistsError(f"{step_dir(root, 0)} exists; import into an empty checkpoint directory")
+    return save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
+                file_per_item=True)
+
+
+def _pieces(name: str, shape: tuple[int, ...], made: list[HFTensor], files: _Files, cfg: Config,
+            dtype: torch.dtype) -> list[tuple[tuple[int, ...], tuple[int, ...], Any]]:
+    """(offsets, sizes, produce) of the pieces our tensor `name` is written in."""
+    heads = cfg.model.kda.num_heads
+    if made[0].expert is None:
+        return [((0,) * len(shape), shape, lambda: made[0].from_hf(files.read(made[0].name), heads, dtype))]
+    per_expert = {t.expert: t for t in made}
+    step = max(1, PIECE_BYTES // (math.prod(shape[1:]) * dtype.itemsize))
+    pieces = []
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
+
+        def produce(start: int = start, stop: int = stop) -> torch.Tensor:
+            return torch.stack([per_expert[e].from_hf(files.read(per_expert[e].name), heads, dtype)
+                                for e in range(start, stop)])
+        pieces.append(((start, *(0,) * (len(shape) - 1)), (stop - start, *shape[1:]), produce))
+    return pieces

@@ -1,0 +1,193 @@
+"""The released Kimi K3 checkpoint's tensor layout, and where each of its tensors lives in our model.
+
+Public references: NeMo AutoModel's kimi_k3 state-dict adapter (the `language_model.` namespace,
+`block_sparse_moe`, routed experts as per-expert w1 / w3 / w2, KDA's A_log zero-padded to a multiple of
+128 entries) and published per-layer tensor tables of the release (names, shapes and dtypes: matrices
+and norms bf16; the short convolutions, A_log, dt_bias, the KDA output norm and the router's correction
+bias float32). The two shared experts are stored as one MLP of twice the intermediate size, which is how
+our model holds them too (the sum of two GLU MLPs is one with their units side by side).
+
+Not in this layout: the release's vision tower (a MoonViT encoder and projector); our patch embedding has
+no counterpart there, so the exporter writes it to a side file that only our importer reads.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_pretrain.config import ModelConfig
+
+PREFIX = "language_model.model."
+LM_HEAD = "language_model.lm_head.weight"
+A_LOG_MULTIPLE = 128
+FLOAT32_SUFFIXES = ("conv1d.weight", ".A_log", ".dt_bias", "o_norm.weight", "e_score_correction_bias")
+"""Tensors the release keeps in float32; everything else is bf16."""
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the released layout and its source in our model."""
+
+    name: str
+    ours: str
+    """Our model's state-dict key (no "model." prefix)."""
+    expert: int | None
+    """Index along dim 0 of our stacked expert weights; None: the whole tensor."""
+    shape: tuple[int, ...]
+    kind: str = "same"
+    """same | conv (our [C, K] is their [C, 1, K]) | a_log (theirs is zero-padded to A_LOG_MULTIPLE)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.name.endswith(FLOAT32_SUFFIXES) else torch.bfloat16
+
+    def to_hf(self, ours: torch.Tensor) -> torch.Tensor:
+        """Our tensor (the expert's slice when `expert` is set) in the released form."""
+        if self.kind == "conv":
+            ours = ours.unsqueeze(1)
+        elif self.kind == "a_log":
+            ours = torch.cat([ours, ours.new_zeros(self.shape[0] - ours.shape[0])])
+        return ours.to(self.dtype).contiguous()
+
+    def from_hf(self, theirs: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """The released tensor in our form and `dtype`; refuses a non-zero A_log padding (not ours)."""
+        if tuple(theirs.shape) != self.shape:
+            raise ValueError(f"{self.name}: shape {tuple(theirs.shape)}, the config gives {self.shape}")
+        if self.kind == "conv":
+            theirs = theirs.squeeze(1)
+        elif self.kind == "a_log":
+            if theirs[heads:].any():
+                raise ValueError(f"{self.name}: non-zero padding after its {heads} heads")
+            theirs = theirs[:heads]
+        return theirs.to(dtype)
+
+
+def _pad(n: int) -> int:
+    return -(-n // A_LOG_MULTIPLE) * A_LOG_MULTIPLE
+
+
+def _kda(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
+    d, k = m.hidden_size, m.kda
+    proj = k.num_heads * k.head_dim
+    rows = [("q_proj.weight", "q_proj.weight", (proj, d), "same"),
+            ("q_conv.weight", "q_conv1d.weight", (proj, 1, k.conv_size), "conv"),
+            ("k_proj.weight", "k_proj.weight", (proj, d), "same"),
+            ("k_conv.weight", "k_conv1d.weight", (proj, 1, k.conv_size), "conv"),
+            ("v_proj.weight", "v_proj.weight", (proj, d), "same"),
+            ("v_conv.weight", "v_conv1d.weight", (proj, 1, k.conv_size), "conv"),
+            ("f_a_proj.weight", "f_a_proj.weight", (k.head_dim, d), "same"),
+            ("f_b_proj.weight", "f_b_proj.weight", (proj, k.head_dim), "same"),
+            ("A_log", "A_log", (_pad(k.num_heads),), "a_log"),
+            ("dt_bias", "dt_bias", (proj,), "same"),
+            ("b_proj.weight", "b_proj.weight", (k.num_heads, d), "same"),
+            ("g_proj.weight", "g_proj.weight", (proj, d), "same"),
+            ("o_norm_weight", "o_norm.weight", (k.head_dim,), "same"),
+            ("o_proj.weight", "o_proj.weight", (d, proj), "same")]
+    return [HFTensor(f"{theirs}.self_attn.{hf}", f"{ours}.mixer.{name}", None, shape, kind)
+            for name, hf, shape, kind in rows]
+
+
+def _mla(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
+    d, a = m.hidden_size, m.mla
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    rows = [("q_down.weight", "q_a_proj.weight", (a.q_lora_rank, d)),
+            ("q_norm.weight", "q_a_layernorm.weight", (a.q_lora_rank,)),
+            ("q_up.weight", "q_b_proj.weight", (a.num_heads * qk, a.q_lora_rank)),
+            ("kv_down.weight", "kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, d)),
+            ("kv_norm.weight", "kv_a_layernorm.weight", (a.kv_lora_rank,)),
+            ("kv_up.weight", "kv_b_proj.weight", (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)),
+            ("g_proj.weight", "g_proj.weight", (a.num_heads * a.v_head_dim, d)),
+            ("o_proj.weight", "o_proj.weight", (d, a.num_heads * a.v_head_dim))]
+    return [HFTensor(f"{theirs}.self_attn.{hf}", f"{ours}.mixer.{name}", None, shape) for name, hf, shape in rows]
+
+
+def _glu(ours: str, theirs: str, d: int, intermediate: int) -> list[HFTensor]:
+    return [HFTensor(f"{theirs}.gate_proj.weight", f"{ours}.gate_proj.weight", None, (intermediate, d)),
+            HFTensor(f"{theirs}.up_proj.weight", f"{ours}.up_proj.weight", None, (intermediate, d)),
+            HFTensor(f"{theirs}.down_proj.weight", f"{ours}.down_proj.weight", None, (d, intermediate))]
+
+
+def _moe(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
+    d, e = m.hidden_size, m.moe
+    moe = f"{theirs}.block_sparse_moe"
+    tensors = [HFTensor(f"{moe}.gate.weight", f"{ours}.mlp.router.gate.weight", None, (e.num_experts, d)),
+               HFTensor(f"{moe}.gate.e_score_correction_bias", f"{ours}.mlp.router.expert_bias", None,
+                        (e.num_experts,)),
+               HFTensor(f"{moe}.routed_expert_down_proj.weight", f"{ours}.mlp.latent_down.weight", None,
+                        (e.latent_size, d)),
+               HFTensor(f"{moe}.routed_expert_norm.weight", f"{ours}.mlp.latent_norm.weight", None, (e.latent_size,)),
+               HFTensor(f"{moe}.routed_expert_up_proj.weight", f"{ours}.mlp.latent_up.weight", None,
+                        (d, e.latent_size))]
+    if e.num_shared_experts:
+        tensors += _glu(f"{ours}.mlp.shared", f"{moe}.shared_experts", d, e.num_shared_experts * e.shared_intermediate)
+    for expert in range(e.num_experts):
+        for name, hf, shape in (("w_gate", "w1", (e.expert_intermediate, e.latent_size)),
+                                ("w_down", "w2", (e.latent_size, e.expert_intermediate)),
+                                ("w_up", "w3", (e.expert_intermediate, e.latent_size))):
+            tensors.append(HFTensor(f"{moe}.experts.{expert}.{hf}.weight", f"{ours}.mlp.experts.{name}", expert, shape))
+    return tensors
+
+
+def _mix(ours: str, theirs: str, d: int) -> list[HFTensor]:
+    """An AttnRes mix: RMSNorm weight over the bank, and the pseudo-query w (Linear(d, 1))."""
+    return [HFTensor(f"{theirs}_norm.weight", f"{ours}.norm_weight", None, (d,)),
+            HFTensor(f"{theirs}_proj.weight", f"{ours}.pseudo_query.weight", None, (1, d))]
+
+
+def layer_tensors(m: ModelConfig, index: int) -> list[HFTensor]:
+    """Layer `index`'s tensors in the released layout, in its order."""
+    d, ours, theirs = m.hidden_size, f"layers.{index}", f"{PREFIX}layers.{index}"
+    tensors = [*_mix(f"{ours}.attn_mix", f"{theirs}.self_attention_res", d),
+               HFTensor(f"{theirs}.input_layernorm.weight", f"{ours}.attn_norm.weight", None, (d,))]
+    tensors += (_kda if m.layer_kind(index) == "kda" else _mla)(m, ours, theirs)
+    tensors += [*_mix(f"{ours}.mlp_mix", f"{theirs}.mlp_res", d),
+                HFTensor(f"{theirs}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight", None, (d,))]
+    if m.is_moe_layer(index):
+        return tensors + _moe(m, ours, theirs)
+    return tensors + _glu(f"{ours}.mlp", f"{theirs}.mlp", d, m.dense_intermediate)
+
+
+def kimi_k3_tensors(m: ModelConfig) -> list[HFTensor]:
+    """Every tensor of the released language model for config `m`, in order."""
+    d = m.hidden_size
+    tensors = [HFTensor(f"{PREFIX}embed_tokens.weight", "embedding.weight", None, (m.vocab_size, d))]
+    for index in range(m.num_layers):
+        tensors += layer_tensors(m, index)
+    tensors += [*_mix("final_mix", f"{PREFIX}output_attn_res", d),
+                HFTensor(f"{PREFIX}norm.weight", "final_norm.weight", None, (d,)),
+                HFTensor(LM_HEAD, "head.weight", None, (m.vocab_size, d))]
+    return tensors
+
+
+def text_config(m: ModelConfig) -> dict:
+    """config.json's text_config: the release's field names for our model section."""
+    kda_layers = [i + 1 for i in range(m.num_layers) if m.layer_kind(i) == "kda"]
+    return {
+        "model_type": "kimi_k3", "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": False,
+        "first_k_dense_replace": m.dense_layers, "intermediate_size": m.dense_intermediate,
+        "num_attention_heads": m.mla.num_heads, "q_lora_rank": m.mla.q_lora_rank,
+        "kv_lora_rank": m.mla.kv_lora_rank, "qk_nope_head_dim": m.mla.qk_nope_head_dim,
+        "qk_rope_head_dim": m.mla.qk_rope_head_dim, "v_head_dim": m.mla.v_head_dim,
+        "num_experts": m.moe.num_experts, "num_experts_per_token": m.moe.top_k,
+        "moe_intermediate_size": m.moe.expert_intermediate, "num_shared_experts": m.moe.num_shared_experts,
+        "moe_latent_hidden_size": m.moe.latent_size, "moe_latent_use_norm": True,
+        "routed_scaling_factor": m.moe.routed_scaling, "moe_router_activation_func": "sigmoid",
+        "attn_res_block_size": m.attn_res.block_size,
+        "linear_attn_config": {"num_heads": m.kda.num_heads, "head_dim": m.kda.head_dim,
+                               "short_conv_kernel_size": m.kda.conv_size, "kda_layers": kda_layers,
+                               "full_attn_layers": [i + 1 for i in range(m.num_layers) if i + 1 not in kda_layers]},
+    }
+
+
+def by_source(tensors: list[HFTensor]) -> dict[str, list[HFTensor]]:
+    """Our key -> the released tensors made from it."""
+    grouped: dict[str, list[HFTensor]] = {}
+    for tensor in tensors:
+        grouped.setdefault(tensor.ours, []).append(tensor)
+    return grouped
+
+
+Reader = Callable[[str, int, int], torch.Tensor]
+"""read(our key, first row, stop row) -> those rows of our tensor along dim 0 (rows: 0, 0 for all of it)."""
