@@ -6,12 +6,13 @@ Run: .venv/bin/python bench/checkpoint.py [--hidden 1024 --layers 8 --experts 32
 Part 1 (one process): a smoke-shaped model (larger by default) takes one step so Adam state exists; then,
 for each of --rounds rounds, in turn: a raw sequential write of the checkpoint's byte count (fsync'd: the
 named reference) and our synchronous save (DCP files hashed while written, manifest, atomic commit); a raw
-sequential read and our verify + load (SHA-256 of every file against the manifest, then the DCP read into
-the model and the sharded optimizer in place); and the training stall of an asynchronous save (the copy
-to host buffers) against the synchronous save. Medians over the rounds are printed; the machine is shared
-and noisy. Reads are from storage: both the raw file's and the checkpoint's pages are dropped from the
-page cache first (posix_fadvise DONTNEED), because at full size (33 TB) a resume never reads from cache;
-the page-cache figures are printed too.
+sequential read and our verify + load (SHA-256 of every file against the manifest while the DCP read fills
+the model and the sharded optimizer in place, as a resume does); and the training stall of an asynchronous save against
+the synchronous save: the time the call takes plus what the next training step waits, before its update,
+for the copy to host buffers that runs beside its forward and backward. Medians over the rounds are
+printed; the machine is shared and noisy. Reads are from storage: both the raw file's and the
+checkpoint's pages are dropped from the page cache first (posix_fadvise DONTNEED), because at full size
+(33 TB) a resume never reads from cache; the page-cache figures are printed too.
 
 Part 2 (1, 2, 4 processes, gloo): weak scaling, each rank holding about the same state (data and expert
 parallel over the ranks, experts growing with them): save and verify time (the slowest rank's) and the
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from launch.local import run_distributed
-from moe_pretrain.checkpoint import AsyncSaver, shared_verify, verify
+from moe_pretrain.checkpoint import AsyncSaver, find, shared_verify, verifying_load
 from moe_pretrain.config import load_config
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
@@ -79,9 +80,10 @@ def raw_read(path: Path) -> None:
 
 
 def verify_and_load(trainer: Trainer, path: Path) -> None:
-    if problems := verify(path):
-        raise RuntimeError(problems)
-    trainer.state.load(path)  # in place, into the model and the optimizer's moments
+    """As a resume does: the files hashed while the load reads them into the model and the optimizer."""
+    found, _ = find(path.parent, str(path), verifying_load(trainer.state.load))
+    if found != path:
+        raise RuntimeError(f"{path} did not verify")
 
 
 def single_process(args: argparse.Namespace, tmp: Path) -> None:
@@ -89,7 +91,7 @@ def single_process(args: argparse.Namespace, tmp: Path) -> None:
     trainer = Trainer(cfg)
     trainer.run()  # one step, then the end-of-run save (untimed warm-up of the code path)
     rows: dict[str, list[float]] = {k: [] for k in ("raw_w", "save", "raw_r", "load", "raw_r_warm", "load_warm",
-                                                   "stall", "sync")}
+                                                   "stall", "sync", "step", "step_copying")}
     size = 0
     for round_ in range(args.rounds):
         trainer.step += 1  # a new step number: checkpoints are never overwritten
@@ -107,8 +109,10 @@ def single_process(args: argparse.Namespace, tmp: Path) -> None:
             rows["load" + cache].append(timed(verify_and_load, trainer, path))
         raw.unlink()
         saver, trainer.async_saver = trainer.async_saver, AsyncSaver(None)
-        trainer.step += 1
-        rows["stall"].append(timed(trainer.save_checkpoint))  # returns once the tensors are staged
+        rows["step"].append(timed(trainer.train_step))  # a training step with no save in flight
+        call = timed(trainer.save_checkpoint)  # returns at once: the copy runs beside the next step
+        rows["step_copying"].append(timed(trainer.train_step))
+        rows["stall"].append(call + trainer.async_saver.staging_wait_s)  # + the wait before its update
         trainer.async_saver.wait()
         trainer.async_saver = saver
         trainer.step += 1
@@ -128,6 +132,8 @@ def single_process(args: argparse.Namespace, tmp: Path) -> None:
           f"{m['raw_r_warm'] / m['load_warm']:.2f}x")
     print(f"  async save stall            {m['stall'] * 1e3:8.1f} ms       {m['stall'] / m['sync']:.2f}x the "
           f"synchronous save ({m['sync'] * 1e3:.1f} ms)   goal <= 0.1")
+    print(f"    (the call, and the next step's wait for the host copy; that step took {m['step_copying'] * 1e3:.0f} ms"
+          f" against {m['step'] * 1e3:.0f} ms without a copy beside it, on {os.cpu_count()} shared cores)")
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

@@ -13,7 +13,9 @@ from moe_pretrain.checkpoint.store import (
     read_trainer_state,
     save,
     shared_verify,
+    verifying_load,
 )
 
 __all__ = ["AsyncSaver", "CheckpointError", "GlobalState", "checkpoint_timeout", "committed_checkpoints", "find",
-           "load", "prune", "read_trainer_state", "save", "shared_verify", "verify"]
+           "load", "prune", "read_trainer_state", "save", "shared_verify", "verify",
+           "verifying_load"]

@@ -17,6 +17,8 @@ rank's I/O, so the trainer gives them a group whose timeout grows with the state
 import json
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -169,12 +171,15 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor | BoxedTensor], 
 
 
 class AsyncSaver:
-    """Background saves: the caller stalls only while the stager copies the tensors to host memory.
+    """Background saves: the training never waits for the files, and for the host copy only if its next
+    update comes before the copy is done.
 
-    The files are written (and hashed as written) by DCP's background thread over `group` (a dedicated
-    gloo group, so its collectives never interleave with training's); a thread of ours then collects
-    their manifest entries. At most one save is
-    in flight. poll() is called once per step on every rank: an all-reduce agrees on whether every rank has
+    start() returns at once; a thread of ours copies the tensors into host buffers (staging.py), then writes
+    them with DCP over `group` (a dedicated gloo group, so its collectives never interleave with training's),
+    hashing every file as it is written. The copy overlaps the next step's forward and backward, which only
+    read the parameters; before_update() is called before anything changes them (the optimizer step, the
+    balancing biases) and waits for the copy, as torchtitan's async staging does. At most one save is in
+    flight. poll() is called once per step on every rank: an all-reduce agrees on whether every rank has
     finished writing and hashing, and only then the save is gathered and committed, so a background
     failure surfaces on every rank at the next step and the checkpoint is not committed.
     """
@@ -182,20 +187,34 @@ class AsyncSaver:
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
         self.pending: tuple | None = None
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._stager = ReusedHostStager()
+        self._staged = threading.Event()
+        self._staged.set()
+        self.staging_wait_s = 0.0
+        """Seconds the last before_update() waited for the copy."""
 
     def start(self, root: Path, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
               info: dict[str, Any], keep_last: int, keep_every: int) -> None:
         self.wait()
         final, tmp = _prepare(root, step, self.group)
-        # The parameters are live and the next step updates them in place, so the background writer only
-        # ever sees the stager's host copies, taken here before returning.
         writer = _writer(tmp)
-        written = dcp.async_save(tensors, storage_writer=writer, process_group=self.group, planner=BoxedSavePlanner(),
-                                 async_stager=self._stager)
-        hashed: Future = self._hasher.submit(_written_and_hashed, tmp, written.result, writer)
+        self._staged.clear()
+
+        def write() -> None:
+            try:
+                staged = self._stager.stage(tensors)
+            finally:
+                self._staged.set()
+            dcp.save(staged, storage_writer=writer, planner=BoxedSavePlanner(), process_group=self.group)
+        hashed: Future = self._worker.submit(_written_and_hashed, tmp, write, writer)
         self.pending = (hashed, root, final, trainer_state, info, keep_last, keep_every)
+
+    def before_update(self) -> None:
+        """Wait until the pending save's host copy is taken: call before the state changes."""
+        start = time.perf_counter()
+        self._staged.wait()
+        self.staging_wait_s = time.perf_counter() - start
 
     def poll(self) -> Path | None:
         """Commit the pending save if every rank has finished writing it (collective)."""
@@ -240,6 +259,27 @@ def shared_verify(group: dist.ProcessGroup | None = None) -> Callable[[Path], li
         mine = verify(path, share=(dist.get_rank(group), dist.get_world_size(group)))
         return sorted({line for lines in _gather(mine, group) for line in lines})
     return verify_on_every_rank
+
+
+def verifying_load(load: Callable[[Path], object], group: dist.ProcessGroup | None = None
+                   ) -> Callable[[Path], list[str]]:
+    """A find() verifier that also loads, in one pass over the storage instead of two: each rank hashes its
+    share of the files in a background thread while load(path) reads the checkpoint; the problems of both
+    (a file that does not verify, a load that fails) are gathered, so every rank agrees. find() then returns
+    the first candidate without problems, already loaded; one with problems is loaded over by the next."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
+
+    def verify_while_loading(path: Path) -> list[str]:
+        with ThreadPoolExecutor(1, thread_name_prefix="verify") as pool:
+            hashing = pool.submit(verify, path, (rank, world))
+            try:
+                load(path)
+                failed = []
+            except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
+                failed = [f"{path}: does not load ({'; '.join(_describe(err, rank))})"]
+            mine = hashing.result() + failed
+        return sorted({line for lines in _gather(mine, group) for line in lines})
+    return verify_while_loading
 
 
 def find(root: Path, resume: str, verifier: Callable[[Path], list[str]] = verify) -> tuple[Path | None, list[str]]:

@@ -237,6 +237,8 @@ class Trainer:
             mean_share = self._pipeline_forward_backward(plan, batches, loss_tokens)
             loss_value = float(all_reduce_sum(mean_share, dist.group.WORLD))
         finite_loss = math.isfinite(loss_value)
+        if self.async_saver is not None:
+            self.async_saver.before_update()  # a background save's copy of the state must be complete
         grad_norm = self.optimizer.step(cfg.optim.grad_clip, skip=not finite_loss)
         advance_amax_histories(self.model)
         skipped = not (finite_loss and math.isfinite(grad_norm))
@@ -374,15 +376,15 @@ class Trainer:
             return None
 
     def resume(self) -> Path | None:
-        """Load the checkpoint train.resume asks for (every rank verifies its share of the files; all agree)."""
+        """Load the checkpoint train.resume asks for (every rank verifies its share of the files while the
+        load reads them; all agree)."""
         path, warnings = checkpoint.find(self.checkpoint_root, self.cfg.train.resume,
-                                         checkpoint.shared_verify(self.state.checkpoint_group))
+                                         checkpoint.verifying_load(self.state.load, self.state.checkpoint_group))
         if self.ctx.is_logging_rank:
             for warning in warnings:
                 log.warning(f"checkpoint: {warning}")
         if path is None:
             return None
-        self.state.load(Path(path))
         if self.state.data_position:  # a model-only checkpoint (imported weights) starts the data afresh
             self.batches.load_state(self.state.data_position)
         self.state.restore_rng()
