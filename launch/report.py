@@ -46,6 +46,11 @@ def plot_loss_lr(plt, records: list[dict], path: Path) -> None:
     tokens = [r["tokens"] for r in records]
     fig, loss_axis = plt.subplots(figsize=(8, 4.5))
     loss_axis.plot(tokens, [r["loss"] for r in records], color="tab:blue", label="loss")
+    evaluated = [r for r in records if "eval_loss" in r]
+    if evaluated:
+        loss_axis.plot([r["tokens"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-",
+                       color="tab:green", label="held-out loss")
+        loss_axis.legend(loc="upper right")
     loss_axis.set_xlabel("tokens")
     loss_axis.set_ylabel("loss (nats / token)", color="tab:blue")
     lr_axis = loss_axis.twinx()

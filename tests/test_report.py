@@ -18,7 +18,7 @@ STAGES = ("stages=[{name: short, tokens: 768, seq_len: 96, batch_tokens: 384}, "
 def run_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     Trainer(tiny_config(STAGES, "train.steps=4", "logging.expert_load_every=3", "logging.progress=false",
-                        f"train.run_dir={run_dir}")).run()
+                        "eval.tokens=200", f"train.run_dir={run_dir}")).run()
     return run_dir
 
 
@@ -28,8 +28,10 @@ def test_tensorboard_events_hold_the_step_scalars(run_dir):
     events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     names = events.Tags()["scalars"]
-    expected = {"loss", "lr", "tokens_per_s", "mfu", "seq_len", "moe/2/router_entropy", "moe/2/tokens_dropped"}
+    expected = {"loss", "lr", "tokens_per_s", "mfu", "seq_len", "moe/2/router_entropy", "moe/2/tokens_dropped",
+                "eval_loss", "data_wait_s"}
     assert expected <= set(names)
+    assert [e.step for e in events.Scalars("eval_loss")] == [2, 4]  # the ends of the two stages
     metrics = read_metrics(run_dir)
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in metrics], rel=1e-6)

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from moe_pretrain.config.blend import BlendConfig, megatron_data_path
 from moe_pretrain.config.errors import ConfigError
 from moe_pretrain.config.run import Config
 
@@ -137,6 +138,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(value, inner, key)
     if origin is list:
+        if isinstance(value, str) and typing.get_args(hint) == (BlendConfig,):
+            value = megatron_data_path(value, key)
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} must be a list, got {type(value).__name__}")
         (item,) = typing.get_args(hint)

@@ -6,6 +6,7 @@ from typing import Literal
 
 from moe_pretrain.config.blend import BlendConfig, check_long_documents
 from moe_pretrain.config.errors import require, require_positive
+from moe_pretrain.config.evaluation import EvalConfig
 from moe_pretrain.config.model import ModelConfig
 from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
 from moe_pretrain.config.stages import StageConfig, check_stages
@@ -58,7 +59,11 @@ class DataConfig:
     layout at start (logged at start-up): 1 without pipeline parallelism, else parallel.pp, the smallest
     count the pipeline schedules accept."""
     blend: list[BlendConfig] = field(default_factory=list)
-    """Datasets and their shares of the training tokens; empty = the embedded default corpus."""
+    """Datasets and their shares of the training tokens; empty = the embedded default corpus. Megatron-LM's
+    --data-path string ("0.3 /data/code 0.7 /data/web") is accepted too."""
+    tokenizer: str = ""
+    """The tokenizer of plain Megatron datasets in the blend (.bin / .idx without our .json): byte,
+    hf:<tokenizer.json> or tiktoken:<file>; a blend entry's own tokenizer wins."""
     long_doc_share: float | None = None
     """Share of tokens drawn from long documents (see long_doc_tokens), in every dataset of the blend;
     None = the datasets' natural mixture. A stage may set its own."""
@@ -186,6 +191,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging beside metrics.jsonl (rank 0); off while project is empty."""
+
+    project: str = ""
+    name: str = ""
+    """The run's display name; empty = the run directory's name."""
+    mode: Literal["online", "offline"] = "online"
+    """offline writes <run_dir>/wandb for a later `wandb sync` (no network needed)."""
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = 1
     """Print a progress line every log_every steps (metrics.jsonl gets every step)."""
@@ -202,6 +218,7 @@ class LoggingConfig:
     tensorboard: bool = True
     """Also write the scalars as TensorBoard event files in <run_dir>/tensorboard when the `tensorboard`
     package is installed (`pip install 'moe-pretrain[tensorboard]'`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         require_positive("logging", log_every=self.log_every)
@@ -252,6 +269,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     stages: list[StageConfig] = field(default_factory=list)
     """The staged context-extension schedule; empty = one stage from data.* and optim.* (train.steps)."""
 

@@ -12,9 +12,10 @@ import torch
 
 from moe_pretrain.config import BlendConfig, Config, ConfigError
 from moe_pretrain.data.embedded import embedded_blend
+from moe_pretrain.data.heldout import held_out
 from moe_pretrain.data.indexed import DataError, IndexedDocuments
 from moe_pretrain.data.mixture import DocumentMixture, PoolShare, split_pools
-from moe_pretrain.data.packing import DocumentRef, PackedRow, SequencePacker, assemble_row
+from moe_pretrain.data.packing import DocumentRef, PackedRow, RowPlan, SequencePacker, assemble_row
 from moe_pretrain.data.patches import expand_image_tokens, expand_images, patches_per_image
 from moe_pretrain.data.vocabulary import Vocabulary
 
@@ -105,6 +106,8 @@ class PretrainingData:
         """Dataset path -> every document's length in tokens, images expanded: all the packer reads."""
         self.names: dict[str, str] = {}
         """Dataset path -> the name positions are saved under (cached corpora: their file name)."""
+        self.held_out: dict[str, np.ndarray] = {}
+        """Dataset path -> records held out of training for validation (eval.holdout)."""
         self._embedded: list[BlendConfig] | None = None
         self.plans = self._plans()
         self.mixtures = [self._mixture(plan) for plan in self.plans]
@@ -123,9 +126,10 @@ class PretrainingData:
                             data.long_doc_share if s.long_doc_share is None else s.long_doc_share,
                             s.long_doc_tokens or data.long_doc_tokens) for i, s in enumerate(self.cfg.stages)]
 
-    def _open(self, path: str) -> IndexedDocuments:
+    def open_dataset(self, path: str, tokenizer: str = "") -> IndexedDocuments:
+        """The dataset at `path` (opened once); tokenizer: for a plain Megatron one, else data.tokenizer."""
         if path not in self.datasets:
-            dataset = IndexedDocuments(path)
+            dataset = IndexedDocuments(path, tokenizer or self.cfg.data.tokenizer)
             first = next(iter(self.datasets.values()), None)
             if first is not None and not first.vocabulary.same_ids(dataset.vocabulary):
                 raise ConfigError(f"{path} was tokenized with {dataset.vocabulary.kind} ({dataset.vocabulary.size} "
@@ -133,6 +137,7 @@ class PretrainingData:
                                   "blend must share one tokenizer")
             self._check_images(dataset)
             self.datasets[path] = dataset
+            self.lengths[path] = dataset.document_lengths(self._patches_per_image(dataset))
         return self.datasets[path]
 
     def _check_images(self, dataset: IndexedDocuments) -> None:
@@ -156,9 +161,8 @@ class PretrainingData:
         long_tokens = plan.long_tokens or max(plan.seq_len // 2, 1)
         shares: list[PoolShare] = []
         for entry in blend:
-            dataset = self._open(entry.path)
-            lengths = dataset.document_lengths(self._patches_per_image(dataset))
-            self.lengths[entry.path] = lengths
+            dataset = self.open_dataset(entry.path, entry.tokenizer)
+            lengths = self.lengths[entry.path]
             with_images = np.flatnonzero(dataset.images_per_document > 0)
             if with_images.size and lengths[with_images].max() > plan.seq_len + 1:
                 record = int(with_images[np.argmax(lengths[with_images])])
@@ -169,8 +173,22 @@ class PretrainingData:
             name = Path(entry.path).name if embedded else entry.path
             self.names[entry.path] = name
             shares += split_pools(name, dataset, lengths, entry.weight, plan.long_share, long_tokens,
-                                  self.cfg.data.seed, plan.where)
+                                  self.cfg.data.seed, plan.where, self._trainable(entry.path, name, len(dataset)))
         return DocumentMixture(shares)
+
+    def _trainable(self, path: str, name: str, documents: int) -> np.ndarray | None:
+        """The records training may draw: all (None), or all but those validation holds out (eval.holdout,
+        when eval is on without an eval.blend); the held-out ones are kept in self.held_out."""
+        evaluation = self.cfg.eval
+        if not evaluation.enabled or evaluation.blend:
+            return None
+        if path not in self.held_out:
+            mask = held_out(name, documents, evaluation.holdout, self.cfg.data.seed)
+            if mask.all() or not mask.any():
+                raise ConfigError(f"eval.holdout={evaluation.holdout} holds out {int(mask.sum())} of the {documents} "
+                                  f"documents of {path}; validation needs some, training the rest")
+            self.held_out[path] = np.flatnonzero(mask)
+        return np.setdiff1d(np.arange(documents), self.held_out[path])
 
     @property
     def vocabulary(self) -> Vocabulary:
@@ -179,7 +197,7 @@ class PretrainingData:
     def _patches_per_image(self, dataset: IndexedDocuments) -> int:
         return patches_per_image(dataset.image_shape, self.patch_size) if dataset.image_shape else 0
 
-    def _reference(self, prefix: str, record: int, offset: int = 0) -> DocumentRef:
+    def reference(self, prefix: str, record: int, offset: int = 0) -> DocumentRef:
         dataset = self.datasets[prefix]
         return DocumentRef((prefix, record), int(self.lengths[prefix][record]) - offset,
                            bool(dataset.images_per_document[record]), offset)
@@ -207,7 +225,7 @@ class PretrainingData:
         pool = mixture.pick()
         k = self.drawn.get(pool.key, 0)
         self.drawn[pool.key] = k + 1
-        doc = self._reference(pool.dataset.prefix, pool.document_id(k))
+        doc = self.reference(pool.dataset.prefix, pool.document_id(k))
         mixture.record(pool, doc.length)
         return doc
 
@@ -245,13 +263,17 @@ class PretrainingData:
         plans = [self.packer.next_row() for _ in range(rows)]
         self.rows += rows
         per_shard = rows // num_shards
+        return self.read_rows(plans[shard * per_shard:(shard + 1) * per_shard], with_patches)
+
+    def read_rows(self, plans: list[RowPlan], with_patches: bool = True) -> Batch:
+        """The batch of these planned rows: their documents read, packed and (with_patches) cut into patches."""
         vocab = self.vocabulary
 
         def read(origin: tuple[str, int]) -> tuple[np.ndarray, np.ndarray | None]:
             return self.read_document(origin, with_patches)
 
-        own = [assemble_row(plan, read, vocab.pad) for plan in plans[shard * per_shard:(shard + 1) * per_shard]]
-        return rows_to_batch(own, self.patch_dim, vocab, with_patches)
+        return rows_to_batch([assemble_row(plan, read, vocab.pad) for plan in plans], self.patch_dim, vocab,
+                             with_patches)
 
     def state(self) -> dict:
         """The stream's position (JSON): counters only, so resuming costs the same at any point of a run."""
@@ -272,6 +294,6 @@ class PretrainingData:
         pending = state["pending"]
         if pending:
             paths = {name: path for path, name in self.names.items()}
-            self.packer.pending = self._reference(paths[pending[0]], pending[1], pending[2])
+            self.packer.pending = self.reference(paths[pending[0]], pending[1], pending[2])
         else:
             self.packer.pending = None

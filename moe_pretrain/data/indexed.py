@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, IndexedDataset, IndexedDatasetBuilder
 
+from moe_pretrain.data.tokenizers import load_tokenizer
 from moe_pretrain.data.vocabulary import Vocabulary
 
 FORMAT = "moe-pretrain-indexed-v1"
@@ -105,8 +106,9 @@ class DatasetWriter:
         return self.prefix
 
 
-def _open_indexed(prefix: str, expected_documents: int, dtype: type) -> IndexedDataset:
-    """megatron-core's reader, after checks that turn its asserts (or a crash) into errors naming the file."""
+def _open_indexed(prefix: str, expected_documents: int | None, dtype: type | None) -> IndexedDataset:
+    """megatron-core's reader, after checks that turn its asserts (or a crash) into errors naming the file
+    (the document count and token type only where a sidecar gives them)."""
     bin_path, idx_path = _paths(prefix)
     for path in (bin_path, idx_path):
         if not path.is_file():
@@ -119,9 +121,9 @@ def _open_indexed(prefix: str, expected_documents: int, dtype: type) -> IndexedD
     except (AssertionError, ValueError, OSError) as err:
         raise DataError(f"{idx_path}: not a readable Megatron index ({err or type(err).__name__})") from err
     index = dataset.index
-    if index.dtype != dtype:
+    if dtype is not None and index.dtype != dtype:
         raise DataError(f"{idx_path}: tokens are {np.dtype(index.dtype).name}, expected {np.dtype(dtype).name}")
-    if len(index.document_indices) - 1 != expected_documents:
+    if expected_documents is not None and len(index.document_indices) - 1 != expected_documents:
         raise DataError(f"{idx_path}: {len(index.document_indices) - 1} documents, but {prefix}.json records "
                         f"{expected_documents}: the .idx does not belong to this dataset")
     expected_bytes = int(index.sequence_lengths.astype(np.int64).sum()) * index.dtype_size
@@ -143,14 +145,31 @@ class Document:
 
 
 class IndexedDocuments:
-    """A dataset opened for training: checked against its sidecar, documents read on demand."""
+    """A dataset opened for training: checked against its sidecar, documents read on demand. A plain Megatron
+    .bin / .idx pair (no sidecar: made by Megatron-LM's tools) is read with the tokenizer the config names;
+    a document made of several sequences (sentence-split) is read as their concatenation."""
 
-    def __init__(self, prefix: str | Path):
+    def __init__(self, prefix: str | Path, tokenizer: str = ""):
         self.prefix = str(prefix)
+        self.plain = False
+        """A Megatron dataset without our sidecar: its ids are all the tokenizer's (no specials)."""
         sidecar = sidecar_path(prefix)
-        if not sidecar.is_file():
-            raise DataError(f"{sidecar}: missing; {prefix} is not a dataset written by moe_pretrain.data.preprocess, "
-                            "or its writing did not finish")
+        if sidecar.is_file():
+            self._read_sidecar(sidecar)
+            self._refuse_empty()
+            self.tokens = _open_indexed(self.prefix, self.num_documents, DType.optimal_dtype(self.vocabulary.size))
+        else:
+            self._plain(sidecar, tokenizer)
+            self._refuse_empty()
+        self.images = None
+        if self.image_shape:
+            self.images = _open_indexed(self.prefix + ".images", self.num_documents, np.uint8)
+
+    def _refuse_empty(self) -> None:
+        if self.num_documents == 0:
+            raise DataError(f"{self.prefix}: the dataset is empty (0 documents)")
+
+    def _read_sidecar(self, sidecar: Path) -> None:
         try:
             meta = json.loads(sidecar.read_text())
             if meta.get("format") != FORMAT:
@@ -160,12 +179,23 @@ class IndexedDocuments:
             self.num_documents = int(meta["documents"])
         except (ValueError, KeyError, TypeError) as err:
             raise DataError(f"{sidecar}: not a valid dataset description: {err}") from err
-        if self.num_documents == 0:
-            raise DataError(f"{prefix}: the dataset is empty (0 documents)")
-        self.tokens = _open_indexed(self.prefix, self.num_documents, DType.optimal_dtype(self.vocabulary.size))
-        self.images = None
-        if self.image_shape:
-            self.images = _open_indexed(self.prefix + ".images", self.num_documents, np.uint8)
+
+    def _plain(self, sidecar: Path, tokenizer: str) -> None:
+        if not all(path.is_file() for path in _paths(self.prefix)):
+            raise DataError(f"{sidecar}: missing; {self.prefix} is not a dataset written by "
+                            "moe_pretrain.data.preprocess, or its writing did not finish (nor a Megatron .bin / .idx)")
+        if not tokenizer:
+            raise DataError(f"{sidecar}: missing; {self.prefix} is not a dataset written by "
+                            "moe_pretrain.data.preprocess, or its writing did not finish; if it is a Megatron "
+                            ".bin / .idx pair, set data.tokenizer (or this blend entry's tokenizer) to the tokenizer "
+                            "it was made with")
+        try:
+            self.vocabulary = load_tokenizer(tokenizer).vocabulary
+        except (ValueError, FileNotFoundError, ImportError) as err:
+            raise DataError(f"{self.prefix}: its tokenizer {tokenizer!r} cannot be loaded: {err}") from err
+        self.plain, self.image_shape = True, None
+        self.tokens = _open_indexed(self.prefix, None, None)
+        self.num_documents = len(self.tokens.index.document_indices) - 1
 
     def __len__(self) -> int:
         return self.num_documents
@@ -176,18 +206,33 @@ class IndexedDocuments:
             return np.zeros(self.num_documents, dtype=np.int64)
         return np.diff(self.images.index.document_indices).astype(np.int64)
 
+    @cached_property
+    def _first_sequence(self) -> np.ndarray:
+        """Each document's first sequence (Megatron's tools may write several per document)."""
+        return self.tokens.index.document_indices.astype(np.int64)
+
     def document_lengths(self, patches_per_image: int) -> np.ndarray:
         """Tokens of every document once read: body, BOS and EOS, each image marker pair's patches."""
-        body = self.tokens.index.sequence_lengths.astype(np.int64)
+        sequences = self.tokens.index.sequence_lengths.astype(np.int64)
+        body = sequences if len(sequences) == self.num_documents else np.add.reduceat(
+            sequences, self._first_sequence[:-1]) if len(sequences) else np.zeros(self.num_documents, np.int64)
         return body + 2 + self.images_per_document * patches_per_image
+
+    def _body(self, index: int) -> np.ndarray:
+        start, stop = self._first_sequence[index:index + 2]
+        if stop - start == 1:
+            return self.tokens[int(start)].astype(np.int64)
+        return np.concatenate([self.tokens[int(i)] for i in range(start, stop)] or [[]]).astype(np.int64)
 
     def document(self, index: int, with_images: bool = True) -> Document:
         """Record `index`; without its images' pixels (images empty) when with_images is False."""
         vocab = self.vocabulary
-        body = self.tokens[index].astype(np.int64)
-        if body.size and body.max() >= vocab.size:
-            raise DataError(f"{self.prefix}.bin: record {index} holds token id {int(body.max())}, outside the "
-                            f"vocabulary of {vocab.size} ({vocab.kind})")
+        body = self._body(index)
+        limit = vocab.base_size if self.plain else vocab.size  # a plain dataset holds no special ids
+        if body.size and body.max() >= limit:
+            what = f"the {limit} ids of its tokenizer" if self.plain else f"the vocabulary of {limit}"
+            raise DataError(f"{self.prefix}.bin: record {index} holds token id {int(body.max())}, outside "
+                            f"{what} ({vocab.kind})")
         images = []
         if self.images is not None and with_images:
             start, end = self.images.index.document_indices[index:index + 2]

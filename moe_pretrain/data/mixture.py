@@ -39,9 +39,12 @@ class PoolShare:
 
 
 def split_pools(name: str, dataset: IndexedDocuments, lengths: np.ndarray, weight: float,
-                long_share: float | None, long_tokens: int, seed: int, where: str) -> list[PoolShare]:
-    """One pool for the dataset, or a long and a short one holding long_share and the rest of its weight."""
-    ids = np.arange(len(dataset))
+                long_share: float | None, long_tokens: int, seed: int, where: str,
+                ids: np.ndarray | None = None) -> list[PoolShare]:
+    """One pool for the dataset, or a long and a short one holding long_share and the rest of its weight.
+    ids: the records training may draw (default all; validation holds some out)."""
+    ids = np.arange(len(dataset)) if ids is None else ids
+    lengths = lengths[ids]
     if long_share is None:
         return [PoolShare(DocumentPool(f"{name}#all", dataset, ids, lengths, seed), weight)]
     is_long = lengths >= long_tokens

@@ -26,10 +26,12 @@ from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
+from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.fp8 import advance_amax_histories, enable_fp8
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
+from moe_pretrain.training.evaluation import evaluate
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
@@ -39,6 +41,7 @@ from moe_pretrain.training.pipeline import Pipeline, StepShape
 from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
+from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum
 from parallel.context_parallel import ContextParallel, NoContextParallel
@@ -97,10 +100,12 @@ class Trainer:
         resolve_layout(cfg, self.ctx.layout.world_size)
         self.dtype = DTYPES[cfg.train.dtype]
         configure_fast_paths(cfg, self.ctx.device, self.dtype)
+        check_wandb(cfg)
         self.cfg = cfg
         self.data = PretrainingData(cfg)
         check_vocabulary(cfg, self.data)
         self.batches = BatchPrefetcher(self.data, background=cfg.data.prefetch)
+        self.validation = ValidationData(self.data) if cfg.eval.enabled else None
         self.device = self.ctx.device
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
@@ -115,7 +120,7 @@ class Trainer:
             # never interleave with training's, and its timeout grows with the largest rank's state.
             self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout())
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group) if cfg.checkpoint.async_save else None
-        self._loss_tokens = 1
+        self.pipeline_loss_divisor = 1
         self._recompute = "none"
         """The recomputation the model's layers are set to (modules start with none)."""
         self.skipped_total = self.skipped_in_a_row = 0
@@ -279,7 +284,7 @@ class Trainer:
         for batch in batches:
             with self.autocast():
                 logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            ce_sum = self._cross_entropy_sum(logits, self.model.context.local(batch.labels))
+            ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
             loss = ce_sum / loss_tokens + balance_loss / len(batches)
             loss.backward()
             ce_total += ce_sum.detach().to(torch.float64).cpu()
@@ -288,7 +293,7 @@ class Trainer:
     def _pipeline_forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
         """The pipeline schedule over the same micro-batches (it splits their concatenation back along B).
         Returns this rank's share of the global mean loss (non-zero on one tensor rank of the last stage)."""
-        self._loss_tokens = loss_tokens
+        self.pipeline_loss_divisor = loss_tokens
         step = Batch.concatenate(batches)
         pipeline = self.pipeline
         shape = StepShape(plan.seq_len, plan.rows, plan.micro_batches,
@@ -307,9 +312,9 @@ class Trainer:
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._cross_entropy_sum(logits, self.model.context.local(labels)) / self._loss_tokens
+        return self.cross_entropy_sum(logits, self.model.context.local(labels)) / self.pipeline_loss_divisor
 
-    def _cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
         vocabulary slice (parallel/vocab_parallel_loss.py combines them)."""
         logits = logits.to(compute_dtype(logits.dtype))
@@ -413,7 +418,8 @@ class Trainer:
         if ctx.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard)
+            writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard,
+                                   wandb_run=open_wandb_run(cfg, run_dir))
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []
         saved_at = self.step if resumed else -1
@@ -433,15 +439,17 @@ class Trainer:
                 result = self.train_step()
                 watchdog.end()
                 record = self.metrics(result)
+                at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
+                if self._evaluation_due(at_boundary):
+                    record.update(evaluate(self, plan))
                 if writer is not None:
                     writer.write(record)
                 history.append(record)
-                bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr)
+                bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr, record.get("eval_loss"))
                 if self.async_saver is not None:
                     self.last_checkpoint = self._guard_async(self.async_saver.poll) or self.last_checkpoint
                 time_due = bool(save_interval_s) and time.monotonic() - last_save_time >= save_interval_s
                 agreed = signals.agreed(ctx.distributed, self.device, save_due=time_due)
-                at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
                 at_interval = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
                 if at_boundary or at_interval or agreed.save_due:
                     self.save_checkpoint()
@@ -461,6 +469,14 @@ class Trainer:
             if writer is not None:
                 writer.close()
         return history
+
+    def _evaluation_due(self, at_stage_end: bool) -> bool:
+        """eval.every steps, and (eval.at_stage_end) after a stage's and the run's last step."""
+        evaluation = self.cfg.eval
+        if self.validation is None:
+            return False
+        every = bool(evaluation.every) and self.step % evaluation.every == 0
+        return every or (evaluation.at_stage_end and (at_stage_end or self.step == self.cfg.train.steps))
 
     def _wait_for_async_save(self) -> None:
         if self.async_saver is not None:
