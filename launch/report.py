@@ -101,6 +101,54 @@ def plot_expert_load(plt, record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def long_context_records(run_dir: Path, records: list[dict]) -> list[dict]:
+    """Records with a long-context evaluation: the stage ends of metrics.jsonl, then launch.evaluate's."""
+    found = [r for r in records if "probe_accuracy" in r or any(k.startswith("eval_position_loss.") for k in r)]
+    evaluations = run_dir / "evaluations.jsonl"
+    if evaluations.is_file():
+        found += [json.loads(line) for line in evaluations.read_text().splitlines() if line.strip()]
+    return found
+
+
+def plot_position_loss(plt, records: list[dict], path: Path) -> None:
+    """Held-out loss by position bucket, a line per evaluation (later stages reach further)."""
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    for record in records:
+        buckets = [(k.split(".", 1)[1], v) for k, v in record.items() if k.startswith("eval_position_loss.")]
+        if buckets:
+            middles = [(int(lo) + int(hi)) / 2 for lo, hi in (name.split("-") for name, _ in buckets)]
+            axis.plot(middles, [v for _, v in buckets], "o-", label=f"step {record['step']} ({record['stage']})")
+    axis.set_xscale("log")
+    axis.set_xlabel("position in document (bucket middle)")
+    axis.set_ylabel("held-out loss (nats / token)")
+    axis.set_title("loss by position")
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_retrieval(plt, records: list[dict], path: Path) -> None:
+    """Pass-key accuracy by probe length and key depth, a panel per evaluation."""
+    records = [r for r in records if "probe_accuracy" in r]
+    fig, axes = plt.subplots(1, len(records), figsize=(3.2 * len(records) + 1, 3.2), squeeze=False)
+    for axis, record in zip(axes[0], records):
+        cells = {tuple(k.split(".", 1)[1].split("@")): v for k, v in record.items()
+                 if k.startswith("probe_accuracy.")}
+        lengths = sorted({int(length) for length, _ in cells})
+        depths = sorted({float(depth) for _, depth in cells})
+        grid = [[cells[(str(length), str(depth))] for length in lengths] for depth in depths]
+        image = axis.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        axis.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+        axis.set_yticks(range(len(depths)), [f"{depth:.0%}" for depth in depths])
+        axis.set_xlabel("probe length (tokens)")
+        axis.set_title(f"step {record['step']} ({record['stage']}): {record['probe_accuracy']:.0%}", fontsize=9)
+    axes[0][0].set_ylabel("key depth")
+    fig.colorbar(image, ax=axes[0].tolist())
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(run_dir: Path, out: Path, steps: list[int] | None = None) -> list[Path]:
     try:
         import matplotlib
@@ -120,6 +168,13 @@ def write_report(run_dir: Path, out: Path, steps: list[int] | None = None) -> li
     written = [out / "loss_lr.png", out / "throughput.png"]
     plot_loss_lr(plt, records, written[0])
     plot_throughput(plt, records, written[1])
+    long_context = long_context_records(run_dir, records)
+    if long_context:
+        written.append(out / "position_loss.png")
+        plot_position_loss(plt, long_context, written[-1])
+    if any("probe_accuracy" in r for r in long_context):
+        written.append(out / "retrieval.png")
+        plot_retrieval(plt, long_context, written[-1])
     for step in steps or sorted(with_loads):
         written.append(out / f"expert_load_step{step}.png")
         plot_expert_load(plt, with_loads[step], written[-1])

@@ -11,23 +11,33 @@ import torch
 import torch.distributed as dist
 
 
+def _global_max(logits_NV: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    logits_max = logits_NV.max(dim=-1).values
+    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+    return logits_max
+
+
+def _target_logit(logits_NV: torch.Tensor, target_N: torch.Tensor, group: dist.ProcessGroup
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(every target's logit, from the rank holding its column; this rank's column index; held here)."""
+    local_vocab = logits_NV.shape[-1]
+    local_target = target_N - dist.get_rank(group) * local_vocab
+    mine = (local_target >= 0) & (local_target < local_vocab)
+    safe_target = local_target.clamp(0, local_vocab - 1)
+    target_logit = logits_NV.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) * mine
+    dist.all_reduce(target_logit, group=group)
+    return target_logit, safe_target, mine
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, target_N, group):
-        rank = dist.get_rank(group)
-        local_vocab = logits_NV.shape[-1]
-        start = rank * local_vocab
-        logits_max = logits_NV.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        logits_max = _global_max(logits_NV, group)
         shifted = logits_NV - logits_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
-        local_target = target_N - start
-        mine = (local_target >= 0) & (local_target < local_vocab)
-        safe_target = local_target.clamp(0, local_vocab - 1)
-        target_logit = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) * mine
-        dist.all_reduce(target_logit, group=group)
+        target_logit, safe_target, mine = _target_logit(shifted, target_N, group)
         ctx.save_for_backward(exp, sum_exp, safe_target, mine)
         return sum_exp.log() - target_logit
 
@@ -45,3 +55,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     shape = target.shape
     loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group)
     return loss.reshape(shape)
+
+
+def vocab_parallel_top1(logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[...] bool: is the target the highest logit over the whole vocabulary (split over the group)?"""
+    logits_NV = logits.reshape(-1, logits.shape[-1])
+    target_logit, _, _ = _target_logit(logits_NV, target.reshape(-1), group)
+    return (target_logit >= _global_max(logits_NV, group)).reshape(target.shape)

@@ -44,7 +44,8 @@ def test_report_writes_plots_with_stage_boundaries_and_load_heatmaps(run_dir, ca
     assert stage_boundaries(metrics) == [(768, "long")]
     assert report_main([str(run_dir)]) == 0
     written = capsys.readouterr().out.split()
-    assert [p.rsplit("/", 1)[1] for p in written] == ["loss_lr.png", "throughput.png", "expert_load_step1.png",
+    assert [p.rsplit("/", 1)[1] for p in written] == ["loss_lr.png", "throughput.png", "position_loss.png",
+                                                     "retrieval.png", "expert_load_step1.png",
                                                      "expert_load_step3.png", "expert_load_step4.png"]
     for path in written:
         data = open(path, "rb").read()

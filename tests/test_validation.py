@@ -1,12 +1,20 @@
-"""Held-out validation: documents never trained on, the loss against a direct computation, the schedule of
-evaluations over stages, and the same values on every layout as on one process."""
+"""Held-out validation: documents never trained on, the loss (and at stage ends the loss by position and the
+retrieval probe) against a direct computation, the schedule of evaluations over stages, and the same values
+on every layout as on one process."""
+
+import itertools
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
+from launch.evaluate import main as evaluate_main
 from launch.local import run_distributed
+from moe_pretrain.config import config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
+from moe_pretrain.data.long_context_eval import long_document_rows, position_edges, probe_batches, probe_tokenizer
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
@@ -45,17 +53,61 @@ def direct_eval_loss(trainer: Trainer, seq_len: int) -> dict[str, float]:
     return out
 
 
-def test_eval_loss_is_the_direct_computation_and_runs_at_stage_ends(tmp_path):
+def direct_long_context(trainer: Trainer, seq_len: int) -> dict[str, float]:
+    """Loss by position bucket and probe accuracy straight from the logits of one process (float64)."""
+    data, cfg = trainer.data, trainer.cfg.eval
+    batch = data.read_rows(long_document_rows(data, trainer.validation.sets, seq_len, cfg.long_documents))
+    with torch.no_grad():
+        logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, ignore_index=IGNORE_INDEX, reduction="none")
+    scored = batch.labels != IGNORE_INDEX
+    out = {}
+    edges = position_edges(seq_len, cfg.position_base)
+    for lo, hi in itertools.pairwise(edges):
+        out[f"eval_position_loss.{lo}-{hi}"] = (per_token[:, lo:hi].sum() / scored[:, lo:hi].sum()).item()
+    cells = probe_batches(data.vocabulary, probe_tokenizer(data.vocabulary), seq_len, cfg.probe_samples,
+                          cfg.probe_samples, 0, 0, 1, data.patch_dim)
+    right = keys = 0
+    for name, cell in cells.items():
+        with torch.no_grad():
+            logits, _ = trainer.model(cell.tokens, cell.doc_ids, cell.patches, cell.image_mask)
+        where = cell.labels != IGNORE_INDEX
+        hits = int((logits.argmax(-1)[where] == cell.labels[where]).sum())
+        out[f"probe_accuracy.{name}"] = hits / int(where.sum())
+        right, keys = right + hits, keys + int(where.sum())
+    out["probe_accuracy"] = right / keys
+    return out
+
+
+def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path):
     cfg = tiny_config(STAGES, *EVAL, "train.steps=6", "train.dtype=float64", "logging.progress=false",
-                      f"train.run_dir={tmp_path}")
+                      f"train.run_dir={tmp_path}", "eval.probe_samples=3", "checkpoint.keep_last=5")
     trainer = Trainer(cfg)
     history = trainer.run()
     evaluated = [h["step"] for h in history if "eval_loss" in h]
     assert evaluated == [2, 4, 6]  # eval.every=0: the end of each stage (and of the run)
+    assert [h["step"] for h in history if "probe_accuracy" in h] == [2, 4, 6]
     last = history[-1]
     want = direct_eval_loss(trainer, last["seq_len"])
     assert {k: v for k, v in last.items() if k.startswith("eval_loss")} == pytest.approx(want, rel=1e-12)
     assert len(want) == 3 and 0 < last["eval_loss"] < 10
+    want = direct_long_context(trainer, last["seq_len"])
+    got = {k: v for k, v in last.items() if k.startswith(("eval_position_loss", "probe_accuracy"))}
+    assert got == pytest.approx(want, rel=1e-12)
+    assert list(got)[:4] == ["eval_position_loss.0-24", "eval_position_loss.24-96", "eval_position_loss.96-384",
+                             "probe_accuracy"]  # seq_len 384: buckets from 384 / 16
+    assert len([k for k in got if k.startswith("probe_accuracy.")]) == 9  # 3 lengths x 3 depths
+
+    # On demand: launch.evaluate on the checkpoint of the first stage's end gives that step's record.
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    assert evaluate_main(["--config", str(config_file), "--checkpoint", str(tmp_path / "checkpoints" / "step_00000002"),
+                          f"train.run_dir={tmp_path / 'evaluations'}"]) == 0
+    (line,) = (tmp_path / "evaluations" / "evaluations.jsonl").read_text().splitlines()
+    on_demand, at_step_2 = json.loads(line), history[1]
+    assert on_demand["step"] == 2 and on_demand["seq_len"] == at_step_2["seq_len"] == 96
+    assert {k: v for k, v in on_demand.items() if k.startswith(("eval_", "probe_"))} == pytest.approx(
+        {k: v for k, v in at_step_2.items() if k.startswith(("eval_", "probe_"))}, rel=1e-12)
 
 
 def layout_worker(rank, world_size, run_dir, overrides):
@@ -63,7 +115,7 @@ def layout_worker(rank, world_size, run_dir, overrides):
                       "data.batch_size=8", f"train.run_dir={run_dir}", *overrides)
     ctx = init_parallel(cfg)
     try:
-        return [{k: v for k, v in h.items() if k.startswith("eval_loss")} for h in Trainer(cfg, ctx).run()]
+        return [{k: v for k, v in h.items() if k.startswith(("eval_", "probe_"))} for h in Trainer(cfg, ctx).run()]
     finally:
         destroy_parallel()
 
@@ -78,6 +130,7 @@ def test_eval_loss_is_the_same_on_every_layout(tmp_path, world_size, overrides):
     single = layout_worker(0, 1, str(tmp_path / "single"), [o for o in overrides if not o.startswith("parallel.")])
     spread = run_distributed(layout_worker, world_size, str(tmp_path / "spread"), overrides)
     assert [sorted(r) for r in spread] == [sorted(r) for r in single]
-    assert [r for r in single if r] and len([r for r in single if r]) == 2  # steps 2 and 4
+    assert [bool(r) for r in single] == [False, True, False, True]  # steps 2 and 4
+    assert "probe_accuracy" in single[-1] and "eval_position_loss.0-6" in single[-1]  # at the run's end
     for got, want in zip(spread, single):
         assert got == pytest.approx(want, rel=1e-9)

@@ -1,82 +1,156 @@
-"""Held-out loss: every validation dataset's summed next-token loss and token count, reduced over ranks.
+"""Held-out evaluation: the validation loss, and at stage ends the loss by position and a retrieval probe.
 
-The same forward as training (its autocast, context-parallel split and vocabulary-parallel loss; under
-pipeline parallelism the stage's schedule in forward-only mode), without gradients, so nothing of the
-training state changes (routers record statistics only from forwards that train). Sums are reduced like
-the training loss: token counts over the data x context group, loss sums over the data x context group,
-or over the world with a pipeline (only the last stage's first tensor rank holds them), so the values are
-those of one process whatever the layout.
+Every measure is a sum and a count over named sets of rows: a validation dataset's loss (summed next-token
+loss, tokens), a position bucket's loss (the same over positions [lo, hi) of long documents), a probe
+cell's accuracy (key tokens predicted top-1, keys). They are computed with the training forward (its
+autocast, context-parallel split and vocabulary-parallel logits; under pipeline parallelism the stage's
+schedule in forward-only mode, whose loss function then returns the sum asked for) and without gradients,
+so nothing of the training state changes (routers record statistics only from forwards that train). The
+rows are padded with unscored ones to whole shards and reduced like the training loss (counts over the
+data x context group; sums over it, or over the world with a pipeline, where only the last stage's first
+tensor rank holds them), so every value is that of one process whatever the layout.
 """
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from moe_pretrain.data import IGNORE_INDEX, Batch
+from moe_pretrain.data.long_context_eval import (
+    keep_positions,
+    long_document_rows,
+    position_edges,
+    probe_batches,
+    probe_tokenizer,
+)
+from moe_pretrain.data.packing import RowPlan
 from moe_pretrain.training.pipeline import StepShape
 from parallel.collectives import all_reduce_sum
+from parallel.vocab_parallel_loss import vocab_parallel_top1
 
 if TYPE_CHECKING:
     from moe_pretrain.training.trainer import StepPlan, Trainer
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+class _Sums:
+    """Where a plan's evaluation rows go: how many per set, in what batches, scored how."""
+
+    def __init__(self, trainer: "Trainer", plan: "StepPlan"):
+        self.trainer, self.plan = trainer, plan
+        data_parallel = trainer.ctx.context(plan.cp)
+        self.shard, self.shards = data_parallel.dp_rank, data_parallel.dp_size
+        # A pipeline takes one pass through its schedule: whole micro-batches on every rank.
+        self.multiple = self.shards * (plan.micro_batches if trainer.pipeline is not None else 1)
+        self.with_patches = trainer.pipeline is None or trainer.pipeline.holds_first
+
+    def padded(self, rows: int) -> int:
+        return -(-max(rows, 1) // self.multiple) * self.multiple
+
+    def per_batch(self, rows: int) -> int:
+        """Rows per batch on this rank: the training micro-batch's, or all of them through a pipeline."""
+        if self.trainer.pipeline is not None:
+            return rows // self.shards
+        return max(self.plan.rows // self.plan.micro_batches // self.shards, 1)
+
+    def reduce(self, sets: dict[str, list[Batch]], rows: int, score: str) -> dict[str, tuple[float, float]]:
+        """{name: (summed score, scored tokens)} over all ranks; score: loss (summed next-token loss) or top1."""
+        trainer = self.trainer
+        sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64)
+        for i, batches in enumerate(sets.values()):
+            for batch in batches:
+                batch = batch.to(trainer.device)
+                labels = trainer.model.context.local(batch.labels)
+                sums[i, 1] += int((labels != IGNORE_INDEX).sum())
+                sums[i, 0] += self._score(batch, labels, rows, score)
+        group = dist.group.WORLD if trainer.pipeline is not None else trainer.ctx.dp_group
+        totals = all_reduce_sum(sums[:, 0].contiguous(), group)
+        counts = all_reduce_sum(sums[:, 1].contiguous(), trainer.ctx.dp_group)
+        return {name: (float(totals[i]), float(counts[i])) for i, name in enumerate(sets)}
+
+    def _score(self, batch: Batch, labels: torch.Tensor, rows: int, score: str) -> float:
+        trainer = self.trainer
+        scorer = trainer.cross_entropy_sum if score == "loss" else _top1_count(trainer)
+        if trainer.pipeline is None:
+            with trainer.autocast():
+                logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+            return float(scorer(logits, labels))
+        pipeline = trainer.pipeline
+        shape = StepShape(self.plan.seq_len, rows, self.plan.micro_batches,
+                          trainer.data.max_patches_per_row(self.plan.stage_index), self.plan.cp)
+        args = ((batch.tokens, batch.doc_ids, batch.image_mask,
+                 batch.patch_rows(shape.patches_per_row).to(trainer.boundary_dtype)) if pipeline.holds_first else ())
+        losses: list[torch.Tensor] = []
+        trainer.pipeline_scorer = scorer  # the schedule's loss function returns this sum while evaluating
+        try:
+            with trainer.autocast():
+                pipeline.schedule(shape).eval(*args, target=batch.labels if pipeline.holds_last else None,
+                                              losses=losses)
+        finally:
+            trainer.pipeline_scorer = None
+        if not pipeline.holds_last or trainer.ctx.tp_rank != 0:
+            return 0.0
+        return float(torch.stack([loss.detach() for loss in losses]).sum())
+
+
+def _top1_count(trainer: "Trainer"):
+    def count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        scored = labels != IGNORE_INDEX
+        if trainer.ctx.layout.tp == 1:
+            top1 = logits.argmax(dim=-1) == labels
+        else:
+            top1 = vocab_parallel_top1(logits, labels.clamp(min=0), trainer.ctx.tp_group)
+        return (top1 & scored).sum().to(torch.float64)
+    return count
 
 
 @torch.no_grad()
 def evaluate(trainer: "Trainer", plan: "StepPlan") -> dict[str, float]:
     """{eval_loss, eval_loss.<dataset>} at the plan's sequence length (collective: every rank calls it)."""
-    ctx, validation = trainer.ctx, trainer.validation
-    data_parallel = ctx.context(plan.cp)
-    dp = data_parallel.dp_size
-    if trainer.pipeline is None:  # batches of the training micro-batch's rows per rank
-        multiple, per_batch = dp, max(plan.rows // plan.micro_batches // dp, 1)
-    else:  # one pass through the schedule: whole micro-batches on every rank
-        multiple = dp * plan.micro_batches
-        per_batch = validation.rows(plan.seq_len, multiple) // dp
-    with_patches = trainer.pipeline is None or trainer.pipeline.holds_first
-    sets = validation.batches(plan.seq_len, data_parallel.dp_rank, dp, per_batch, with_patches, multiple)
-    sums = torch.zeros(len(sets), 2, dtype=torch.float64)
-    for i, batches in enumerate(sets.values()):
-        for batch in batches:
-            batch = batch.to(trainer.device)
-            labels = trainer.model.context.local(batch.labels)
-            sums[i, 1] += int((labels != IGNORE_INDEX).sum())
-            if trainer.pipeline is None:
-                sums[i, 0] += _loss_sum(trainer, batch, labels)
-            else:
-                sums[i, 0] += _pipeline_loss_sum(trainer, plan, batch, validation.rows(plan.seq_len, multiple))
-    loss_group = dist.group.WORLD if trainer.pipeline is not None else ctx.dp_group
-    losses = all_reduce_sum(sums[:, 0].contiguous(), loss_group)
-    tokens = all_reduce_sum(sums[:, 1].contiguous(), ctx.dp_group)
-    record = {"eval_loss": float(losses.sum() / tokens.sum().clamp(min=1))}
-    for name, loss, count in zip(sets, losses.tolist(), tokens.tolist()):
-        record[f"eval_loss.{name}"] = loss / max(count, 1)
+    sums, validation = _Sums(trainer, plan), trainer.validation
+    rows = validation.rows(plan.seq_len, sums.multiple)
+    sets = validation.batches(plan.seq_len, sums.shard, sums.shards, sums.per_batch(rows), sums.with_patches,
+                              sums.multiple)
+    reduced = sums.reduce(sets, rows, "loss")
+    record = {"eval_loss": sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)}
+    record.update({f"eval_loss.{name}": total / max(count, 1) for name, (total, count) in reduced.items()})
     return record
 
 
-def _loss_sum(trainer: "Trainer", batch: Batch, labels: torch.Tensor) -> float:
-    with trainer.autocast():
-        logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-    return float(trainer.cross_entropy_sum(logits, labels))
+@torch.no_grad()
+def evaluate_long_context(trainer: "Trainer", plan: "StepPlan") -> dict[str, float]:
+    """{eval_position_loss.<lo>-<hi>, probe_accuracy, probe_accuracy.<length>@<depth>} (collective)."""
+    cfg, data, sums = trainer.cfg.eval, trainer.data, _Sums(trainer, plan)
+    record: dict[str, float] = {}
+    plans = long_document_rows(data, trainer.validation.sets, plan.seq_len, cfg.long_documents)
+    rows = sums.padded(len(plans))
+    if plans:
+        plans += [RowPlan([], plan.seq_len + 1)] * (rows - len(plans))
+        mine = plans[sums.shard * (rows // sums.shards):(sums.shard + 1) * (rows // sums.shards)]
+        batch = data.read_rows(mine, sums.with_patches)
+        edges = position_edges(plan.seq_len, cfg.position_base)
+        per_batch = sums.per_batch(rows)
+        sets = {f"{lo}-{hi}": [_rows(keep_positions(batch, lo, hi), i, per_batch)
+                               for i in range(0, len(mine), per_batch)] for lo, hi in itertools.pairwise(edges)}
+        for name, (total, count) in sums.reduce(sets, rows, "loss").items():
+            record[f"eval_position_loss.{name}"] = total / max(count, 1)
+    encode = probe_tokenizer(data.vocabulary)
+    if encode is not None and cfg.probe_samples:
+        rows = sums.padded(cfg.probe_samples)
+        cells = probe_batches(data.vocabulary, encode, plan.seq_len, cfg.probe_samples, rows, trainer.cfg.data.seed,
+                              sums.shard, sums.shards, data.patch_dim)
+        reduced = sums.reduce({name: [batch] for name, batch in cells.items()}, rows, "top1")
+        record["probe_accuracy"] = sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)
+        record.update({f"probe_accuracy.{name}": right / max(keys, 1) for name, (right, keys) in reduced.items()})
+    return record
 
 
-def _pipeline_loss_sum(trainer: "Trainer", plan: "StepPlan", batch: Batch, rows: int) -> float:
-    """This rank's share of the summed loss of `batch` (this rank's rows) through the pipeline, forward only."""
-    pipeline = trainer.pipeline
-    shape = StepShape(plan.seq_len, rows, plan.micro_batches, trainer.data.max_patches_per_row(plan.stage_index),
-                      plan.cp)
-    if pipeline.holds_first:
-        args = (batch.tokens, batch.doc_ids, batch.image_mask,
-                batch.patch_rows(shape.patches_per_row).to(trainer.boundary_dtype))
-    else:
-        args = ()
-    losses: list[torch.Tensor] = []
-    trainer.pipeline_loss_divisor = 1  # the schedule's loss function then returns sums
-    with trainer.autocast():
-        pipeline.schedule(shape).eval(*args, target=batch.labels if pipeline.holds_last else None, losses=losses)
-    if not pipeline.holds_last or trainer.ctx.tp_rank != 0:
-        return 0.0
-    return float(torch.stack([loss.detach() for loss in losses]).sum())
+def _rows(batch: Batch, start: int, count: int) -> Batch:
+    """Rows [start, start + count) of a batch, with their patches (stored flat, in row-major order; none on
+    ranks that do not embed images)."""
+    per_row = batch.image_mask.sum(dim=1)
+    first = int(per_row[:start].sum())
+    patches = batch.patches[first:first + int(per_row[start:start + count].sum())]
+    return Batch(*(getattr(batch, f)[start:start + count] for f in ("tokens", "labels", "doc_ids", "image_mask")),
+                 patches)

@@ -31,7 +31,7 @@ from moe_pretrain.fp8 import advance_amax_histories, enable_fp8
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
-from moe_pretrain.training.evaluation import evaluate
+from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
@@ -121,6 +121,8 @@ class Trainer:
             self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout())
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group) if cfg.checkpoint.async_save else None
         self.pipeline_loss_divisor = 1
+        self.pipeline_scorer = None
+        """While evaluating through the pipeline: what its loss function returns instead of the loss."""
         self._recompute = "none"
         """The recomputation the model's layers are set to (modules start with none)."""
         self.skipped_total = self.skipped_in_a_row = 0
@@ -312,7 +314,10 @@ class Trainer:
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.cross_entropy_sum(logits, self.model.context.local(labels)) / self.pipeline_loss_divisor
+        labels = self.model.context.local(labels)
+        if self.pipeline_scorer is not None:  # evaluating (evaluation.py): the sum it asks for
+            return self.pipeline_scorer(logits, labels)
+        return self.cross_entropy_sum(logits, labels) / self.pipeline_loss_divisor
 
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
@@ -442,6 +447,8 @@ class Trainer:
                 at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
                 if self._evaluation_due(at_boundary):
                     record.update(evaluate(self, plan))
+                    if self.cfg.eval.long_context and (at_boundary or self.step == cfg.train.steps):
+                        record.update(evaluate_long_context(self, plan))
                 if writer is not None:
                     writer.write(record)
                 history.append(record)

@@ -1,0 +1,67 @@
+"""Evaluate a checkpoint on demand, one process or many (torchrun), as training does at a stage's end:
+
+    python -m launch.evaluate --config CONFIG --checkpoint RUN/checkpoints/step_00000004 [key=value ...]
+
+The held-out loss per dataset (eval section; eval.tokens must be set), the loss by position bucket on the
+longest held-out documents and the pass-key retrieval probe, all at the sequence length of the stage the
+checkpoint's last step belonged to. The record is printed as one JSON line and
+appended to <train.run_dir>/evaluations.jsonl, which `python -m launch.report` plots.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moe_pretrain.checkpoint import find, verifying_load
+from moe_pretrain.config import ConfigError, add_config_arguments, load_config_from_args
+from moe_pretrain.log import setup_logging
+from moe_pretrain.training import Trainer
+from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
+from parallel.state import destroy_parallel, init_parallel
+
+EVALUATIONS = "evaluations.jsonl"
+
+
+def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
+    """Load `checkpoint` (verified while loading) and evaluate it at its last step's stage (collective)."""
+    loader = verifying_load(trainer.state.load, trainer.state.checkpoint_group)
+    found, _ = find(checkpoint.parent, str(checkpoint), loader)
+    if found is None:
+        raise ConfigError(f"{checkpoint}: nothing to evaluate")
+    step, tokens = trainer.step, trainer.tokens_seen
+    plan = trainer.step_plan(max(step - 1, 0), max(tokens - 1, 0))  # the stage of the checkpoint's last step
+    record = {"checkpoint": str(checkpoint), "step": step, "tokens": tokens, "stage": plan.stage,
+              "seq_len": plan.seq_len}
+    record.update(evaluate(trainer, plan))
+    record.update(evaluate_long_context(trainer, plan))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a step_<N> checkpoint directory")
+    args = parser.parse_args(argv)
+    setup_logging(0)
+    cfg = load_config_from_args(args)
+    if not cfg.eval.enabled:
+        print("launch.evaluate: set eval.tokens (held-out tokens per dataset) to evaluate", file=sys.stderr)
+        return 2
+    ctx = init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        record = evaluate_checkpoint(trainer, args.checkpoint)
+        if ctx.is_logging_rank:
+            print(json.dumps(record))
+            run_dir = Path(cfg.train.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with (run_dir / EVALUATIONS).open("a") as f:
+                f.write(json.dumps(record) + "\n")
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
