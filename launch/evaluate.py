@@ -1,6 +1,6 @@
 """Evaluate a checkpoint on demand, one process or many (torchrun), as training does at a stage's end:
 
-    python -m launch.evaluate --config CONFIG --checkpoint RUN/checkpoints/step_00000004 [key=value ...]
+    python -m launch.evaluate --config CONFIG RUN/checkpoints/step_00000004 [key=value ...]
 
 The held-out loss per dataset (eval section; eval.tokens must be set), the loss by position bucket on the
 longest held-out documents and the pass-key retrieval probe, all at the sequence length of the stage the
@@ -41,8 +41,14 @@ def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.evaluate", description=__doc__.split("\n")[0])
     add_config_arguments(parser)
-    parser.add_argument("--checkpoint", type=Path, required=True, help="a step_<N> checkpoint directory")
+    parser.add_argument("--checkpoint", type=Path, help="a step_<N> checkpoint directory (or give it positionally)")
     args = parser.parse_args(argv)
+    if args.checkpoint is None:  # the positional directory among the config files and overrides
+        directories = [item for item in args.config_items if "=" not in item and Path(item).is_dir()]
+        if len(directories) != 1:
+            parser.error("give the checkpoint to evaluate: a step_<N> directory, positionally or as --checkpoint")
+        args.checkpoint = Path(directories[0])
+        args.config_items.remove(directories[0])
     setup_logging(0)
     cfg = load_config_from_args(args)
     if not cfg.eval.enabled:

@@ -8,6 +8,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from moe_pretrain.checkpoint import verify
+from moe_pretrain.checkpoint.export import export
 from moe_pretrain.checkpoint.kimi_k3 import A_LOG_MULTIPLE, LM_HEAD, PREFIX, kimi_k3_tensors
 from moe_pretrain.config import config_to_dict, load_config
 from moe_pretrain.data import PretrainingData
@@ -108,7 +110,7 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
 
     done = tool("import", tmp_path / "hf", tmp_path / "imported", "--config", config_file)
     assert done.returncode == 0, done.stderr
-    assert tool("verify", tmp_path / "imported" / "step_00000000").returncode == 0
+    assert verify(tmp_path / "imported" / "step_00000000") == []
 
     resumed = Trainer(tiny_config(f"train.run_dir={tmp_path / 'again'}", "logging.progress=false",
                                   f"train.resume={tmp_path / 'imported' / 'step_00000000'}",
@@ -125,8 +127,7 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     assert torch.equal(got, want)  # the exported values, bit for bit
 
     # Export again from the imported checkpoint: the same files, byte for byte.
-    done = tool("export", tmp_path / "imported", tmp_path / "hf2", "--format", "kimi-k3-hf", "--max-shard-mb", 0.05)
-    assert done.returncode == 0, done.stderr
+    export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", int(0.05 * 2**20), "kimi-k3-hf")
     for file in sorted((tmp_path / "hf").glob("*.safetensors")):
         assert file.read_bytes() == (tmp_path / "hf2" / file.name).read_bytes(), file.name
     assert len(resumed.run()) == 3  # and it trains on from step 0 with a fresh optimizer

@@ -101,7 +101,7 @@ def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path):
     # On demand: launch.evaluate on the checkpoint of the first stage's end gives that step's record.
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
-    assert evaluate_main(["--config", str(config_file), "--checkpoint", str(tmp_path / "checkpoints" / "step_00000002"),
+    assert evaluate_main(["--config", str(config_file), str(tmp_path / "checkpoints" / "step_00000002"),
                           f"train.run_dir={tmp_path / 'evaluations'}"]) == 0
     (line,) = (tmp_path / "evaluations" / "evaluations.jsonl").read_text().splitlines()
     on_demand, at_step_2 = json.loads(line), history[1]
