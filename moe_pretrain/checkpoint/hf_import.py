@@ -73,6 +73,8 @@ def _check_config(directory: Path, cfg: Config) -> None:
 
 def import_hf(directory: Path, root: Path, cfg: Config) -> Path:
     """Write the kimi-k3-hf directory as a model-only checkpoint step_00000000 under `root`; returns it."""
+    if step_dir(root, 0).exists():
+        raise FileExistsError(f"{step_dir(root, 0)} exists; import into an empty checkpoint directory")
     index = directory / INDEX
     if not index.is_file():
         raise FileNotFoundError(f"{index}: missing; {directory} is not a safetensors checkpoint directory")
@@ -107,8 +109,6 @@ def import_hf(directory: Path, root: Path, cfg: Config) -> Path:
     state = {"step": 0, "tokens_seen": 0, "data": {}, "config": config_to_dict(cfg), "rng": None,
              "model_only": True, "imported_from": str(directory.resolve())}
     info = {"tokens": 0, "model_only": True, "layout_text": f"model only, imported from {directory.resolve()}"}
-    if step_dir(root, 0).exists():
-        raise FileExistsError(f"{step_dir(root, 0)} exists; import into an empty checkpoint directory")
     return save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
                 file_per_item=True)
 

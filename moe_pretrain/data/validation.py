@@ -43,22 +43,22 @@ class ValidationData:
         self.sets = [ValidationSet(name, path, records) for name, (path, records) in zip(names, sources)]
         self.tokens = evaluation.tokens
 
-    def rows(self, seq_len: int, multiple: int) -> int:
-        """Rows per dataset at this sequence length, padded to a multiple of `multiple`."""
-        return math.ceil(math.ceil(self.tokens / seq_len) / multiple) * multiple
+    def rows(self, seq_len: int) -> int:
+        """Rows per dataset at this sequence length, before padding."""
+        return math.ceil(self.tokens / seq_len)
 
     def _plans(self, validation: ValidationSet, seq_len: int, rows: int) -> list[RowPlan]:
-        wanted = math.ceil(self.tokens / seq_len)
+        wanted = self.rows(seq_len)
         order = iter(np.resize(validation.records, max(len(validation.records), 1) * (wanted + 1)))
         packer = SequencePacker(lambda: self.data.reference(validation.path, int(next(order))), seq_len)
         plans = [packer.next_row() for _ in range(wanted)]
         return plans + [RowPlan([], seq_len + 1)] * (rows - wanted)
 
     def batches(self, seq_len: int, shard: int, num_shards: int, rows_per_batch: int, with_patches: bool = True,
-                multiple: int = 0) -> dict[str, list[Batch]]:
-        """This rank's validation rows of every dataset, in batches of at most rows_per_batch rows; the rows
-        are padded to a multiple of `multiple` (default num_shards)."""
-        rows = self.rows(seq_len, multiple or num_shards)
+                rows: int = 0) -> dict[str, list[Batch]]:
+        """This rank's validation rows of every dataset, in batches of at most rows_per_batch rows; `rows`:
+        the padded row count (>= rows(seq_len), divisible by num_shards; default rows(seq_len))."""
+        rows = rows or self.rows(seq_len)
         per_shard = rows // num_shards
         out = {}
         for validation in self.sets:

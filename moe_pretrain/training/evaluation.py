@@ -26,7 +26,6 @@ from moe_pretrain.data.long_context_eval import (
     probe_tokenizer,
 )
 from moe_pretrain.data.packing import RowPlan
-from moe_pretrain.training.pipeline import StepShape
 from parallel.collectives import all_reduce_sum
 from parallel.vocab_parallel_loss import vocab_parallel_top1
 
@@ -76,22 +75,11 @@ class _Sums:
             with trainer.autocast():
                 logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
             return float(scorer(logits, labels))
-        pipeline = trainer.pipeline
-        shape = StepShape(self.plan.seq_len, rows, self.plan.micro_batches,
-                          trainer.data.max_patches_per_row(self.plan.stage_index), self.plan.cp)
-        args = ((batch.tokens, batch.doc_ids, batch.image_mask,
-                 batch.patch_rows(shape.patches_per_row).to(trainer.boundary_dtype)) if pipeline.holds_first else ())
-        losses: list[torch.Tensor] = []
         trainer.pipeline_scorer = scorer  # the schedule's loss function returns this sum while evaluating
         try:
-            with trainer.autocast():
-                pipeline.schedule(shape).eval(*args, target=batch.labels if pipeline.holds_last else None,
-                                              losses=losses)
+            return float(trainer.run_pipeline(self.plan, batch, rows, train=False))
         finally:
             trainer.pipeline_scorer = None
-        if not pipeline.holds_last or trainer.ctx.tp_rank != 0:
-            return 0.0
-        return float(torch.stack([loss.detach() for loss in losses]).sum())
 
 
 def _top1_count(trainer: "Trainer"):
@@ -109,9 +97,9 @@ def _top1_count(trainer: "Trainer"):
 def evaluate(trainer: "Trainer", plan: "StepPlan") -> dict[str, float]:
     """{eval_loss, eval_loss.<dataset>} at the plan's sequence length (collective: every rank calls it)."""
     sums, validation = _Sums(trainer, plan), trainer.validation
-    rows = validation.rows(plan.seq_len, sums.multiple)
+    rows = sums.padded(validation.rows(plan.seq_len))
     sets = validation.batches(plan.seq_len, sums.shard, sums.shards, sums.per_batch(rows), sums.with_patches,
-                              sums.multiple)
+                              rows)
     reduced = sums.reduce(sets, rows, "loss")
     record = {"eval_loss": sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)}
     record.update({f"eval_loss.{name}": total / max(count, 1) for name, (total, count) in reduced.items()})

@@ -296,19 +296,25 @@ class Trainer:
         """The pipeline schedule over the same micro-batches (it splits their concatenation back along B).
         Returns this rank's share of the global mean loss (non-zero on one tensor rank of the last stage)."""
         self.pipeline_loss_divisor = loss_tokens
-        step = Batch.concatenate(batches)
+        return self.run_pipeline(plan, Batch.concatenate(batches), plan.rows, train=True)
+
+    def run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, train: bool) -> torch.Tensor:
+        """This rank's rows of `rows` global ones through the schedule (train: forward and backward; else
+        forward only); returns the sum of what its loss function gave (float64; zero except on the last
+        stage's first tensor rank)."""
         pipeline = self.pipeline
-        shape = StepShape(plan.seq_len, plan.rows, plan.micro_batches,
-                          self.data.max_patches_per_row(plan.stage_index), plan.cp)
+        shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
+                          plan.cp)
         if pipeline.holds_first:
-            patch_rows = step.patch_rows(shape.patches_per_row).to(self.boundary_dtype)
-            args = (step.tokens, step.doc_ids, step.image_mask, patch_rows)
+            args = (batch.tokens, batch.doc_ids, batch.image_mask,
+                    batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
         else:
             args = ()
-        target = step.labels if pipeline.holds_last else None
+        target = batch.labels if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
+        schedule = pipeline.schedule(shape)
         with self.autocast():
-            pipeline.schedule(shape).step(*args, target=target, losses=losses)
+            (schedule.step if train else schedule.eval)(*args, target=target, losses=losses)
         if not pipeline.holds_last or self.ctx.tp_rank != 0:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
