@@ -35,6 +35,7 @@ from launch.local import run_distributed
 from moe_pretrain.checkpoint import AsyncSaver, find, shared_verify, verifying_load
 from moe_pretrain.config import load_config
 from moe_pretrain.training import Trainer
+from parallel.collectives import barrier as group_barrier
 from parallel.collectives import gather_objects
 from parallel.state import destroy_parallel, init_parallel
 
@@ -138,7 +139,7 @@ def single_process(args: argparse.Namespace, tmp: Path) -> None:
 
 def barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
-        dist.barrier(group)
+        group_barrier(group or dist.group.WORLD)
 
 
 def scaling_worker(rank: int, world: int, hidden: int, layers: int, experts: int, run_dir: str,

@@ -23,6 +23,7 @@ from launch.local import run_distributed
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.training.parallelize import describe_parameters, materialize, shard_parameters
+from parallel.collectives import all_reduce_sum
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext, ParallelLayout
 
@@ -75,9 +76,8 @@ def measure(rank: int, world_size: int, tokens: int, repeats: int) -> dict:
         "hidden_bytes": off_rank_copies * D * x.element_size(),
     }
     if world_size > 1:
-        totals = torch.tensor([result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"]],
-                              dtype=torch.float64)
-        dist.all_reduce(totals)
+        totals = all_reduce_sum(torch.tensor([result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"]],
+                                             dtype=torch.float64), dist.group.WORLD)
         result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"] = totals.tolist()
         dist.destroy_process_group()
     return result

@@ -23,12 +23,17 @@ def grouped_gemm_reason(cfg: Config, device: torch.device, dtype: torch.dtype) -
     return grouped_kernel_unavailable_reason(device, dtype, moe.latent_size, moe.expert_intermediate)
 
 
+def kda_gate_floor(cfg: Config) -> float | None:
+    """The KDA decay's floor fla's safe gate is given (the bounded form's), None for the softplus form."""
+    return cfg.model.kda.lower_bound if cfg.model.kda.gate == "lower_bound" else None
+
+
 def configure(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
     """Validate the forced choices for this device and compute dtype (train.dtype's) and make them the
     process's (kernels.selection)."""
     if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device, dtype)):
         raise ConfigError(f"kernels.grouped_gemm=grouped cannot run here: {reason}; use kernels.grouped_gemm=auto")
-    if cfg.kernels.kda == "fla" and (reason := fla_unavailable_reason(device)):
+    if cfg.kernels.kda == "fla" and (reason := fla_unavailable_reason(device, kda_gate_floor(cfg))):
         raise ConfigError(f"kernels.kda=fla cannot run here: {reason}; use kernels.kda=auto")
     if cfg.precision.fp8 != "off" and (reason := fp8_unavailable_reason(cfg.precision.fp8, device)):
         raise ConfigError(f"precision.fp8={cfg.precision.fp8} cannot run on {device}: {reason}")
@@ -37,7 +42,8 @@ def configure(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
 
 def fast_paths(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """Each fast path's state for this run on this device, in words."""
-    kda_reason = "kernels.kda=torch" if cfg.kernels.kda == "torch" else fla_unavailable_reason(device)
+    kda_reason = ("kernels.kda=torch" if cfg.kernels.kda == "torch"
+                  else fla_unavailable_reason(device, kda_gate_floor(cfg)))
     triton_reason = selection.triton_unavailable_reason(device)
     if cfg.kernels.triton == "torch":
         triton = "off (kernels.triton=torch): PyTorch references"

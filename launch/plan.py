@@ -17,17 +17,15 @@ import sys
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
 from moe_pretrain.memory_plan import GPU_BYTES, HEADROOM, MemoryPlanner, RunLayout, gigabytes, stage_layout_of
 from moe_pretrain.sizing import count
+from moe_pretrain.training.peak_flops import PEAK_TFLOPS
 from moe_pretrain.training.schedule import plan
-
-PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "b200": 2250.0, "a100": 312.0}
-"""Dense BF16 peak per GPU, TFLOP/s (vendor figures, without sparsity)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, default=0, help="GPUs in the cluster (0: no time estimate)")
-    parser.add_argument("--gpu", choices=sorted(PEAK_TFLOPS), default="h200")
+    parser.add_argument("--gpu", choices=sorted(GPU_BYTES), default="h200")  # memory and peak both known
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     parser.add_argument("--gpu-gb", type=float, default=0.0, help="override the GPU's memory (GB, 1e9 bytes)")

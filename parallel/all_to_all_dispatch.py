@@ -31,17 +31,17 @@ class AllToAllMetadata:
     """[R] received-row index of each row in local-expert order."""
 
 
-def _block_regroup(counts_SE: torch.Tensor) -> torch.Tensor:
-    """Rows arrive in (source, expert) blocks of counts_SE[s, e]; return the order that lists them by
-    (expert, source) instead, as indices into the arrival order."""
+def _block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows arrive in (source, expert) blocks of counts_SE[s, e], total of them (known on the host from the
+    split sizes, so nothing here reads the device); return the order that lists them by (expert, source)
+    instead, as indices into the arrival order."""
     flat = counts_SE.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).reshape(counts_SE.shape)
     starts_by_expert = starts.T.reshape(-1)
     counts_by_expert = counts_SE.T.reshape(-1)
-    total = int(flat.sum())
-    block_start = torch.repeat_interleave(starts_by_expert, counts_by_expert)
+    block_start = torch.repeat_interleave(starts_by_expert, counts_by_expert, output_size=total)
     block_offset = torch.arange(total, device=counts_SE.device) - torch.repeat_interleave(
-        torch.cumsum(counts_by_expert, 0) - counts_by_expert, counts_by_expert)
+        torch.cumsum(counts_by_expert, 0) - counts_by_expert, counts_by_expert, output_size=total)
     return block_start + block_offset
 
 
@@ -62,11 +62,11 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         sorted_rows, counts_E, local_meta = super().dispatch(x_TL, topk_idx, topk_weight)
         send_counts = counts_E.reshape(self.size, self.num_local_experts)
         receive_counts = all_to_all_counts(send_counts, self.group)  # [source rank, local expert]
-        send_splits = send_counts.sum(1).tolist()
-        receive_splits = receive_counts.sum(1).tolist()
+        # all_to_all_single takes its split sizes on the host: the dispatch's one read of the device.
+        send_splits, receive_splits = torch.stack([send_counts.sum(1), receive_counts.sum(1)]).tolist()
         self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * x_TL.shape[1] * x_TL.element_size()
         received = all_to_all_rows(sorted_rows, receive_splits, send_splits, self.group)
-        regroup = _block_regroup(receive_counts)
+        regroup = _block_regroup(receive_counts, sum(receive_splits))
         meta = AllToAllMetadata(local_meta, send_splits, receive_splits, regroup)
         return received[regroup], receive_counts.sum(0), meta
 

@@ -1,16 +1,82 @@
-"""Collectives as named autograd functions, each paired with its backward dual (megatron mappings style).
+"""Every collective of the project, each taking an explicit process group (megatron mappings style).
 
-Every function takes an explicit process group; with group None (a single process) it is the identity.
+The differentiable ones are named autograd functions paired with their backward duals. With group None (a
+single process) each is the identity. Nothing else in the project calls torch.distributed's collectives
+(tests/test_collectives.py reads the sources to hold that), because each call here first checks that its
+tensors are on the device the group's backend carries: an NCCL group takes CUDA tensors only, a gloo
+group host tensors (gloo on CUDA tensors would copy through the host behind our back), and a CPU tensor
+handed to NCCL fails only at the first multi-GPU step that reaches it. The check names the call site
+(tests see it on a CPU by having a group report nccl).
 """
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from parallel.torch_compat import all_gather_single, reduce_scatter_single
 
+_SERVES = {"nccl": ("cuda",), "gloo": ("cpu",)}
+"""Backend -> the device types of the tensors it is given here. Other backends are not checked."""
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor on a device its group's backend does not carry."""
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def served_devices(group: dist.ProcessGroup) -> tuple[str, ...] | None:
+    """Device types the group's backend carries ('cpu:gloo,cuda:nccl' lists them); None: not checked."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:
+        return tuple(pair.split(":")[0] for pair in backend.split(","))
+    return _SERVES.get(backend)
+
+
+def _call_site() -> str:
+    """file:line (function) of the nearest caller outside this module."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "unknown call site"
+    path = Path(frame.f_code.co_filename)
+    try:
+        path = path.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def check_devices(group: dist.ProcessGroup | None, tensors: Iterable[torch.Tensor], what: str) -> None:
+    """Raise CollectiveDeviceError, naming the call site, if a tensor is on a device the group's backend
+    does not carry (a group of one included: the same code meets a larger group on a cluster)."""
+    if group is None:
+        return
+    served = served_devices(group)
+    if served is None:
+        return
+    for t in tensors:
+        if t.device.type not in served:
+            raise CollectiveDeviceError(
+                f"{_call_site()}: {what} of a {t.device.type} tensor {tuple(t.shape)} {t.dtype} over a "
+                f"{dist.get_backend(group)} group, which carries {' / '.join(served)} tensors only")
+
+
+def _tensors_in(obj: object) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors_in(value)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -34,6 +100,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                     group: dist.ProcessGroup | None) -> torch.Tensor:
     """Send input_splits[r] rows of x to rank r; receive output_splits[r] rows from rank r (differentiable)."""
+    check_devices(group, [x], "all_to_all_rows")
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, output_splits, input_splits, group)
@@ -41,6 +108,7 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
 
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """counts [size, n]: row r goes to rank r; returns [size, n] whose row r came from rank r (no grad)."""
+    check_devices(group, [counts], "all_to_all_counts")
     if group_size(group) == 1:
         return counts
     out = torch.empty_like(counts)
@@ -48,18 +116,51 @@ def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return out
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum over the group into a new tensor (no grad)."""
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp, what: str) -> torch.Tensor:
+    check_devices(group, [x], what)
     if group_size(group) == 1:
         return x
     out = x.detach().clone()
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, op=op, group=group)
     return out
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group into a new tensor (no grad)."""
+    return _all_reduce(x, group, dist.ReduceOp.SUM, "all_reduce_sum")
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Elementwise maximum over the group into a new tensor (no grad)."""
+    return _all_reduce(x, group, dist.ReduceOp.MAX, "all_reduce_max")
+
+
+def _into(collective, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    check_devices(group, [out, x], what)
+    if group_size(group) == 1:
+        out.copy_(x)
+    else:
+        collective(out, x, group=group)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [size * n, ...] <- every rank's x [n, ...] in rank order (in place; no grad)."""
+    _into(all_gather_single, out, x, group, "all_gather_into")
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [n, ...] <- this rank's slice of the sum over the group of x [size * n, ...] (in place; no grad)."""
+    _into(reduce_scatter_single, out, x, group, "reduce_scatter_into")
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:
     """Every rank's picklable obj, in rank order, on every rank ([obj] without a group). For small per-rank
-    reports (failures, file lists, bench rows), never per-step state."""
+    reports (failures, file lists, bench rows), never per-step state. Tensors inside must be on the host:
+    a pickled CUDA tensor unpickles onto the sender's GPU number on every receiver."""
+    for t in _tensors_in(obj):
+        if t.device.type != "cpu":
+            raise CollectiveDeviceError(f"{_call_site()}: gather_objects of an object holding a {t.device.type} "
+                                        f"tensor {tuple(t.shape)}; move it to the host first")
     if group_size(group) == 1:
         return [obj]
     objects: list = [None] * group_size(group)
@@ -67,12 +168,10 @@ def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:
     return objects
 
 
-def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
-    out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return out
+def barrier(group: dist.ProcessGroup | None) -> None:
+    """Wait for every rank of the group (nothing without one)."""
+    if group is not None:
+        dist.barrier(group=group)
 
 
 # Sequence-parallel mappings over dimension 1 of [B, T, ...] activations (megatron-core's
@@ -131,14 +230,17 @@ _ScatterToSequenceParallel = _paired(
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    check_devices(group, [x], "gather_from_sequence_parallel")
     return x if group_size(group) == 1 else _GatherFromSequenceParallel.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    check_devices(group, [x], "reduce_scatter_to_sequence_parallel")
     return x if group_size(group) == 1 else _ReduceScatterToSequenceParallel.apply(x, group)
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    check_devices(group, [x], "scatter_to_sequence_parallel")  # its backward all-gathers
     return x if group_size(group) == 1 else _ScatterToSequenceParallel.apply(x, group)
 
 
@@ -163,4 +265,5 @@ _AllGatherStacked = _paired(
 
 def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[*shape] -> [group size, *shape], row r from rank r (differentiable)."""
+    check_devices(group, [x], "all_gather_stacked")
     return x.unsqueeze(0) if group_size(group) == 1 else _AllGatherStacked.apply(x, group)

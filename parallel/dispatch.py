@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_pretrain.ops.permute import permute, unpermute
+from moe_pretrain.ops.routing import expert_load
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,7 @@ class LocalTokenDispatcher:
         positions = torch.empty_like(order)
         positions[order] = torch.arange(order.numel(), device=order.device)
         positions = positions.reshape(num_tokens, k)
-        # index_add rather than bincount: CUDA's bincount reads its input's max on the host (a sync).
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat_expert.device).index_add_(
-            0, flat_expert, torch.ones_like(flat_expert))
+        counts = expert_load(flat_expert, self.num_experts)
         return permute(x_TL, order // k, positions), counts, DispatchMetadata(positions, topk_weight)
 
     def combine(self, y_grouped: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:

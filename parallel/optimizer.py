@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import all_reduce_sum, group_size
-from parallel.torch_compat import all_gather_single, reduce_scatter_single
+from parallel.collectives import all_gather_into, all_reduce_sum, group_size, reduce_scatter_into
 
 
 @dataclass
@@ -78,13 +77,13 @@ class _Bucket:
             self.shard.grad = self.grad_data
             return
         shard = self.grad_data.new_empty(self.shard_numel)
-        reduce_scatter_single(shard, self.grad_data, group=self.group)
+        reduce_scatter_into(shard, self.grad_data, self.group)
         self.shard.grad = shard
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
         if self.size > 1:
-            all_gather_single(self.data, self.shard.detach().clone(), group=self.group)
+            all_gather_into(self.data, self.shard.detach().clone(), self.group)
 
     def pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """(parameter, its first and end element in this rank's range, where that part starts in the range)
@@ -138,26 +137,28 @@ class ShardedAdamW:
         for bucket in self.buckets:
             bucket.attach_gradients()
 
-    def step(self, max_norm: float, skip: bool = False) -> float:
-        """Reduce, clip to max_norm (<= 0: no clipping), update, gather. Returns the global gradient norm.
-
-        A non-finite norm, or skip=True (the caller saw a non-finite loss), leaves the parameters and the
-        Adam state untouched; every rank sees the same global norm, so all skip together."""
+    def reduce_gradients(self) -> torch.Tensor:
+        """Reduce-scatter every bucket's gradient; returns the global gradient norm, still on the device (the
+        caller reads it with the step's other scalars, once)."""
         for bucket in self.buckets:
             bucket.reduce_scatter_gradient()
         grads = [b.shard.grad for b in self.buckets]
         local = torch.stack(torch._foreach_norm(grads, 2)).pow(2).sum()  # no squared copy of any gradient
-        total_norm = float(all_reduce_sum(local, self.norm_group).sqrt())
-        if skip or not math.isfinite(total_norm):
-            return total_norm
+        return all_reduce_sum(local, self.norm_group).sqrt()
+
+    def update(self, max_norm: float, total_norm: float) -> None:
+        """Clip the reduced gradients to max_norm (<= 0: no clipping) by their global norm (every rank has
+        the same), run AdamW on this rank's slices, gather the parameters. A caller that skips a step
+        (non-finite loss or norm) does not call this: parameters and Adam state stay untouched."""
+        if not math.isfinite(total_norm):
+            raise ValueError(f"ShardedAdamW.update with a non-finite gradient norm {total_norm}: skip the step")
         if max_norm > 0:
             coef = min(max_norm / (total_norm + 1e-6), 1.0)
             if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+                torch._foreach_mul_([b.shard.grad for b in self.buckets], coef)
         self.adamw.step()
         for bucket in self.buckets:
             bucket.all_gather_parameters()
-        return total_norm
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: the Adam moments of its slices (the master slice is a

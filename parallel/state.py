@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
+from parallel.collectives import gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -292,8 +293,7 @@ def _context_groups(cfg: Config, data_context: dist.ProcessGroup) -> dict[int, C
     megatron-core's data-parallel group with context parallel, cp fastest) are the same for every cp:
     a cp-size split takes consecutive blocks of that group; the block index is the data-parallel rank."""
     members = dist.get_process_group_ranks(data_context)
-    everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, members)
+    everyone: list[list[int]] = gather_objects(members, dist.group.WORLD)
     all_groups = sorted({tuple(g) for g in everyone})
     position = members.index(dist.get_rank())
     groups = {}

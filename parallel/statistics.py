@@ -52,8 +52,10 @@ class GroupStatistics(LocalStatistics):
         keys = ordered_keys(values)
         n = values.shape[1]
         extreme = torch.iinfo(keys.dtype)
-        local_hi = keys.max(dim=0).values if keys.shape[0] else torch.full((n,), extreme.min, dtype=keys.dtype)
-        local_lo = keys.min(dim=0).values if keys.shape[0] else torch.full((n,), extreme.max, dtype=keys.dtype)
+        local_hi = (keys.max(dim=0).values if keys.shape[0]
+                    else torch.full((n,), extreme.min, dtype=keys.dtype, device=keys.device))
+        local_lo = (keys.min(dim=0).values if keys.shape[0]
+                    else torch.full((n,), extreme.max, dtype=keys.dtype, device=keys.device))
         hi = all_reduce_max(local_hi, self.group)
         lo = -all_reduce_max(-local_lo, self.group)  # keys never reach the type's minimum, so -x is safe
         while bool((lo < hi).any()):

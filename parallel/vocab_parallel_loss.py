@@ -10,11 +10,11 @@ logits to fp32: that caps float64 layout-equivalence tests at ~1e-8 relative.
 import torch
 import torch.distributed as dist
 
+from parallel.collectives import all_reduce_max, all_reduce_sum
+
 
 def _global_max(logits_NV: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    logits_max = logits_NV.max(dim=-1).values
-    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-    return logits_max
+    return all_reduce_max(logits_NV.max(dim=-1).values, group)
 
 
 def _target_logit(logits_NV: torch.Tensor, target_N: torch.Tensor, group: dist.ProcessGroup
@@ -24,8 +24,7 @@ def _target_logit(logits_NV: torch.Tensor, target_N: torch.Tensor, group: dist.P
     local_target = target_N - dist.get_rank(group) * local_vocab
     mine = (local_target >= 0) & (local_target < local_vocab)
     safe_target = local_target.clamp(0, local_vocab - 1)
-    target_logit = logits_NV.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) * mine
-    dist.all_reduce(target_logit, group=group)
+    target_logit = all_reduce_sum(logits_NV.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1) * mine, group)
     return target_logit, safe_target, mine
 
 
@@ -35,8 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = _global_max(logits_NV, group)
         shifted = logits_NV - logits_max.unsqueeze(-1)
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        sum_exp = all_reduce_sum(exp.sum(dim=-1), group)
         target_logit, safe_target, mine = _target_logit(shifted, target_N, group)
         ctx.save_for_backward(exp, sum_exp, safe_target, mine)
         return sum_exp.log() - target_logit

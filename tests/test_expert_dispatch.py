@@ -9,6 +9,7 @@ from moe_pretrain.ops import quantile_balance_update
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.dispatch import LocalTokenDispatcher
 from parallel.statistics import GroupStatistics
+from tests.helpers import HostReads
 
 F64 = torch.float64
 E, K, L = 8, 2, 3
@@ -44,9 +45,17 @@ def dispatch_worker(rank, world_size, kind, tokens_per_rank):
         for dispatcher in (AllToAllTokenDispatcher(E, dist.group.WORLD, rank), LocalTokenDispatcher(E)):
             xi = x.clone().requires_grad_()
             wi = w.clone().requires_grad_()
-            rows, counts, meta = dispatcher.dispatch(xi, idx, wi)
+            with HostReads() as dispatch_reads:
+                rows, counts, meta = dispatcher.dispatch(xi, idx, wi)
             assert counts.numel() == dispatcher.num_local_experts and int(counts.sum()) == rows.shape[0]
-            y = dispatcher.combine(expert_fn(rows, counts, dispatcher.first_local_expert, weights), meta)
+            expert_out = expert_fn(rows, counts, dispatcher.first_local_expert, weights)
+            with HostReads() as combine_reads:
+                y = dispatcher.combine(expert_out, meta)
+            # A CUDA run waits on its stream once per dispatch (the all-to-all's split sizes), never in combine;
+            # nothing syncs behind our back (bincount, repeat_interleave without output_size).
+            expected_reads = 1 if isinstance(dispatcher, AllToAllTokenDispatcher) else 0
+            assert (dispatch_reads.reads, combine_reads.reads) == (expected_reads, 0)
+            assert dispatch_reads.syncing_ops + combine_reads.syncing_ops == []
             (y * torch.arange(1.0, L + 1, dtype=F64)).sum().backward()
             outputs.append((y.detach(), xi.grad, wi.grad, int(counts.sum())))
         (y_ep, gx_ep, gw_ep, received), (y_ref, gx_ref, gw_ref, _) = outputs

@@ -1,13 +1,16 @@
 """LatentMoE against a dense reference that loops over tokens and their experts; dispatcher edge cases."""
 
+import pytest
 import torch
 
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.model.weight_casts import casts_reused
 from moe_pretrain.ops import situ_glu
+from moe_pretrain.training.moe_stats import combine_moe_stats
 from parallel.dispatch import LocalTokenDispatcher
-from tests.helpers import rel_rms
+from tests.helpers import HostReads, rel_rms
 
 F64 = torch.float64
 
@@ -89,29 +92,59 @@ def test_aux_loss_balancing_returns_a_loss():
     assert loss is not None and loss.requires_grad and 0.0 < float(loss.detach()) < 0.1 * 6
 
 
-def test_expert_weights_are_cast_once_per_update_under_autocast():
-    """bf16 autocast: two micro-batches reuse one compute copy of the stacked expert weights, their
-    gradients equal those of a fresh cast per micro-batch (exactly: the same bf16 values), and an
-    in-place update (the optimizer step) makes a fresh copy."""
+def test_expert_weights_are_cast_once_per_step_under_autocast():
+    """bf16 autocast: inside one casts_reused region (a step's micro-batches) two micro-batches reuse one compute
+    copy of the stacked expert weights, and their gradients equal those of a fresh cast per micro-batch
+    (exactly: the same bf16 values). A write the parameter's version counter never sees (the sharded
+    optimizer's, through its flat buffer) is cast afresh by the next region; outside a region every use casts."""
     moe = make_moe()[0].float()
     experts = moe.experts
     x = [torch.randn(2, 7, 12) for _ in range(2)]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), casts_reused():
         first = experts.compute_weights("cpu")
         for xb in x:
             moe(xb)[0].float().pow(2).sum().backward()
         assert experts.compute_weights("cpu")[0] is first[0]
     cached = [p.grad.clone() for p in experts.parameters()]
     moe.zero_grad()
-    experts._compute_copies = None
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert experts.compute_weights("cpu")[0] is not experts.compute_weights("cpu")[0]  # no region: fresh
         for xb in x:
-            experts._compute_copies = None  # a fresh cast for every micro-batch: the per-use reference
             moe(xb)[0].float().pow(2).sum().backward()
     for got, expected in zip(cached, [p.grad for p in experts.parameters()]):
         assert torch.equal(got, expected)
-    with torch.no_grad():
-        experts.w_up.add_(1.0)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert experts.compute_weights("cpu")[1] is not first[1]
+    flat = torch.cat([p.detach().reshape(-1) for p in experts.parameters()])
+    experts.w_up.data = flat[experts.w_gate.numel():experts.w_gate.numel() + experts.w_up.numel()].view_as(experts.w_up)
+    version = experts.w_up._version
+    flat.add_(1.0)  # the update lands on the buffer: the parameter's version counter does not move
+    assert experts.w_up._version == version
+    with torch.autocast("cpu", dtype=torch.bfloat16), casts_reused():
+        assert torch.equal(experts.compute_weights("cpu")[1], experts.w_up.detach().to(torch.bfloat16))
     assert experts.compute_weights("cpu")[0] is experts.w_gate  # no autocast: the parameters themselves
+
+
+def test_routing_and_health_make_no_host_reads_but_one_per_step():
+    """A training forward's routing records loads and health on the device (no bincount: CUDA's reads its
+    input's maximum on the host), and every layer's health reaches the host in one read, whatever the
+    depth. The values equal a direct computation from the routings."""
+    layers = {i: make_moe()[0] for i in (1, 3, 4)}
+    inputs = {i: torch.randn(14, 12, dtype=F64, generator=torch.Generator().manual_seed(i)) for i in layers}
+    with HostReads() as routing_reads:
+        for i, moe in layers.items():
+            moe.train().router(inputs[i])
+    assert (routing_reads.reads, routing_reads.syncing_ops) == (0, [])
+    for moe in layers.values():
+        moe.router.record_processed(14 * 2)  # as LatentMoE.forward does after a dropless dispatch
+    with HostReads() as health_reads:
+        stats = combine_moe_stats({i: moe.router for i, moe in layers.items()}, 6, 6, True, None, torch.device("cpu"))
+    assert health_reads.reads == 1 and sorted(stats) == ["1", "3", "4"]
+    for i, moe in layers.items():
+        with torch.no_grad():
+            idx, _, _ = moe.router(inputs[i])  # the same routing (bias unchanged)
+            p = torch.sigmoid(inputs[i] @ moe.router.gate.weight.T)
+        p = p / p.sum(dim=-1, keepdim=True)
+        load = torch.bincount(idx.reshape(-1), minlength=6)
+        assert stats[str(i)]["load"] == load.tolist() and stats[str(i)]["tokens_dropped"] == 0
+        assert stats[str(i)]["load_max_over_mean"] == pytest.approx(float(load.max() / load.double().mean()))
+        assert stats[str(i)]["router_entropy"] == pytest.approx(float(-(p * p.log()).sum() / 14), rel=1e-12)
+    assert all(int(r.load.sum()) == 0 for r in (moe.router for moe in layers.values()))  # counters reset

@@ -19,8 +19,24 @@ def _fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def fla_unavailable_reason(device: torch.device) -> str | None:
-    """Why fla's kernel cannot run for tensors on this device; None when it can."""
+SAFE_GATE_RANGE = (-5.0, 0.0)
+"""fla's safe-gate path is exact for bounded gates g >= lower_bound with lower_bound in [-5, 0) only (its
+kernels' own checks; beyond -5 the per-chunk decay products leave the range its fp32 tiles are sized for)."""
+
+
+def safe_gate_reason(lower_bound: float | None) -> str | None:
+    """Why fla's safe gate cannot take this bounded gate's floor (None: it can, or the gate is unbounded)."""
+    low, high = SAFE_GATE_RANGE
+    if lower_bound is None or low <= lower_bound < high:
+        return None
+    return f"fla's safe gate takes model.kda.lower_bound in [{low:g}, {high:g}), not {lower_bound:g}"
+
+
+def fla_unavailable_reason(device: torch.device, lower_bound: float | None = None) -> str | None:
+    """Why fla's kernel cannot run for tensors on this device with this gate floor (None: the softplus
+    gate); None when it can."""
+    if reason := safe_gate_reason(lower_bound):  # a config fault on any machine: said first
+        return reason
     if device.type != "cuda":
         return f"fla's Triton kernels need CUDA; device {device.type}"
     if not _fla_installed():
@@ -28,9 +44,10 @@ def fla_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def fla_chunk_kda_supported(q: torch.Tensor) -> bool:
-    """Whether ops.kda runs fla for q: it can (CUDA, fla importable) and kernels.kda does not force the reference."""
-    return active().kda != "torch" and fla_unavailable_reason(q.device) is None
+def fla_chunk_kda_supported(q: torch.Tensor, lower_bound: float | None) -> bool:
+    """Whether ops.kda runs fla for q: it can (CUDA, fla importable, a gate floor its safe gate takes) and
+    kernels.kda does not force the reference."""
+    return active().kda != "torch" and fla_unavailable_reason(q.device, lower_bound) is None
 
 
 def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state, lower_bound=None):
@@ -39,6 +56,8 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_
     (use_gate_in_kernel=False: g arrives computed, as the reference takes it)."""
     from fla.ops.kda import chunk_kda
 
+    if reason := safe_gate_reason(lower_bound):
+        raise ValueError(reason)
     safe_gate = {} if lower_bound is None else {"safe_gate": True, "lower_bound": lower_bound}
     return chunk_kda(
         q, k, v, g, beta,

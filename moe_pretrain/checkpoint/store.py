@@ -41,7 +41,7 @@ from moe_pretrain.checkpoint.manifest import (
     write_manifest,
 )
 from moe_pretrain.checkpoint.staging import ReusedHostStager
-from parallel.collectives import gather_objects
+from parallel.collectives import all_reduce_max, barrier, gather_objects
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
 WRITE_THREADS = 4
@@ -102,7 +102,7 @@ def _rank() -> int:
 
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
-        dist.barrier(group=group)
+        barrier(group or dist.group.WORLD)
 
 
 def _prepare(root: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
@@ -220,10 +220,10 @@ class AsyncSaver:
         """Commit the pending save if every rank has finished writing it (collective)."""
         if self.pending is None:
             return None
-        done = torch.tensor([int(self.pending[0].done())])
-        if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        return self._finish() if done.item() else None
+        # Over the checkpoint group (gloo: a host flag, whatever the training backend).
+        group = self.group or (dist.group.WORLD if dist.is_initialized() else None)
+        writing = all_reduce_max(torch.tensor([int(not self.pending[0].done())]), group)
+        return None if writing.item() else self._finish()
 
     def wait(self) -> Path | None:
         """Block until the pending save is written, then commit it (collective)."""

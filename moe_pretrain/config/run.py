@@ -207,7 +207,9 @@ class LoggingConfig:
     """Print a progress line every log_every steps (metrics.jsonl gets every step)."""
     progress: bool = True
     peak_tflops: float = 0.0
-    """Peak FLOP/s per process for MFU, in TFLOP/s; 0 = measure once at start with a matmul (CPU runs)."""
+    """Peak FLOP/s per process for MFU, in TFLOP/s; 0 = the vendor's dense BF16 peak on a GPU the table in
+    training/peak_flops.py knows (bf16 runs; otherwise a start-up error asks for this key), a matmul timed
+    once at start on CPU."""
     expert_load_every: int = 50
     """Record every expert's load per MoE layer at step 1, every this many steps and the last (for
     `python -m launch.report` heatmaps); 0 = never."""

@@ -53,7 +53,7 @@ class Batch:
         if counts.numel() and int(counts.max()) > width:
             raise ValueError(f"a row holds {int(counts.max())} patches, more than the {width} allowed for")
         rows = self.patches.new_zeros(self.tokens.shape[0], width, self.patches.shape[1])
-        rows[torch.arange(rows.shape[1]) < counts.unsqueeze(1)] = self.patches
+        rows[torch.arange(rows.shape[1], device=counts.device) < counts.unsqueeze(1)] = self.patches
         return rows
 
     def to(self, device: torch.device | str) -> "Batch":

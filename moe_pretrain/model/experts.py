@@ -3,10 +3,10 @@
 Shape legend: E experts (E / ep on an expert-parallel rank), L latent width (experts read and write
 latent vectors), F expert intermediate, R routed rows grouped by expert. w_gate_EFL, w_up_EFL, w_down_ELF.
 
-Under autocast the stacked weights are cast to the compute dtype once and reused until they change (the
-optimizer step, or a load, bumps their version): autocast's own weight cache only holds leaf tensors, and
-an expert's slice w[e] is not one, so every micro-batch would otherwise cast every expert again. The
-matmuls are ops.grouped_mm, whose backward writes the stacked weight gradients directly.
+Under autocast the stacked weights are cast to the compute dtype once per optimizer step and reused by every
+micro-batch (model/weight_casts.py: autocast's own weight cache only holds leaf tensors, and an expert's
+slice w[e] is not one). The matmuls are ops.grouped_mm, whose backward writes the stacked weight gradients
+directly.
 """
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_pretrain.fp8.experts import Fp8Experts, fp8_grouped_mm
 from moe_pretrain.model.init import Normal
+from moe_pretrain.model.weight_casts import cast_weights
 from moe_pretrain.ops import grouped_mm, situ_glu
 
 
@@ -26,22 +27,16 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, intermediate, latent))
         self.w_down = nn.Parameter(torch.empty(num_experts, latent, intermediate))
         self.param_init = {"w_gate": Normal(init_std), "w_up": Normal(init_std), "w_down": Normal(out_std)}
-        self._compute_copies: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
         self.fp8: Fp8Experts | None = None
         """precision.fp8's settings (moe_pretrain.fp8.enable_fp8); None: the GEMMs run in the compute dtype."""
 
     def compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_gate, w_up, w_down) in autocast's dtype, cast once per weight update (differentiable: each
-        micro-batch's backward flows through the same cast into the parameters); the parameters themselves
-        outside autocast."""
+        """(w_gate, w_up, w_down) in autocast's dtype (weight_casts.cast_weights: once per step inside the
+        trainer's casts_reused region); the parameters themselves outside autocast."""
         weights = (self.w_gate, self.w_up, self.w_down)
         if not torch.is_autocast_enabled(device_type):
             return weights
-        dtype = torch.get_autocast_dtype(device_type)
-        key = (dtype, torch.is_grad_enabled(), *(w._version for w in weights), *(id(w) for w in weights))
-        if self._compute_copies is None or self._compute_copies[0] != key:
-            self._compute_copies = (key, tuple(w.to(dtype) for w in weights))
-        return self._compute_copies[1]
+        return cast_weights(self, weights, torch.get_autocast_dtype(device_type))
 
     def forward(self, x_RL: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_RL: rows grouped by expert; counts [E] rows per expert (summing to R) -> [R, L].

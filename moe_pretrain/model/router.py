@@ -23,7 +23,7 @@ class Router(nn.Module):
         self.gate = make_linear(dim, cfg.num_experts, init_std=init_std)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         self.register_buffer("load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
-        # Health counters since the last pop_stats: summed per-token routing entropy, and (int64, exact at
+        # Health counters since the last take_health: summed per-token routing entropy, and (int64, exact at
         # any batch size) tokens routed and rows the experts actually processed (dropless: copies - rows = 0).
         self.register_buffer("entropy_sum", torch.zeros(1), persistent=False)
         self.register_buffer("counts", torch.zeros(2, dtype=torch.int64), persistent=False)
@@ -65,27 +65,13 @@ class Router(nn.Module):
         self.expert_bias.copy_(self.balancer.next_bias(self.expert_bias))
 
     @torch.no_grad()
-    def pop_stats(self, with_loads: bool = False) -> dict[str, float | list[int]]:
-        """Global-batch load and bias health since the last call (MODEL.md health metrics); resets the load.
-        with_loads adds every expert's load ("load", E integers: the report's heatmap)."""
-        load = self.balancer.stats.total(self.load).to(torch.float64)
-        entropy_sum = float(self.balancer.stats.total(self.entropy_sum))
-        tokens, processed = self.balancer.stats.total(self.counts).tolist()
-        mean = float(load.mean())
-        stats = {
-            "load_max": float(load.max()),
-            "load_min": float(load.min()),
-            "load_mean": mean,
-            "load_max_over_mean": float(load.max()) / mean if mean > 0 else 0.0,
-            "load_min_over_mean": float(load.min()) / mean if mean > 0 else 0.0,
-            "router_entropy": entropy_sum / tokens if tokens else 0.0,
-            "tokens_dropped": int(load.sum()) - processed,
-            "bias_min": float(self.expert_bias.min()),
-            "bias_max": float(self.expert_bias.max()),
-        }
-        if with_loads:
-            stats["load"] = [int(x) for x in load.tolist()]
+    def take_health(self) -> torch.Tensor:
+        """This rank's health sums since the last call, [E + 3] float64 on the device: the load of every expert,
+        then the summed routing entropy, tokens routed and rows processed (exact in float64 up to 2^53). Sums
+        over ranks give the global batch's (training/moe_stats.py reduces every layer's at once). Resets them."""
+        sums = torch.cat([self.load.to(torch.float64), self.entropy_sum.to(torch.float64),
+                          self.counts.to(torch.float64)])
         self.load.zero_()
         self.entropy_sum.zero_()
         self.counts.zero_()
-        return stats
+        return sums

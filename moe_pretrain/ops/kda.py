@@ -74,7 +74,7 @@ def kda(
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if fla_chunk_kda_supported(q):
+    if fla_chunk_kda_supported(q, lower_bound):
         return fla_chunk_kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             cu_seqlens=cu_seqlens, output_final_state=output_final_state, lower_bound=lower_bound,

@@ -34,8 +34,10 @@ def route(
 
 
 def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert [n] (int64)."""
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    """Tokens routed to each expert [n] (int64). index_add rather than bincount: CUDA's bincount reads its
+    input's maximum on the host (a sync per call)."""
+    flat = topk_idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def quantile_balance_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:

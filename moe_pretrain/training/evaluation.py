@@ -26,6 +26,7 @@ from moe_pretrain.data.long_context_eval import (
     probe_tokenizer,
 )
 from moe_pretrain.data.packing import RowPlan
+from moe_pretrain.model.weight_casts import casts_reused
 from parallel.collectives import all_reduce_sum
 from parallel.vocab_parallel_loss import vocab_parallel_top1
 
@@ -56,28 +57,31 @@ class _Sums:
     def reduce(self, sets: dict[str, list[Batch]], rows: int, score: str) -> dict[str, tuple[float, float]]:
         """{name: (summed score, scored tokens)} over all ranks; score: loss (summed next-token loss) or top1."""
         trainer = self.trainer
-        sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64)
-        for i, batches in enumerate(sets.values()):
-            for batch in batches:
-                batch = batch.to(trainer.device)
-                labels = trainer.model.context.local(batch.labels)
-                sums[i, 1] += int((labels != IGNORE_INDEX).sum())
-                sums[i, 0] += self._score(batch, labels, rows, score)
+        # On the device until the one host read at the end (sums and counts of every set together).
+        sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64, device=trainer.device)
+        with casts_reused():  # no weight changes while evaluating
+            for i, batches in enumerate(sets.values()):
+                for batch in batches:
+                    batch = batch.to(trainer.device)
+                    labels = trainer.model.context.local(batch.labels)
+                    sums[i, 1] += (labels != IGNORE_INDEX).sum()
+                    sums[i, 0] += self._score(batch, labels, rows, score)
         group = dist.group.WORLD if trainer.pipeline is not None else trainer.ctx.dp_group
         totals = all_reduce_sum(sums[:, 0].contiguous(), group)
         counts = all_reduce_sum(sums[:, 1].contiguous(), trainer.ctx.dp_group)
-        return {name: (float(totals[i]), float(counts[i])) for i, name in enumerate(sets)}
+        values = torch.stack([totals, counts], dim=1).tolist()
+        return {name: (values[i][0], values[i][1]) for i, name in enumerate(sets)}
 
-    def _score(self, batch: Batch, labels: torch.Tensor, rows: int, score: str) -> float:
+    def _score(self, batch: Batch, labels: torch.Tensor, rows: int, score: str) -> torch.Tensor:
         trainer = self.trainer
         scorer = trainer.cross_entropy_sum if score == "loss" else _top1_count(trainer)
         if trainer.pipeline is None:
             with trainer.autocast():
                 logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            return float(scorer(logits, labels))
+            return scorer(logits, labels).to(torch.float64)
         trainer.pipeline_scorer = scorer  # the schedule's loss function returns this sum while evaluating
         try:
-            return float(trainer.run_pipeline(self.plan, batch, rows, train=False))
+            return trainer.run_pipeline(self.plan, batch, rows, train=False)
         finally:
             trainer.pipeline_scorer = None
 

@@ -3,28 +3,12 @@
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
-
-import torch
 
 from moe_pretrain.progress import bar, show
 
 log = logging.getLogger(__name__)
-
-
-def measured_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
-    """FLOP/s of a square matmul on this device and dtype: the MFU denominator where no vendor peak is given."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
 def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:

@@ -23,6 +23,7 @@ from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
+from parallel.collectives import all_gather_stacked, gather_objects
 from parallel.context_parallel import ContextParallel
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
@@ -149,9 +150,7 @@ def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingP
 
 
 def _all_gather_cat(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(all_gather_stacked(tensor.contiguous(), group).unbind(0), dim=dim)
 
 
 @torch.no_grad()
@@ -168,8 +167,8 @@ def gather_full_state(model: nn.Module, ctx: ParallelContext, plan: ShardingPlan
         if placement.expert_dim is not None and ctx.layout.ep > 1:
             tensor = _all_gather_cat(tensor, placement.expert_dim, ctx.ep_group)
         state[name] = tensor.clone()
-    if ctx.layout.pp > 1:  # every stage holds other layers: merge them
-        stages: list[dict] = [{} for _ in range(ctx.layout.pp)]
-        dist.all_gather_object(stages, state, group=ctx.pp_group)
-        state = {k: v for stage in stages for k, v in stage.items()}
+    if ctx.layout.pp > 1:  # every stage holds other layers: merge them (on the host: a pickled CUDA tensor
+        # would unpickle onto the sender's GPU number)
+        stages = gather_objects({k: v.cpu() for k, v in state.items()}, ctx.pp_group)
+        state = {k: v.to(ctx.device) for stage in stages for k, v in stage.items()}
     return state

@@ -9,7 +9,9 @@ mask and the patches padded per row (so the library can split them into micro-ba
 
 Stage boundaries are declared statically (input_args / output_args): the library's alternative,
 a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
-extra time and count a micro-batch twice in the balancing statistics.
+extra time and count a micro-batch twice in the balancing statistics. The gradients' shapes follow from
+them (torch >= 2.12 derives them from input_args / output_args; 2.10 and 2.11, the GPU image's, from the
+forward's outputs), so the input_grads / output_grads arguments, which 2.10 does not have, are not passed.
 """
 
 from collections.abc import Callable
@@ -116,11 +118,6 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     return inputs, outputs
 
 
-def _gradient_like(t: torch.Tensor) -> torch.Tensor | None:
-    """Gradients flow through float boundary tensors only (not the document ids)."""
-    return torch.empty_like(t) if t.is_floating_point() else None
-
-
 class Pipeline:
     """This rank's pipeline chunks, and a schedule per step shape: the chunks are cut once, while the
     boundary shapes (declared statically, see below) change with each context-extension stage."""
@@ -155,8 +152,7 @@ class Pipeline:
                                                    forward.boundary_dtype)
                 stages.append(PipelineStage(
                     forward, index, self.num_stages, self.ctx.device, input_args=inputs, output_args=outputs,
-                    input_grads=tuple(None if first else _gradient_like(t) for t in inputs),
-                    output_grads=tuple(_gradient_like(t) for t in outputs), group=self.ctx.pp_group))
+                    group=self.ctx.pp_group))
             schedule_cls = SCHEDULES[self.cfg.parallel.pipeline_schedule]
             target = stages if self.cfg.parallel.pipeline_schedule in MULTI_STAGE else stages[0]
             self._schedules[shape] = schedule_cls(target, shape.micro_batches, loss_fn=self.loss_fn,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.training.outcome import INTERRUPTED
+from parallel.collectives import all_reduce_max
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class StopSignals:
         code, due = self._code(), save_due
         if distributed:
             flags = torch.tensor([code, int(save_due)], dtype=torch.int32, device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = all_reduce_max(flags, dist.group.WORLD)
             code, due = int(flags[0]), bool(flags[1])
         if code == _NONE:
             return Agreement(None, False, due)

@@ -20,6 +20,7 @@ from moe_pretrain.checkpoint import GlobalState
 from moe_pretrain.config import Config, config_to_dict
 from moe_pretrain.training.optim import build_optimizer
 from moe_pretrain.training.parallelize import build_model
+from parallel.collectives import gather_objects
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
@@ -29,9 +30,7 @@ def rng_states(ctx: ParallelContext) -> list[str]:
     mine = base64.b64encode(bytes(torch.get_rng_state().tolist())).decode()
     if not ctx.distributed:
         return [mine]
-    states: list = [None] * ctx.layout.world_size
-    dist.all_gather_object(states, mine)
-    return states
+    return gather_objects(mine, dist.group.WORLD)
 
 
 class TrainingState:

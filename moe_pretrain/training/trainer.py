@@ -29,21 +29,23 @@ from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.fp8 import advance_amax_histories, enable_fp8
 from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.weight_casts import casts_reused
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.sizing import count
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
-from moe_pretrain.training.metrics import MetricsWriter, ProgressBar, measured_peak_flops
+from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
 from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
+from moe_pretrain.training.peak_flops import peak_flops
 from moe_pretrain.training.pipeline import Pipeline, StepShape
 from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
-from parallel.collectives import all_reduce_max, all_reduce_sum
+from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
 from parallel.context_parallel import ContextParallel, NoContextParallel
 from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
@@ -127,8 +129,7 @@ class Trainer:
         """The recomputation the model's layers are set to (modules start with none)."""
         self.skipped_total = self.skipped_in_a_row = 0
         self.last_checkpoint: Path | None = None
-        peak = cfg.logging.peak_tflops * 1e12 or measured_peak_flops(self.device, self.boundary_dtype)
-        self.peak_flops = peak * self.ctx.layout.world_size
+        self.peak_flops = peak_flops(cfg.logging.peak_tflops, self.device, self.dtype) * self.ctx.layout.world_size
         self._flops_per_token: dict[int, float] = {}
 
     def _checkpoint_timeout(self) -> timedelta:
@@ -229,26 +230,27 @@ class Trainer:
         self._apply_positional_settings(plan)
         self._apply_stage_layout(plan)
         batches = self._next_micro_batches(plan)
-        # Under context parallelism each rank counts (and later scores) only its own positions.
-        local_tokens = torch.tensor(sum(int((self.model.context.local(b.labels) != IGNORE_INDEX).sum())
-                                        for b in batches), dtype=torch.int64)
-        loss_tokens = max(int(all_reduce_sum(local_tokens, ctx.dp_group)), 1)
+        # Scalars stay on the device until the step's one host read below. Under context parallelism each
+        # rank counts (and later scores) only its own positions.
+        local_tokens = torch.stack([(self.model.context.local(b.labels) != IGNORE_INDEX).sum() for b in batches])
+        loss_tokens = all_reduce_sum(local_tokens.sum(), ctx.dp_group).clamp_min(1)
         lr = plan.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
         if self.pipeline is None:
             ce_total = self._forward_backward(batches, loss_tokens)
-            loss_value = float(all_reduce_sum(ce_total, ctx.dp_group)) / loss_tokens
+            loss = all_reduce_sum(ce_total, ctx.dp_group) / loss_tokens
         else:
-            mean_share = self._pipeline_forward_backward(plan, batches, loss_tokens)
-            loss_value = float(all_reduce_sum(mean_share, dist.group.WORLD))
-        finite_loss = math.isfinite(loss_value)
+            loss = all_reduce_sum(self._pipeline_forward_backward(plan, batches, loss_tokens), dist.group.WORLD)
+        norm = self.optimizer.reduce_gradients()
+        loss_value, grad_norm = torch.stack([loss, norm.to(loss.dtype)]).tolist()  # the step's host read
+        skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if self.async_saver is not None:
             self.async_saver.before_update()  # a background save's copy of the state must be complete
-        grad_norm = self.optimizer.step(cfg.optim.grad_clip, skip=not finite_loss)
+        if not skipped:
+            self.optimizer.update(cfg.optim.grad_clip, grad_norm)
         advance_amax_histories(self.model)
-        skipped = not (finite_loss and math.isfinite(grad_norm))
         if skipped:
             self.model.discard_balancing()
             self._count_skip(loss_value, grad_norm)
@@ -280,19 +282,22 @@ class Trainer:
             self._flops_per_token[result.seq_len] = count(self.cfg.model, result.seq_len)["flops_per_token"]
         return self._flops_per_token[result.seq_len] * result.tokens / (result.seconds * self.peak_flops)
 
-    def _forward_backward(self, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
-        """Micro-batches one after another on this rank; returns this rank's summed loss (float64)."""
-        ce_total = torch.zeros((), dtype=torch.float64)
-        for batch in batches:
-            with self.autocast():
-                logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
-            loss = ce_sum / loss_tokens + balance_loss / len(batches)
-            loss.backward()
-            ce_total += ce_sum.detach().to(torch.float64).cpu()
+    def _forward_backward(self, batches: list[Batch], loss_tokens: torch.Tensor) -> torch.Tensor:
+        """Micro-batches one after another on this rank; returns this rank's summed loss (float64, on the
+        device)."""
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with casts_reused():  # the parameters do not change before the optimizer step
+            for batch in batches:
+                with self.autocast():
+                    logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+                ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
+                loss = ce_sum / loss_tokens + balance_loss / len(batches)
+                loss.backward()
+                ce_total += ce_sum.detach().to(torch.float64)
         return ce_total
 
-    def _pipeline_forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: int) -> torch.Tensor:
+    def _pipeline_forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor
+                                   ) -> torch.Tensor:
         """The pipeline schedule over the same micro-batches (it splits their concatenation back along B).
         Returns this rank's share of the global mean loss (non-zero on one tensor rank of the last stage)."""
         self.pipeline_loss_divisor = loss_tokens
@@ -300,8 +305,8 @@ class Trainer:
 
     def run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, train: bool) -> torch.Tensor:
         """This rank's rows of `rows` global ones through the schedule (train: forward and backward; else
-        forward only); returns the sum of what its loss function gave (float64; zero except on the last
-        stage's first tensor rank)."""
+        forward only); returns the sum of what its loss function gave (float64 on the device; zero except on
+        the last stage's first tensor rank)."""
         pipeline = self.pipeline
         shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
                           plan.cp)
@@ -313,11 +318,11 @@ class Trainer:
         target = batch.labels if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
         schedule = pipeline.schedule(shape)
-        with self.autocast():
+        with self.autocast(), casts_reused():
             (schedule.step if train else schedule.eval)(*args, target=target, losses=losses)
         if not pipeline.holds_last or self.ctx.tp_rank != 0:
-            return torch.zeros((), dtype=torch.float64)
-        return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64).cpu()
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         labels = self.model.context.local(labels)
@@ -362,11 +367,9 @@ class Trainer:
 
     def _moe_stats(self) -> dict[str, dict[str, float | list[int]]]:
         """Every MoE layer's health, combined over the pipeline stages (collective over the pp group)."""
-        with_loads = self._records_loads()
-        local = {i: r.pop_stats(with_loads) for i, r in self.model.routers().items()}
         group = self.ctx.pp_group if self.ctx.layout.pp > 1 else None
-        return combine_moe_stats(local, self.cfg.model.num_layers, self.cfg.model.moe.num_experts,
-                                 with_loads, group)
+        return combine_moe_stats(self.model.routers(), self.cfg.model.num_layers, self.cfg.model.moe.num_experts,
+                                 self._records_loads(), group, self.device)
 
     def save_checkpoint(self) -> Path | None:
         """Save this step (synchronously, or start a background save); returns the committed directory."""
@@ -424,7 +427,7 @@ class Trainer:
             log.info(f"run already finished at step {self.step} ({end}={stop}); nothing to do")
             return []
         if ctx.distributed:
-            dist.barrier()  # every rank has checked before rank 0 creates anything
+            barrier(dist.group.WORLD)  # every rank has checked before rank 0 creates anything
         writer = None
         if ctx.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
