@@ -2,7 +2,8 @@
 # The GPU check of the fast paths (issue 13), one call of at most 10 minutes on one CUDA GPU:
 #   1. the Triton kernel tests natively on the GPU (tests/test_kernels.py) and tests/gpu/: fla chunk_kda
 #      against the CPU reference in fp32, grouped GEMM (bf16) against the loop, cuBLAS FP8 against the CPU's
-#      FP8 GEMM, the recipe rules, a 20-step training with FP8 (tensorwise, delayed) against bf16;
+#      FP8 GEMM, the recipe rules, a 20-step training with FP8 (tensorwise, delayed) against bf16, and bf16
+#      against float32 (the routed experts' compute copies follow the masters);
 #   2. tests/test_fp8.py (each recipe's relative error against fp32, on the CPU numerics);
 #   3. a 20-step smoke training (launch.train, configs/smoke.yaml, bf16) with precision.fp8=tensorwise;
 #   4. bench/fast_paths.py: fused SiTU-GLU vs eager, permute kernels vs eager, grouped GEMM vs the loop,

@@ -10,6 +10,7 @@ import torch
 
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.training import Trainer
+from parallel.state import ParallelContext
 from tests.models import tiny_config
 
 BF16_LOSS_GAP = 0.003
@@ -17,10 +18,22 @@ BF16_LOSS_GAP = 0.003
 that follow the masters); with copies frozen at step 1 (the defect) 0.0070, growing from step 9 on."""
 
 
-def bf16_trainer(tmp_path, steps: int, dtype: str = "bfloat16") -> Trainer:
+def bf16_trainer(tmp_path, steps: int, dtype: str = "bfloat16", ctx: ParallelContext | None = None) -> Trainer:
     cfg = tiny_config(f"train.steps={steps}", f"train.dtype={dtype}", f"train.run_dir={tmp_path / dtype}",
                       "logging.progress=false")
-    return Trainer(cfg)
+    return Trainer(cfg, ctx)
+
+
+def bf16_and_float32_losses(tmp_path, ctx: ParallelContext | None = None) -> dict[str, list[float]]:
+    """20 steps of the tiny model in each dtype: {dtype: step losses}."""
+    return {dtype: [h["loss"] for h in bf16_trainer(tmp_path, 20, dtype, ctx).run()]
+            for dtype in ("float32", "bfloat16")}
+
+
+def assert_bf16_tracks_float32(losses: dict[str, list[float]]) -> None:
+    gaps = [abs(a - b) for a, b in zip(losses["float32"], losses["bfloat16"])]
+    assert losses["float32"][-1] < losses["float32"][0] - 1.0, losses  # it trained
+    assert max(gaps) <= BF16_LOSS_GAP, f"largest gap {max(gaps):.4f} at step {gaps.index(max(gaps)) + 1}: {gaps}"
 
 
 def test_expert_compute_copies_are_fresh_casts_of_the_masters_at_every_step(tmp_path):
@@ -51,7 +64,18 @@ def test_expert_compute_copies_are_fresh_casts_of_the_masters_at_every_step(tmp_
 
 
 def test_bf16_training_tracks_float32(tmp_path):
-    losses = {dtype: [h["loss"] for h in bf16_trainer(tmp_path, 20, dtype).run()] for dtype in ("float32", "bfloat16")}
-    gaps = [abs(a - b) for a, b in zip(losses["float32"], losses["bfloat16"])]
-    assert losses["float32"][-1] < losses["float32"][0] - 1.0, losses  # it trained
-    assert max(gaps) <= BF16_LOSS_GAP, f"largest gap {max(gaps):.4f} at step {gaps.index(max(gaps)) + 1}: {gaps}"
+    assert_bf16_tracks_float32(bf16_and_float32_losses(tmp_path))
+
+
+def test_bf16_recomputation_reuses_the_steps_copies_and_trains_identically(tmp_path):
+    """A recomputed forward (train.recompute) finds the step's compute copies and computes exactly what the
+    first pass did: bitwise the same losses, gradient norms and weights as without recomputation."""
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        cfg = tiny_config("train.steps=3", "train.dtype=bfloat16", f"train.recompute={mode}",
+                          f"train.run_dir={tmp_path / mode}", "logging.progress=false")
+        trainer = Trainer(cfg)
+        runs[mode] = ([(h["loss"], h["grad_norm"]) for h in trainer.run()], trainer.model.state_dict())
+    for mode in ("selective", "full"):
+        assert runs[mode][0] == runs["none"][0], mode
+        assert all(torch.equal(runs[mode][1][k], v) for k, v in runs["none"][1].items()), mode

@@ -12,7 +12,9 @@ import torch.distributed as dist
 from launch.local import run_distributed
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.parallelize import gather_full_state
-from parallel.state import destroy_parallel, init_parallel
+from moe_pretrain.training.pipeline import StepShape, stage_boundaries
+from parallel.plan import pipeline_chunks
+from parallel.state import ParallelContext, ParallelLayout, destroy_parallel, init_parallel
 from tests.helpers import rel_rms
 from tests.models import tiny_config
 
@@ -112,3 +114,26 @@ def test_zero1_shards_optimizer_state(tmp_path):
     assert all(rel_rms(state[name], tensor) < 1e-9 for name, tensor in ref_state.items()) and identical
     # Master slice + two Adam moments per element, now for half of them (plus bucket padding).
     assert 0.49 < dp2_bytes / single_bytes < 0.52, (dp2_bytes, single_bytes)
+
+
+@pytest.mark.parametrize("split", [[1, 2, 2, 1], [2, 2, 1, 1], [3, 1, 1, 1]])
+def test_pipeline_boundaries_carry_only_what_the_receiver_differentiates(split):
+    """Between chunks only floating-point tensors travel, and the running block sum only while a block is open:
+    torch 2.10 and 2.11 (the GPU image's) make every received buffer require grad (an integer tensor cannot)
+    and refuse to send back a gradient that is None (an unused input's). Each chunk's outputs are the next
+    one's inputs. (The layout tests hold the numbers; this holds what crosses, which torch 2.13 tolerates.)"""
+    cfg = tiny_config("parallel.pp=2", "parallel.vpp=2", f"parallel.pipeline_layers={split}".replace(" ", ""),
+                      "parallel.pipeline_schedule=interleaved_1f1b", "data.micro_batches=4", "data.batch_size=8")
+    ctx = ParallelContext(ParallelLayout(world_size=2, pp=2, vpp=2))
+    shape = StepShape(cfg.data.seq_len, cfg.data.batch_size, 4, patches_per_row=3)
+    chunks = pipeline_chunks(cfg)
+    ends = [stage_boundaries(cfg, ctx, shape, layers, i == 0, i == len(chunks) - 1, torch.float32)
+            for i, layers in enumerate(chunks)]
+    block = cfg.model.attn_res.block_size
+    for i, (layers, (inputs, outputs)) in enumerate(zip(chunks, ends)):
+        if i:
+            assert [t.shape for t in inputs] == [t.shape for t in ends[i - 1][1]]
+            assert all(t.is_floating_point() and t.requires_grad for t in inputs)
+            assert len(inputs) == (2 if layers[0] % block else 1)  # bank, and the partial sum of an open block
+        if i < len(chunks) - 1:
+            assert len(outputs) == (2 if (layers[-1] + 1) % block else 1)

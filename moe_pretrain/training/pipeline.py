@@ -2,10 +2,14 @@
 
 The layers are cut into pp x vpp contiguous chunks (parallel/plan.py, pipeline_chunks); rank r holds
 chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
-boundary need not align with an AttnRes block: the bank stacked as [B, N, T, D], the running block
-sum (zeros when a block has just closed; the receiver knows this from its first layer index), and the
-document ids every stage needs for its masks. The first stage reads tokens, document ids, the image
-mask and the patches padded per row (so the library can split them into micro-batches along B).
+boundary need not align with an AttnRes block: the bank stacked as [B, N, T, D] and, unless a block
+closes at the boundary, the running block sum. Only floating-point tensors that the receiver uses
+cross: torch 2.10 and 2.11 (the GPU image has 2.10) make every received buffer require grad, which an
+integer tensor cannot, and refuse to send back a gradient that is None. The document ids every stage
+needs for its masks come from each rank's own batch instead (every stage reads its rows, without
+pixels), as the schedule's keyword input, which the library splits into micro-batches and hands to
+every stage. The first stage's positional inputs are the tokens, the image mask and the patches padded
+per row (so the library can split them into micro-batches along B).
 
 Stage boundaries are declared statically (input_args / output_args): the library's alternative,
 a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
@@ -60,38 +64,44 @@ def patches_from_rows(patch_rows: torch.Tensor, image_mask: torch.Tensor) -> tor
 class StageForward(nn.Module):
     """The forward of one chunk, with the chunk's modules (and only those) as parameters."""
 
-    def __init__(self, chunk: MoETransformer, first_layer: int, first: bool, last: bool):
+    def __init__(self, chunk: MoETransformer, layers: list[int], first: bool, last: bool):
         super().__init__()
         self.chunk = chunk
         self.first, self.last = first, last
-        # A block closed right before this chunk: the partial sum it receives is a placeholder.
-        self.starts_block = first_layer % chunk.cfg.attn_res.block_size == 0
+        self.sends_partial = not last and closes_no_block(layers[-1], chunk.cfg.attn_res.block_size)
+        """A block still open after this chunk's last layer: its partial sum travels on."""
         self.boundary_dtype = next(chunk.parameters()).dtype
         """Activations cross stages in the parameter dtype (fp32 under bf16 autocast): static shapes."""
 
-    def forward(self, *inputs: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor):
         chunk = self.chunk
         if self.first:
-            tokens, doc_ids, image_mask, patch_rows = inputs
+            tokens, image_mask, patch_rows = inputs
             layout = chunk.layout(tokens, doc_ids)
             patches = patches_from_rows(patch_rows, image_mask) if patch_rows.shape[1] else None
             bank, partial = [chunk.embed(tokens, layout, patches, image_mask if patches is not None else None)], None
         else:
-            bank_stack, partial, doc_ids = inputs
+            bank_stack, *received_partial = inputs  # no partial sum when a block closed right before this chunk
             layout = chunk.layout(doc_ids, doc_ids)
             bank = list(bank_stack.unbind(1))
-            partial = None if self.starts_block else partial
+            partial = received_partial[0] if received_partial else None
         bank, partial, _ = chunk.run_layers(bank, partial, layout)  # aux_loss is refused with pp > 1
         dtype = self.boundary_dtype
         if self.last:
             return chunk.logits(bank, partial).to(dtype)
-        partial = torch.zeros_like(bank[0]) if partial is None else partial
-        return torch.stack([b.to(dtype) for b in bank], dim=1), partial.to(dtype).contiguous(), doc_ids
+        bank_stack = torch.stack([b.to(dtype) for b in bank], dim=1)
+        return (bank_stack, partial.to(dtype).contiguous()) if self.sends_partial else (bank_stack,)
+
+
+def closes_no_block(layer: int, block_size: int) -> bool:
+    """Whether an AttnRes block is still open after `layer` (0-based): the partial sum is not yet in the bank."""
+    return (layer + 1) % block_size != 0
 
 
 def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers: list[int], first: bool,
                      last: bool, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Example (meta) tensors of one micro-batch at a chunk's input and output."""
+    """Example (meta) tensors of one micro-batch at a chunk's positional input and output (the document ids,
+    a keyword input, are every stage's own)."""
     rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
     T, D = shape.seq_len, cfg.model.hidden_size
     local = T // shape.cp  # activations hold this context-parallel rank's positions
@@ -101,20 +111,21 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         # requires_grad tells the library which boundary tensors carry gradients back.
         return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
-    def boundary(bank_entries):
-        return (meta(rows, bank_entries, local // ctx.layout.tp, D), meta(rows, local // ctx.layout.tp, D),
-                meta(rows, T, dtype=torch.int64))
+    def boundary(last_layer_before):
+        bank = meta(rows, 1 + (last_layer_before + 1) // block, local // ctx.layout.tp, D)
+        if closes_no_block(last_layer_before, block):
+            return bank, meta(rows, local // ctx.layout.tp, D)
+        return (bank,)
 
     if first:
         patch_rows = meta(rows, shape.patches_per_row, cfg.model.vision.patch_dim).requires_grad_(False)
-        inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.int64),
-                  meta(rows, T, dtype=torch.bool), patch_rows)
+        inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.bool), patch_rows)
     else:
-        inputs = boundary(1 + layers[0] // block)
+        inputs = boundary(layers[0] - 1)
     if last:
         outputs = (meta(rows, local, cfg.model.vocab_size // ctx.layout.tp),)
     else:
-        outputs = boundary(1 + (layers[-1] + 1) // block)
+        outputs = boundary(layers[-1])
     return inputs, outputs
 
 
@@ -132,7 +143,7 @@ class Pipeline:
         self.mine = chunks_of_rank(self.num_stages, pp, ctx.pp_rank)
         self.forwards = {index: StageForward(
             MoETransformer.stage_of(model, self.layers[index], first=index == 0, last=index == self.num_stages - 1),
-            self.layers[index][0], index == 0, index == self.num_stages - 1) for index in self.mine}
+            self.layers[index], index == 0, index == self.num_stages - 1) for index in self.mine}
         self.holds_first, self.holds_last = 0 in self.mine, self.num_stages - 1 in self.mine
         self.model = model
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""

@@ -311,15 +311,14 @@ class Trainer:
         shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
                           plan.cp)
         if pipeline.holds_first:
-            args = (batch.tokens, batch.doc_ids, batch.image_mask,
-                    batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
+            args = (batch.tokens, batch.image_mask, batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
         else:
             args = ()
         target = batch.labels if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
         schedule = pipeline.schedule(shape)
-        with self.autocast(), casts_reused():
-            (schedule.step if train else schedule.eval)(*args, target=target, losses=losses)
+        with self.autocast(), casts_reused():  # every stage takes its own rows' document ids
+            (schedule.step if train else schedule.eval)(*args, target=target, losses=losses, doc_ids=batch.doc_ids)
         if not pipeline.holds_last or self.ctx.tp_rank != 0:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
