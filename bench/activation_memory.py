@@ -4,9 +4,11 @@ Run: .venv/bin/python bench/activation_memory.py [--lengths 2048 8192] [--modes 
 Each (recompute, T) runs in a fresh process (a clean allocator): the tiny model (d = 64, KDA chunk 64,
 1000-token documents) in fp32 does one forward, a cross-entropy loss and a backward. Printed, in MB: the
 plan's saved activations and peak (moe_pretrain/activation_memory.py, the same arithmetic launch.plan
-uses per stage), the allocated bytes after the forward and at the backward's peak (glibc mallinfo2: live
-tensors, what a GPU allocator reports as allocated), and the resident peak (which adds the allocator's
-retained freed memory). Ratios are measured / plan; tests/test_activation_memory.py bounds them.
+uses per stage); the live tensor bytes after the forward and at their peak (memory.LiveTensorBytes: exact,
+what tests/test_activation_memory.py bounds, in process); the allocated bytes at the backward's peak (glibc
+mallinfo2: tensors plus what malloc rounds up, what a GPU allocator reports as allocated) and the resident
+peak (which adds the allocator's retained freed memory), both of which depend on the machine. Ratios are
+measured / plan.
 """
 
 import argparse
@@ -22,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["model.hidden_size=64", "model.kda.head_dim=16", "model.kda.chunk_size=64"]
 
 
-def probe(recompute: str, T: int) -> dict:
+def probe(recompute: str, T: int, allocator: bool = False) -> dict:
+    """One forward + loss + backward at T tokens: the plan's figures and the measured ones (the allocator's
+    too when asked: only meaningful in a fresh process)."""
     from moe_pretrain.activation_memory import activation_bytes
-    from moe_pretrain.memory import AllocatedPeak, allocated_bytes, peak_resident_bytes, reset_peak, resident_bytes
+    from moe_pretrain.memory import AllocatedPeak, LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
     from moe_pretrain.training.parallelize import build_model
     from tests.models import tiny_config
 
@@ -36,20 +40,24 @@ def probe(recompute: str, T: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, cfg.model.vocab_size, (1, T), generator=gen) for _ in range(2))
     doc_ids = (torch.arange(T) // 1000).unsqueeze(0)
-    allocated_start, resident_start = allocated_bytes(), resident_bytes()
+    resident_start = resident_bytes()
     reset_peak()
-    with AllocatedPeak() as peak:
+    with AllocatedPeak(enabled=allocator) as allocated, LiveTensorBytes() as live:
         logits, balance = model(tokens, doc_ids)
-        after_forward = allocated_bytes() - allocated_start
+        after_forward = live.live
         (F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + balance).backward()
     m = cfg.model
     plan = activation_bytes(m, list(range(m.num_layers)), recompute, T, act_bytes=4)
-    return {"recompute": recompute, "T": T, "plan_saved": plan.saved, "plan_peak": plan.peak,
-            "allocated_after_forward": after_forward, "allocated_peak": peak.peak - allocated_start,
-            "resident_peak": peak_resident_bytes() - resident_start}
+    result = {"recompute": recompute, "T": T, "plan_saved": plan.saved, "plan_peak": plan.peak,
+              "live_after_forward": after_forward, "live_peak": live.peak}
+    if allocator:
+        result.update(allocated_peak=allocated.peak - allocated.start,
+                      resident_peak=peak_resident_bytes() - resident_start)
+    return result
 
 
 def run_probe(recompute: str, T: int) -> dict:
+    """probe() with the allocator's figures, in a fresh process (a clean allocator)."""
     done = subprocess.run([sys.executable, __file__, "--probe", recompute, str(T)], capture_output=True, text=True,
                           check=True, timeout=300, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -63,19 +71,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.probe:
         sys.path.insert(0, str(ROOT))
-        print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
+        print(json.dumps(probe(args.probe[0], int(args.probe[1]), allocator=True)))
         return
     mb = 1e6
     print("tiny model d=64, fp32, one forward + loss + backward; MB; ratios measured / plan")
-    print(f"{'recompute':>9} {'T':>6} {'plan saved':>10} {'alloc fwd':>9} {'ratio':>6} {'plan peak':>9} "
-          f"{'alloc peak':>10} {'ratio':>6} {'resident':>8} {'ratio':>6}")
+    print(f"{'recompute':>9} {'T':>6} {'plan saved':>10} {'live fwd':>8} {'ratio':>6} {'plan peak':>9} "
+          f"{'live peak':>9} {'ratio':>6} {'alloc peak':>10} {'ratio':>6} {'resident':>8} {'ratio':>6}")
     for recompute in args.modes:
         for T in args.lengths:
             r = run_probe(recompute, T)
-            print(f"{recompute:>9} {T:>6} {r['plan_saved'] / mb:10.1f} {r['allocated_after_forward'] / mb:9.1f} "
-                  f"{r['allocated_after_forward'] / r['plan_saved']:6.2f} {r['plan_peak'] / mb:9.1f} "
-                  f"{r['allocated_peak'] / mb:10.1f} {r['allocated_peak'] / r['plan_peak']:6.2f} "
-                  f"{r['resident_peak'] / mb:8.1f} {r['resident_peak'] / r['plan_peak']:6.2f}")
+            peak = r["plan_peak"]
+            print(f"{recompute:>9} {T:>6} {r['plan_saved'] / mb:10.1f} {r['live_after_forward'] / mb:8.1f} "
+                  f"{r['live_after_forward'] / r['plan_saved']:6.2f} {peak / mb:9.1f} {r['live_peak'] / mb:9.1f} "
+                  f"{r['live_peak'] / peak:6.2f} {r['allocated_peak'] / mb:10.1f} {r['allocated_peak'] / peak:6.2f} "
+                  f"{r['resident_peak'] / mb:8.1f} {r['resident_peak'] / peak:6.2f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ checkpoint). Printed per rank: parameters held, the baseline (resident memory af
 groups, before the trainer: the interpreter, torch and megatron-core, not state), and for each phase the
 peak and the ratio (peak - baseline) / (16 B x parameters held): fp32 parameters, gradients and two Adam
 moments are 16 bytes a parameter, so 1.0 is a rank holding nothing but its state. Goal: <= 1.3 everywhere.
+Each phase's peak of live tensor bytes (memory.LiveTensorBytes, the main thread's ops; exact, what
+tests/test_memory.py bounds) is measured too, as the ratio live peak / (16 B x parameters held).
 """
 
 import argparse
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
-from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.memory import LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
 from parallel.state import destroy_parallel, init_parallel
@@ -36,15 +38,18 @@ def measure(rank: int, world_size: int, config: str, overrides: list[str]) -> li
         try:
             row = {"rank": rank, "baseline": resident_bytes()}
             reset_peak()
-            trainer = Trainer(cfg, ctx)
-            row["build"] = peak_resident_bytes()
-            reset_peak()
-            for _ in range(2):
-                trainer.train_step()
-            row["step"] = peak_resident_bytes()
-            reset_peak()
-            trainer.save_checkpoint()
-            row["save"] = peak_resident_bytes()
+            with LiveTensorBytes() as live:
+                trainer = Trainer(cfg, ctx)
+                row["build"], row["live.build"] = peak_resident_bytes(), live.peak
+                reset_peak()
+                live.restart_peak()
+                for _ in range(2):
+                    trainer.train_step()
+                row["step"], row["live.step"] = peak_resident_bytes(), live.peak
+                reset_peak()
+                live.restart_peak()
+                trainer.save_checkpoint()
+                row["save"], row["live.save"] = peak_resident_bytes(), live.peak
             row["params"] = sum(p.numel() for p in trainer.model.parameters())
             row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank
             return gather_objects(row, dist.group.WORLD if ctx.distributed else None)
@@ -53,7 +58,13 @@ def measure(rank: int, world_size: int, config: str, overrides: list[str]) -> li
 
 
 def ratio(row: dict, phase: str) -> float:
+    """A phase's resident peak over the baseline, per state byte (16 B x parameters held)."""
     return (row[phase] - row["baseline"]) / (STATE_BYTES_PER_PARAM * row["params"])
+
+
+def live_ratio(row: dict, phase: str) -> float:
+    """A phase's peak of live tensor bytes per state byte."""
+    return row[f"live.{phase}"] / (STATE_BYTES_PER_PARAM * row["params"])
 
 
 def run_layout(config: str, world_size: int, overrides: list[str]) -> list[dict]:
@@ -71,11 +82,12 @@ def main() -> None:
     print(f"{args.config} {' '.join(args.set)}: peak resident GB per phase, and (peak - baseline) / "
           f"({STATE_BYTES_PER_PARAM} B x params held)")
     print(f"{'layout':>10} {'rank':>4} {'pp':>2} {'ep':>2} {'params':>11} {'base':>5} "
-          + " ".join(f"{phase:>13}" for phase in PHASES))
+          + " ".join(f"{phase:>24}" for phase in PHASES))
     worst = 0.0
     for name, world, overrides in layouts:
         for row in run_layout(args.config, world, [*args.set, *overrides]):
-            cells = " ".join(f"{row[p] / gb:5.2f} ({ratio(row, p):4.2f})" for p in PHASES)
+            cells = " ".join(f"{row[p] / gb:5.2f} ({ratio(row, p):4.2f}, live {live_ratio(row, p):4.2f})"
+                             for p in PHASES)
             print(f"{name:>10} {row['rank']:>4} {row['pp_rank']:>2} {row['ep_rank']:>2} {row['params']:>11,} "
                   f"{row['baseline'] / gb:5.2f} {cells}")
             worst = max(worst, *(ratio(row, p) for p in PHASES))

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         return verify_command(args.dir)
     if args.command == "import":
-        from moe_pretrain.checkpoint.hf_import import import_hf
+        from checkpoints_tool.hf_import import import_hf
         from moe_pretrain.config import load_config
 
         path = import_hf(args.dir, args.out, load_config(args.config, args.set))
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                   + "\n  ".join(problems), file=sys.stderr)
             return 1
     if args.command == "reshard":
-        from moe_pretrain.training.reshard import reshard
+        from checkpoints_tool.reshard import reshard
 
         world = args.tp * args.pp * args.dp
         overrides = [f"parallel.{d}={getattr(args, d)}" for d in ("tp", "pp", "ep", "vpp")] + args.set

@@ -1,13 +1,20 @@
-"""This process's resident memory, now and at its peak since the last reset (Linux /proc; bytes), and the
-bytes malloc has allocated (live tensors, no allocator slack), now and at a block's peak.
+"""What this process measures of its memory: the bytes of live tensors (exact, the same on every machine:
+what tests bound), and for the benches the allocator's view: resident memory now and at its peak since the
+last reset (Linux /proc), and the bytes malloc has handed out.
 
-The peak (VmHWM) is what the kernel saw, so it counts every allocation, torch's or not; writing 5 to
-/proc/self/clear_refs resets it, which lets one process measure the peak of each phase in turn.
+The resident peak (VmHWM) is what the kernel saw, so it counts every allocation, torch's or not; writing 5
+to /proc/self/clear_refs resets it, which lets one process measure the peak of each phase in turn. Both
+allocator figures depend on the machine's allocator and load; live tensor bytes do not.
 """
 
 import ctypes
 import threading
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 STATUS = Path("/proc/self/status")
 
@@ -53,10 +60,17 @@ def allocated_bytes() -> int:
 
 
 class AllocatedPeak:
-    """The highest allocated_bytes() while the block runs, sampled by a thread (torch ops release the GIL)."""
+    """The highest allocated_bytes() while the block runs (from `start`, its value at entry), sampled by a
+    thread (torch ops release the GIL); enabled=False samples nothing (peak = start = 0)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.start = self.peak = 0
 
     def __enter__(self) -> "AllocatedPeak":
-        self.peak = allocated_bytes()
+        if not self.enabled:
+            return self
+        self.start = self.peak = allocated_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -67,6 +81,49 @@ class AllocatedPeak:
             self.peak = max(self.peak, allocated_bytes())
 
     def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, allocated_bytes())
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that ops create inside the block and that are still alive, and their peak.
+
+    Every op's fresh outputs (not the views or in-place results its schema marks as aliases) are counted
+    from creation until their storage dies: a storage's Python object lives exactly as long as the storage
+    (PyTorch preserves it), so a finalizer on it sees tensors that only autograd still holds. Kernels'
+    internal scratch is not seen, and neither is anything created before the block. Deterministic: the
+    same figures on every machine and under any load, unlike the allocator's."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for declared, value in zip(func._schema.returns, out if isinstance(out, tuple) else (out,)):
+            if declared.alias_info is None:  # a fresh result, not a view or an in-place one
+                for t in tree_leaves(value):
+                    if isinstance(t, torch.Tensor):
+                        self._track(t.untyped_storage())
+        return out
+
+    def restart_peak(self) -> None:
+        """Measure the next phase's peak from what is alive now."""
+        self.peak = self.live
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._sizes:
+            return
+        self._sizes[key] = storage.nbytes()
+        self.live += self._sizes[key]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, key)
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)

@@ -17,7 +17,7 @@ import yaml
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import read_trainer_state
 from moe_pretrain.config import load_config
-from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.memory import LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training.state import TrainingState
 from parallel.state import destroy_parallel, init_parallel
 
@@ -28,11 +28,14 @@ class ReshardResult:
     """The new step directory."""
     peak_bytes: int
     """Rank 0's peak resident memory while building, loading and saving, above its resident memory before."""
+    peak_tensor_bytes: int
+    """Rank 0's peak of live tensor bytes over the same (exact; memory.LiveTensorBytes)."""
     state_bytes: int
     """What rank 0's share of the state takes: parameters plus Adam moments."""
 
 
-def _worker(rank: int, world_size: int, source: str, target: str, overrides: list[str]) -> tuple[str, int, int]:
+def _worker(rank: int, world_size: int, source: str, target: str, overrides: list[str]
+            ) -> tuple[str, int, int, int]:
     with tempfile.TemporaryDirectory() as tmp:
         config = read_trainer_state(Path(source))["config"]
         # Micro-batch counts were resolved for the source's pipeline depth: derive them again for the
@@ -47,11 +50,12 @@ def _worker(rank: int, world_size: int, source: str, target: str, overrides: lis
         try:
             before = resident_bytes()
             reset_peak()
-            state = TrainingState(cfg, ctx, draw_values=False)
-            state.load(Path(source))
-            path = state.save(Path(target))
+            with LiveTensorBytes() as live:
+                state = TrainingState(cfg, ctx, draw_values=False)
+                state.load(Path(source))
+                path = state.save(Path(target))
             held = sum(p.numel() * p.element_size() for p in state.model.parameters())
-            return str(path), peak_resident_bytes() - before, held + state.optimizer.state_bytes()
+            return str(path), peak_resident_bytes() - before, live.peak, held + state.optimizer.state_bytes()
         finally:
             destroy_parallel()
 
@@ -60,7 +64,8 @@ def reshard(source: Path, target: Path, world_size: int, overrides: list[str]) -
     """Write `source` into the checkpoint root `target` with `world_size` processes and `overrides`
     (e.g. parallel.tp=2)."""
     if world_size == 1:
-        path, peak, state = _worker(0, 1, str(source), str(target), overrides)
+        path, peak, tensors, state = _worker(0, 1, str(source), str(target), overrides)
     else:
-        path, peak, state = run_distributed(_worker, world_size, str(source), str(target), overrides, timeout=3600)
-    return ReshardResult(Path(path), peak, state)
+        path, peak, tensors, state = run_distributed(_worker, world_size, str(source), str(target), overrides,
+                                                     timeout=3600)
+    return ReshardResult(Path(path), peak, tensors, state)
