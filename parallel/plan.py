@@ -10,7 +10,9 @@ A style maps a module (matched by a pattern on its path) to a placement of its p
 - HEADS: every parameter of the module split along dimension 0 over tp, the module unchanged (KDA's
   per-head decay parameters and short convolutions: the heads a rank holds);
 - EXPERTS: every parameter split along dimension 0 (experts) over ep;
-- anything unmatched is replicated.
+- REPLICATED lists what stays whole on every rank; a parameter neither placed nor declared replicated is a
+  model change the plan has not caught up with, refused when the model is built (ShardingPlan.unplanned),
+  and a rule that places nothing of the full-size model fails tests/test_plan.py.
 Placements use DTensor's vocabulary (Shard(dim) / Replicate() per mesh dimension tp and ep). They also fix
 each gradient's reduce group: expert shards over expert-data parallel; tensor shards, complete on each
 rank for their slice, over data parallel; replicated parameters, whose gradients are partial over the
@@ -60,7 +62,20 @@ MODEL_PLAN: tuple[tuple[str, Style], ...] = (
     ("layers.*.mlp.experts", Style.EXPERTS),
 )
 """Pattern -> style. A pattern names a module (its own parameters take the style) or one parameter; `*`
-stands for one path component. The first match wins; KDA's o_norm_weight, shared by heads, stays replicated."""
+stands for one path component. The first match wins."""
+
+REPLICATED: tuple[str, ...] = (
+    "patch_embedding.proj", "final_mix", "final_norm",
+    "layers.*.attn_mix", "layers.*.mlp_mix", "layers.*.attn_norm", "layers.*.mlp_norm",
+    # KDA's low-rank decay input and its output norm (one weight shared by every head).
+    "layers.*.mixer.f_a_proj", "layers.*.mixer.o_norm_weight",
+    # Gated MLA's low-rank down projections and their norms.
+    "layers.*.mixer.q_down", "layers.*.mixer.q_norm", "layers.*.mixer.kv_down", "layers.*.mixer.kv_norm",
+    # The MoE's router and latent projections (every rank routes and projects its own tokens).
+    "layers.*.mlp.router.gate", "layers.*.mlp.latent_down", "layers.*.mlp.latent_norm", "layers.*.mlp.latent_up",
+)
+"""Modules (with everything below them) or parameters meant to stay whole on every tensor- and expert-parallel
+rank; the same pattern syntax."""
 
 TENSOR_DIM = {Style.COLUMN: 0, Style.ROW: 1, Style.VOCAB: 0, Style.HEADS: 0}
 FIRST_STAGE_MODULES = ("embedding", "patch_embedding")
@@ -113,11 +128,26 @@ class ParamPlacement:
         return tuple(offsets)
 
 
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+def _places(regex: re.Pattern, name: str) -> bool:
+    """Whether a rule's pattern names this parameter or the module that holds it (as placement() reads it)."""
+    return bool(regex.match(name) or ("." in name and regex.match(name.rsplit(".", 1)[0])))
+
+
+def _contains(regex: re.Pattern, name: str) -> bool:
+    """Whether a REPLICATED pattern names this parameter or any module above it."""
+    parts = name.split(".")
+    return any(regex.match(".".join(parts[:end])) for end in range(1, len(parts) + 1))
+
+
 class ShardingPlan:
-    def __init__(self, rules: tuple[tuple[str, Style], ...] = MODEL_PLAN):
-        self.rules = rules
-        self._patterns = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$"), style)
-                          for pattern, style in rules]
+    def __init__(self, rules: tuple[tuple[str, Style], ...] = MODEL_PLAN, replicated: tuple[str, ...] = REPLICATED):
+        self.rules, self.replicated = rules, replicated
+        self._patterns = [(_compile(pattern), style) for pattern, style in rules]
+        self._replicated = [_compile(pattern) for pattern in replicated]
         self._placements: dict[str, ParamPlacement] = {}
 
     def style(self, path: str) -> Style | None:
@@ -126,6 +156,19 @@ class ShardingPlan:
             if pattern.match(path):
                 return style
         return None
+
+    def unplanned(self, names: list[str]) -> list[str]:
+        """Parameters (global names) that no rule places and REPLICATED does not declare."""
+        return [name for name in names if not any(_places(regex, name) for regex, _ in self._patterns)
+                and not any(_contains(regex, name) for regex in self._replicated)]
+
+    def unused(self, names: list[str]) -> list[str]:
+        """Rules and REPLICATED entries that match none of these parameters (of a model that has every
+        component: a renamed module leaves its rule behind)."""
+        rules = [pattern for (pattern, _), (regex, _) in zip(self.rules, self._patterns)
+                 if not any(_places(regex, name) for name in names)]
+        return rules + [pattern for pattern, regex in zip(self.replicated, self._replicated)
+                        if not any(_contains(regex, name) for name in names)]
 
     def placement(self, name: str) -> ParamPlacement:
         """The placement of the parameter with this global name (matched once per name: every save and

@@ -142,6 +142,9 @@ def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingP
     ctx = ctx or ParallelContext.single()
     plan = plan or ShardingPlan()
     model, parameters = meta_model(cfg)
+    if unplanned := plan.unplanned(list(parameters)):
+        raise RuntimeError(f"parameters the sharding plan neither places nor declares replicated "
+                           f"(parallel/plan.py MODEL_PLAN / REPLICATED): {', '.join(unplanned[:8])}")
     shard_parameters(model, plan, ctx)
     if ctx.layout.pp > 1:
         model = keep_pipeline_stage(model, cfg, ctx)
