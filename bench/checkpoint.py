@@ -46,7 +46,8 @@ def model_overrides(hidden: int, layers: int, experts: int, run_dir: str) -> lis
     return [f"model.hidden_size={hidden}", f"model.num_layers={layers}",
             f"model.layer_pattern={'KKKM' * (layers // 4)}", f"model.moe.num_experts={experts}",
             f"model.moe.latent_size={hidden // 2}", "train.steps=1",
-            "logging.progress=false", f"train.run_dir={run_dir}", "checkpoint.every=0", "checkpoint.keep_last=1000"]
+            "logging.progress=false", f"train.run_dir={run_dir}", "checkpoint.every=0", "checkpoint.keep_last=1000",
+            "eval.tokens=0", "eval.every=0"]
 
 
 def drop_cache(paths: list[Path]) -> None:

@@ -22,8 +22,8 @@ from parallel.state import destroy_parallel, init_parallel
 
 def throughput(rank: int, world_size: int, steps: int, overrides: list[str]) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load_config("configs/smoke.yaml", [f"train.steps={steps}", "logging.progress=false",
-                                                 f"train.run_dir={run_dir}", *overrides])
+        cfg = load_config("configs/smoke.yaml", [f"train.steps={steps}", "logging.progress=false", "eval.tokens=0",
+                                                 "eval.every=0", f"train.run_dir={run_dir}", *overrides])
         ctx = init_parallel(cfg)
         try:
             history = Trainer(cfg, ctx).run()

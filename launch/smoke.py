@@ -38,8 +38,10 @@ class Smoke:
 
     def train(self, name: str, procs: int, overrides: list[str]) -> tuple[bool, str, Path]:
         run_dir = self.out / name.replace(" ", "").replace("(", "_").replace(")", "")
-        base = ["-m", "launch.train", "--config", "configs/smoke.yaml", f"train.steps={STEPS}",
-                "logging.progress=false", f"train.run_dir={run_dir}", *([] if self.gpus else ["parallel.backend=gloo"])]
+        # No evaluation (make smoke has it): these check layouts, resume and reshard, each in a few steps.
+        base = ["-m", "launch.train", "--config", "configs/smoke.yaml", f"train.steps={STEPS}", "eval.tokens=0",
+                "eval.every=0", "logging.progress=false", f"train.run_dir={run_dir}",
+                *([] if self.gpus else ["parallel.backend=gloo"])]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
                if procs > 1 else [sys.executable])
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,9 @@
 
 from moe_pretrain.config import load_config
 
+EVAL_OFF = ("eval.tokens=0", "eval.every=0")
+"""configs/smoke.yaml evaluates every 50 steps and at the end; runs that measure something else need not."""
+
 TINY = [
     "model.hidden_size=32", "model.num_layers=6", "model.layer_pattern=KKMKKM",
     "model.dense_intermediate=48", "model.kda.num_heads=2", "model.kda.head_dim=8",
@@ -10,9 +13,10 @@ TINY = [
     "model.mla.v_head_dim=8", "model.moe.num_experts=8", "model.moe.top_k=2",
     "model.moe.expert_intermediate=16", "model.moe.latent_size=16", "model.moe.shared_intermediate=16",
     "model.attn_res.block_size=2", "model.vision.patch_size=4", "data.image_size=8",
-    "data.seq_len=96", "data.batch_size=4",
+    "data.seq_len=96", "data.batch_size=4", *EVAL_OFF,
 ]
-"""configs/smoke.yaml shrunk further (command-line overrides): d=32, 6 layers KKMKKM, 8 experts top-2, block 2."""
+"""configs/smoke.yaml shrunk further (command-line overrides): d=32, 6 layers KKMKKM, 8 experts top-2, block 2;
+no evaluation (tests that evaluate turn it on)."""
 
 
 def tiny_config(*overrides: str):

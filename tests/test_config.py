@@ -4,6 +4,7 @@ import pytest
 
 from moe_pretrain.config import ConfigError, load_config
 from moe_pretrain.config.model import FULL_LAYER_PATTERN
+from tests.models import EVAL_OFF
 
 
 def test_smoke_and_full_configs_load():
@@ -49,6 +50,44 @@ def test_bad_values_name_their_keys(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("configs/smoke.yaml", [*extra, override])
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "enabled_by", "message"), [
+    (["eval.every=2"], ["eval.tokens=4096"], "eval.every=2 does nothing: evaluation is off (eval.tokens=0): set "
+                                             "eval.tokens"),
+    (["eval.probe_samples=2"], ["eval.tokens=4096"], "eval.probe_samples=2 does nothing: evaluation is off"),
+    (["model.mla.rope_theta=500000"], ["model.mla.position=rope"],
+     "model.mla.rope_theta=500000.0 does nothing: MLA rotates nothing with model.mla.position=nope"),
+    (["model.kda.lower_bound=-4"], ["model.kda.gate=lower_bound"], None),
+    (["model.kda.gate=softplus", "model.kda.lower_bound=-4"], ["model.kda.gate=lower_bound"],
+     "model.kda.lower_bound=-4.0 does nothing: the decay has no floor with model.kda.gate=softplus"),
+    (["precision.fp8_amax_history=4"], ["precision.fp8=delayed"],
+     "precision.fp8_amax_history=4 does nothing: only precision.fp8=delayed keeps amax histories"),
+    (["model.moe.balancing=aux_free", "model.moe.qb_rate=0.5"], ["model.moe.balancing=qb"],
+     "model.moe.qb_rate=0.5 does nothing: it is quantile balancing's rate"),
+    (["model.moe.aux_loss_coef=0.1"], ["model.moe.balancing=aux_loss"], "model.moe.aux_loss_coef=0.1 does nothing"),
+    (["parallel.vpp=2", "parallel.pipeline_schedule=interleaved_1f1b"], ["parallel.pp=2"],
+     "parallel.vpp=2 does nothing: there is no pipeline with parallel.pp=1; parallel.pipeline_schedule="
+     "interleaved_1f1b does nothing"),
+])
+def test_settings_that_act_only_with_another_are_refused_alone(overrides, enabled_by, message):
+    """A setting whose effect needs another one that is off is refused at start naming both (it used to run
+    without it, silently); with the other turned on it loads."""
+    if message is None:  # the default gate takes its floor: nothing to refuse
+        load_config("configs/smoke.yaml", overrides)
+    else:
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/smoke.yaml", [*EVAL_OFF, *overrides])
+        assert message in str(err.value)
+    load_config("configs/smoke.yaml", [*overrides, *enabled_by])
+
+
+def test_stage_rope_base_needs_rope():
+    stage = ("stages=[{name: a, tokens: 4096, seq_len: 256, batch_tokens: 2048, rope_theta: 500000}]",
+             "train.steps=2")
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.rope_theta=500000.0? does nothing"):
+        load_config("configs/smoke.yaml", stage)
+    assert load_config("configs/smoke.yaml", [*stage, "model.mla.position=rope"]).stages[0].rope_theta == 500000
 
 
 def test_missing_file_and_non_mapping(tmp_path):

@@ -16,6 +16,7 @@ from moe_pretrain.data.patches import expand_images
 from moe_pretrain.data.synthetic_images import COLOURS, make_image
 from moe_pretrain.data.vocabulary import BYTES
 from moe_pretrain.training import Trainer
+from tests.models import EVAL_OFF
 
 HELD_OUT_SEED = 999  # training uses data.seed (1234): these images were never seen
 
@@ -50,7 +51,7 @@ def test_caption_colour_is_predicted_from_the_image(tmp_path):
         "model.hidden_size=64", "model.num_layers=4", "model.layer_pattern=KKKM", "model.kda.head_dim=32",
         "model.moe.latent_size=32", "model.dense_intermediate=128", "model.moe.expert_intermediate=32",
         "model.moe.shared_intermediate=32", "optim.warmup_steps=10", "logging.progress=false",
-        f"train.run_dir={tmp_path}"])
+        f"train.run_dir={tmp_path}", *EVAL_OFF])
     trainer = Trainer(cfg)
     trainer.run()
     seen = colour_accuracy(trainer.model, cfg, wrong_images=False)

@@ -15,7 +15,7 @@ from moe_pretrain.training import Trainer
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.peak_flops import peak_flops, table_peak_tflops
 from moe_pretrain.training.trainer import NonFiniteError
-from tests.models import tiny_config
+from tests.models import EVAL_OFF, tiny_config
 
 
 def run(cfg, tmp_path, name="run"):
@@ -27,7 +27,7 @@ def run(cfg, tmp_path, name="run"):
 
 @pytest.mark.timeout(240)
 def test_smoke_config_loss_drops_in_30_steps(tmp_path):
-    cfg = load_config("configs/smoke.yaml", ["train.steps=30"])
+    cfg = load_config("configs/smoke.yaml", ["train.steps=30", *EVAL_OFF])
     _, history = run(cfg, tmp_path)
     first = history[0]["loss"]
     last = sum(h["loss"] for h in history[-5:]) / 5
@@ -133,7 +133,7 @@ def test_launcher_reports_config_errors_and_loss_gate(tmp_path):
     assert bad.returncode == 78  # PERMANENT: a requeue would fail the same way
     assert "did you mean model.moe.num_experts?" in bad.stderr and "Traceback" not in bad.stderr
     tiny = ["model.hidden_size=32", "model.num_layers=4", "model.layer_pattern=KKKM", "data.seq_len=96",
-            "data.batch_size=2", "train.steps=2", f"train.run_dir={tmp_path / 'cli'}"]
+            "data.batch_size=2", "train.steps=2", f"train.run_dir={tmp_path / 'cli'}", *EVAL_OFF]
     gated = subprocess.run([*base, "--require-loss-drop", "50", *tiny], capture_output=True, text=True)
     assert gated.returncode == 1 and "less than the required 50" in gated.stderr
     assert "first loss" in gated.stdout and (tmp_path / "cli" / "metrics.jsonl").exists()

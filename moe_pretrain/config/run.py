@@ -7,6 +7,7 @@ from typing import Literal
 from moe_pretrain.config.blend import BlendConfig, check_long_documents
 from moe_pretrain.config.errors import require, require_positive
 from moe_pretrain.config.evaluation import EvalConfig
+from moe_pretrain.config.inert import check_inert_settings
 from moe_pretrain.config.model import ModelConfig
 from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
 from moe_pretrain.config.stages import StageConfig, check_stages
@@ -24,7 +25,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size: experts are split over ep ranks, folded onto data-parallel ranks."""
     cp: int = 1
-    """Context-parallel size. Not implemented yet: a value other than 1 is refused at start-up."""
+    """Context-parallel size: each sequence split over cp ranks (load-balanced fragments; stages may change it)."""
     vpp: int = 1
     """Virtual pipeline stages per rank (interleaved_1f1b or zero_bubble schedules)."""
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"] = "1f1b"
@@ -277,6 +278,7 @@ class Config:
 
     def __post_init__(self) -> None:
         check_stages(self.stages)
+        check_inert_settings(self)
         if self.stages:
             total = sum(stage.steps for stage in self.stages)
             require(self.train.steps == total,

@@ -1,0 +1,75 @@
+"""Settings that act only together with another: a config that asks for one while the other is off is refused
+at start, naming both, rather than running without what was asked for (eval.every=2 with evaluation off ran
+no evaluation and said nothing).
+
+A setting counts as asked for when it differs from its default in the direction that requests something
+(a boolean that defaults to on and is turned off asks for nothing, so it is never refused).
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from moe_pretrain.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moe_pretrain.config.run import Config
+
+
+@dataclass(frozen=True)
+class Dependent:
+    """Keys of a section (its dotted path) that act only when `active(config)` holds; `how` says why not."""
+
+    section: str
+    keys: tuple[str, ...]
+    active: Callable[["Config"], bool]
+    how: str
+
+
+DEPENDENTS = (
+    Dependent("eval", ("every", "blend", "holdout", "long_documents", "position_base", "probe_samples"),
+              lambda c: c.eval.enabled,
+              "evaluation is off (eval.tokens=0): set eval.tokens, the held-out tokens per dataset per evaluation "
+              "(e.g. eval.tokens=65536)"),
+    Dependent("model.mla", ("rope_theta",), lambda c: c.model.mla.position == "rope",
+              "MLA rotates nothing with model.mla.position=nope (set model.mla.position=rope)"),
+    Dependent("model.kda", ("lower_bound",), lambda c: c.model.kda.gate == "lower_bound",
+              "the decay has no floor with model.kda.gate=softplus"),
+    Dependent("precision", ("fp8_amax_history",), lambda c: c.precision.fp8 == "delayed",
+              "only precision.fp8=delayed keeps amax histories"),
+    Dependent("model.moe", ("qb_rate",), lambda c: c.model.moe.balancing == "qb",
+              "it is quantile balancing's rate (model.moe.balancing=qb)"),
+    Dependent("model.moe", ("aux_free_rate",), lambda c: c.model.moe.balancing == "aux_free",
+              "it is the aux-free rule's rate (model.moe.balancing=aux_free)"),
+    Dependent("model.moe", ("aux_loss_coef",), lambda c: c.model.moe.balancing == "aux_loss",
+              "it weighs the auxiliary loss (model.moe.balancing=aux_loss)"),
+    Dependent("parallel", ("vpp", "pipeline_schedule", "pipeline_layers"),
+              lambda c: c.parallel.pp > 1, "there is no pipeline with parallel.pp=1"),
+)
+
+
+def _defaults(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(type(section)(), f.name) for f in fields(section)}
+
+
+def check_inert_settings(config: "Config") -> None:
+    """Raise ConfigError naming every setting that would do nothing, and what would make it act."""
+    problems = []
+    for dependent in DEPENDENTS:
+        if dependent.active(config):
+            continue
+        section = functools.reduce(getattr, dependent.section.split("."), config)
+        defaults = _defaults(section)
+        for key in dependent.keys:
+            value = getattr(section, key)
+            if value != defaults[key]:
+                problems.append(f"{dependent.section}.{key}={value} does nothing: {dependent.how}")
+    if config.model.mla.position != "rope":
+        for i, stage in enumerate(config.stages):
+            if stage.rope_theta:
+                problems.append(f"stages[{i}].rope_theta={stage.rope_theta} does nothing: MLA rotates nothing with "
+                                "model.mla.position=nope (set model.mla.position=rope)")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
