@@ -27,13 +27,23 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
 from moe_pretrain.checkpoint.export import LAYOUTS, export
-from moe_pretrain.checkpoint.manifest import read_manifest
-from moe_pretrain.checkpoint.store import LATEST
+from moe_pretrain.checkpoint.manifest import MANIFEST, read_manifest
+from moe_pretrain.checkpoint.store import LATEST, CheckpointError
+from moe_pretrain.config import ConfigError
+
+
+class ToolError(Exception):
+    """What is wrong with the command's input, in one line naming the path (exit 2, no traceback)."""
 
 
 def resolve(path: Path) -> Path:
+    """The checkpoint a path means: itself, or the one a checkpoint root's `latest` names; it must have
+    committed (a manifest), else ToolError."""
     if (path / LATEST).is_file():
-        return path / (path / LATEST).read_text().strip()
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / MANIFEST).is_file():
+        raise ToolError(f"{path} is not a checkpoint: no {MANIFEST} (not a step_<N> directory or a root with "
+                        f"`{LATEST}`, or a save that never committed)")
     return path
 
 
@@ -113,9 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     resharding.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                             help="other config overrides the target layout needs (e.g. data.micro_batches=2)")
     args = parser.parse_args(argv)
-    if not args.dir.exists():
-        print(f"checkpoints_tool: {args.dir} does not exist", file=sys.stderr)
+    try:
+        if not args.dir.exists():
+            raise ToolError(f"{args.dir} does not exist")
+        return run(args)
+    except (ToolError, ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as err:
+        print(f"checkpoints_tool {args.command}: {err}", file=sys.stderr)
         return 2
+
+
+def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         return inspect(args.dir)
     if args.command == "verify":
@@ -131,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve(args.dir)
         problems = verify(source)
         if problems:
-            print(f"checkpoints_tool: refusing to {args.command} an unverified checkpoint:\n  "
-                  + "\n  ".join(problems), file=sys.stderr)
-            return 1
+            raise ToolError(f"refusing to {args.command} {source}, which does not verify: {'; '.join(problems)}")
     if args.command == "reshard":
         from checkpoints_tool.reshard import reshard
 
@@ -145,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "export":
         if args.out.exists():
-            print(f"checkpoints_tool: {args.out} exists; export never overwrites", file=sys.stderr)
-            return 2
+            raise ToolError(f"{args.out} exists; export never overwrites")
         for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format):
             print(f"wrote {file}")
         return 0
     if args.keep_last < 1:
-        print("checkpoints_tool: --keep-last must be >= 1", file=sys.stderr)
-        return 2
+        raise ToolError("--keep-last must be >= 1")
+    if not committed_checkpoints(args.dir):
+        raise ToolError(f"{args.dir} is not a checkpoint root: no step_<N> directories in it")
     for path in prune(args.dir, args.keep_last, args.keep_every):
         print(f"deleted {path}")
     return 0

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from moe_pretrain.checkpoint import find, verifying_load
+from moe_pretrain.checkpoint.manifest import MANIFEST
 from moe_pretrain.config import ConfigError, add_config_arguments, load_config_from_args
 from moe_pretrain.log import setup_logging
 from moe_pretrain.training import Trainer
@@ -21,6 +22,7 @@ from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from parallel.state import destroy_parallel, init_parallel
 
 EVALUATIONS = "evaluations.jsonl"
+CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
 def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
@@ -43,12 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(parser)
     parser.add_argument("--checkpoint", type=Path, help="a step_<N> checkpoint directory (or give it positionally)")
     args = parser.parse_args(argv)
-    if args.checkpoint is None:  # the positional directory among the config files and overrides
-        directories = [item for item in args.config_items if "=" not in item and Path(item).is_dir()]
-        if len(directories) != 1:
-            parser.error("give the checkpoint to evaluate: a step_<N> directory, positionally or as --checkpoint")
-        args.checkpoint = Path(directories[0])
-        args.config_items.remove(directories[0])
+    if args.checkpoint is None:  # the positional path among the config files and overrides
+        paths = [item for item in args.config_items if "=" not in item and Path(item).suffix not in CONFIG_SUFFIXES]
+        if len(paths) != 1:
+            parser.error("give the checkpoint to evaluate: a step_<N> directory, positionally or as --checkpoint"
+                         + (f" (got {len(paths)}: {', '.join(paths)})" if paths else ""))
+        args.checkpoint = Path(paths[0])
+        args.config_items.remove(paths[0])
+    if not args.checkpoint.is_dir():
+        parser.error(f"checkpoint {args.checkpoint} does not exist" if not args.checkpoint.exists()
+                     else f"checkpoint {args.checkpoint} is not a directory")
+    if not (args.checkpoint / MANIFEST).is_file():
+        parser.error(f"{args.checkpoint} is not a checkpoint: no {MANIFEST} (give a step_<N> directory that "
+                     "committed)")
     setup_logging(0)
     cfg = load_config_from_args(args)
     if not cfg.eval.enabled:

@@ -115,3 +115,25 @@ def test_reshard_keeps_every_value(checkpoints, tmp_path):
 
     a, b = read(tmp_path / "a"), read(tmp_path / "b")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_every_command_on_a_directory_that_is_no_checkpoint_says_so_in_one_line(tmp_path, capsys):
+    """In process (no interpreter start per command): one line on stderr naming the path, exit 2, no traceback."""
+    from checkpoints_tool.__main__ import main
+
+    empty = tmp_path / "not-a-checkpoint"
+    empty.mkdir()
+    commands = {
+        "inspect": ["inspect", empty],
+        "export": ["export", empty, tmp_path / "out"],
+        "reshard": ["reshard", empty, tmp_path / "out"],
+        "prune": ["prune", empty, "--keep-last", "2"],
+        "import": ["import", empty, tmp_path / "out", "--config", "configs/smoke.yaml"],
+        "missing": ["inspect", tmp_path / "nowhere"],
+    }
+    for name, argv in commands.items():
+        assert main([str(a) for a in argv]) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and str(argv[1]) in err and "Traceback" not in err, (name, err)
+    assert main(["verify", str(empty)]) == 1  # verify reports what is missing, as for a half-written save
+    assert "manifest.json: missing (the save never committed)" in capsys.readouterr().out

@@ -79,7 +79,7 @@ def direct_long_context(trainer: Trainer, seq_len: int) -> dict[str, float]:
     return out
 
 
-def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path):
+def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path, capsys):
     cfg = tiny_config(STAGES, *EVAL, "train.steps=6", "train.dtype=float64", "logging.progress=false",
                       f"train.run_dir={tmp_path}", "eval.probe_samples=3", "checkpoint.keep_last=5")
     trainer = Trainer(cfg)
@@ -103,6 +103,10 @@ def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path):
     config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
     assert evaluate_main(["--config", str(config_file), str(tmp_path / "checkpoints" / "step_00000002"),
                           f"train.run_dir={tmp_path / 'evaluations'}"]) == 0
+    for bad, said in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "checkpoints", "is not a checkpoint")):
+        with pytest.raises(SystemExit) as exit_code:  # argparse's error: one line naming the path, exit 2
+            evaluate_main(["--config", str(config_file), str(bad)])
+        assert exit_code.value.code == 2 and said in capsys.readouterr().err
     (line,) = (tmp_path / "evaluations" / "evaluations.jsonl").read_text().splitlines()
     on_demand, at_step_2 = json.loads(line), history[1]
     assert on_demand["step"] == 2 and on_demand["seq_len"] == at_step_2["seq_len"] == 96
