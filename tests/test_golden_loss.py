@@ -19,12 +19,13 @@ from moe_pretrain.config import load_config
 from moe_pretrain.data.embedded import synthetic_image_dataset
 from moe_pretrain.data.preprocess import preprocess
 from moe_pretrain.training import Trainer
+from tests.models import EVAL_OFF
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 ASSETS = Path(__file__).parent / "assets"
 GOLDEN = ASSETS / "smoke_losses.json"
 CORPUS = ASSETS / "golden_corpus.jsonl"
-OVERRIDES = ["train.steps=6", "train.dtype=float64", "data.batch_size=4", "logging.progress=false"]
+OVERRIDES = ["train.steps=6", "train.dtype=float64", "data.batch_size=4", "logging.progress=false", *EVAL_OFF]
 
 
 def golden_losses(work: Path) -> list[float]:

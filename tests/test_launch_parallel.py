@@ -43,11 +43,19 @@ def test_torchrun_expert_parallel_run_matches_single_process(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_invalid_layout_fails_on_every_rank(tmp_path):
-    done = torchrun(2, *TINY, "parallel.ep=3", f"train.run_dir={tmp_path / 'bad'}", timeout=100)
-    assert done.returncode != 0
-    for rank in (0, 1):
-        assert f"config error (rank {rank}): invalid parallel layout:" in done.stderr
-    assert "model.moe.num_experts=8 is not divisible by parallel.ep=3" in done.stderr
+    """The ranks start as torchrun starts them (its environment) but as separate processes: torchrun stops
+    the other workers as soon as one exits, so under load a slower rank would be killed before it speaks."""
+    port = free_port()
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "launch.train", "--config", "configs/smoke.yaml", *TINY, "parallel.ep=3",
+         f"train.run_dir={tmp_path / 'bad'}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for rank in (0, 1)]
+    for rank, process in enumerate(ranks):
+        _, stderr = process.communicate(timeout=100)
+        assert process.returncode == 78, stderr[-2000:]  # PERMANENT: a bad config is not retried
+        assert f"config error (rank {rank}): invalid parallel layout:" in stderr
+        assert "model.moe.num_experts=8 is not divisible by parallel.ep=3" in stderr
     assert not (tmp_path / "bad").exists()
 
 
