@@ -3,8 +3,8 @@
 Run: .venv/bin/python bench/activation_memory.py [--lengths 2048 8192] [--modes none selective full]
 Each (recompute, T) runs in a fresh process (a clean allocator): the tiny model (d = 64, KDA chunk 64,
 1000-token documents) in fp32 does one forward, a cross-entropy loss and a backward. Printed, in MB: the
-plan's saved activations and peak (moe_pretrain/activation_memory.py, the same arithmetic launch.plan
-uses per stage); the live tensor bytes after the forward and at their peak (memory.LiveTensorBytes: exact,
+plan's saved activations and peak (moe_pretrain/planning/step_activations.py, the same arithmetic launch.plan
+uses per stage); the live tensor bytes after the forward and at their peak (measured.LiveTensorBytes: exact,
 what tests/test_activation_memory.py bounds, in process); the allocated bytes at the backward's peak (glibc
 mallinfo2: tensors plus what malloc rounds up, what a GPU allocator reports as allocated) and the resident
 peak (which adds the allocator's retained freed memory), both of which depend on the machine. Ratios are
@@ -27,8 +27,14 @@ CONFIG = ["model.hidden_size=64", "model.kda.head_dim=16", "model.kda.chunk_size
 def probe(recompute: str, T: int, allocator: bool = False) -> dict:
     """One forward + loss + backward at T tokens: the plan's figures and the measured ones (the allocator's
     too when asked: only meaningful in a fresh process)."""
-    from moe_pretrain.activation_memory import activation_bytes
-    from moe_pretrain.memory import AllocatedPeak, LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
+    from moe_pretrain.planning.measured import (
+        AllocatedPeak,
+        LiveTensorBytes,
+        peak_resident_bytes,
+        reset_peak,
+        resident_bytes,
+    )
+    from moe_pretrain.planning.step_activations import activation_bytes
     from moe_pretrain.training.parallelize import build_model
     from tests.models import tiny_config
 

@@ -15,7 +15,7 @@ import sys
 
 PROBE = """
 import json, sys, time, torch, torch.nn.functional as F
-from moe_pretrain.memory import peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.planning.measured import peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.ops.document_attention import document_causal_attention
 path, T, H, D = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 q, k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(3))

@@ -6,7 +6,7 @@ model.mla.num_heads=4 so that MLA's heads divide over 4 context-parallel ranks).
 step's peak allocated bytes (live tensors, glibc mallinfo2) and resident peak (VmHWM) above its memory
 before the step; printed: the worst rank's figures, the step time, the ratio of each cp's worst rank to
 cp 1's (the named reference, measured in the same run), and the memory plan's activation peak for T / cp
-positions (moe_pretrain/activation_memory.py). Activations split over cp ranks, so the ratio should
+positions (moe_pretrain/planning/step_activations.py). Activations split over cp ranks, so the ratio should
 approach 1 / cp (parameters, gradients and Adam moments are small for this model).
 """
 
@@ -17,9 +17,9 @@ import time
 import torch.distributed as dist
 
 from launch.local import run_distributed
-from moe_pretrain.activation_memory import activation_bytes
 from moe_pretrain.config import load_config
-from moe_pretrain.memory import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.planning.measured import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.planning.step_activations import activation_bytes
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
 from parallel.state import destroy_parallel, init_parallel

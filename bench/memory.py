@@ -9,7 +9,7 @@ checkpoint). Printed per rank: parameters held, the baseline (resident memory af
 groups, before the trainer: the interpreter, torch and megatron-core, not state), and for each phase the
 peak and the ratio (peak - baseline) / (16 B x parameters held): fp32 parameters, gradients and two Adam
 moments are 16 bytes a parameter, so 1.0 is a rank holding nothing but its state. Goal: <= 1.3 everywhere.
-Each phase's peak of live tensor bytes (memory.LiveTensorBytes, the main thread's ops; exact, what
+Each phase's peak of live tensor bytes (measured.LiveTensorBytes, the main thread's ops; exact, what
 tests/test_memory.py bounds) is measured too, as the ratio live peak / (16 B x parameters held).
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
-from moe_pretrain.memory import LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.planning.measured import LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
 from parallel.state import destroy_parallel, init_parallel

@@ -26,9 +26,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
+from moe_pretrain.checkpoint.directory import LATEST
 from moe_pretrain.checkpoint.export import LAYOUTS, export
 from moe_pretrain.checkpoint.manifest import MANIFEST, read_manifest
-from moe_pretrain.checkpoint.store import LATEST, CheckpointError
+from moe_pretrain.checkpoint.store import CheckpointError
 from moe_pretrain.config import ConfigError
 
 
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         raise ToolError("--keep-last must be >= 1")
     if not committed_checkpoints(args.dir):
         raise ToolError(f"{args.dir} is not a checkpoint root: no step_<N> directories in it")
-    for path in prune(args.dir, args.keep_last, args.keep_every):
+    for path in prune(args.dir, args.keep_last, args.keep_every, background=False):
         print(f"deleted {path}")
     return 0
 

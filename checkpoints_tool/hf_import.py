@@ -20,9 +20,10 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.planner import WriteItem
 
+from moe_pretrain.checkpoint.directory import step_dir
 from moe_pretrain.checkpoint.export import EXTRAS
 from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors, text_config
-from moe_pretrain.checkpoint.store import save, step_dir
+from moe_pretrain.checkpoint.store import save
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.training.parallelize import meta_model, parameter_dtype
 from parallel.flat_shards import BoxedSavePlanner, BoxedTensor

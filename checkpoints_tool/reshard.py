@@ -17,7 +17,7 @@ import yaml
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import read_trainer_state
 from moe_pretrain.config import load_config
-from moe_pretrain.memory import LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
+from moe_pretrain.planning.measured import LiveTensorBytes, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.training.state import TrainingState
 from parallel.state import destroy_parallel, init_parallel
 

@@ -35,8 +35,8 @@ def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
     plan = trainer.step_plan(max(step - 1, 0), max(tokens - 1, 0))  # the stage of the checkpoint's last step
     record = {"checkpoint": str(checkpoint), "step": step, "tokens": tokens, "stage": plan.stage,
               "seq_len": plan.seq_len}
-    record.update(evaluate(trainer, plan))
-    record.update(evaluate_long_context(trainer, plan))
+    record.update(evaluate(trainer.runner, trainer.validation, plan))
+    record.update(evaluate_long_context(trainer.runner, trainer.validation, plan))
     return record
 
 

@@ -5,7 +5,7 @@
 
 Per stage: tokens, steps, sequence length, global batch, micro-batches, learning-rate range, and with
 --gpus the training FLOPs per token (which grow with the attention span) and the estimated time; then
-the memory plan (moe_pretrain/memory_plan.py) of the config's layout (parallel.* and each stage's cp,
+the memory plan (moe_pretrain/planning/stage_memory.py) of the config's layout (parallel.* and each stage's cp,
 recompute and micro-batches): the worst pipeline rank's GB per GPU, flagged when it does not fit, and the
 bytes each GPU sends per step per group. --propose searches layouts and prints the smallest that fits
 every stage with 10% headroom.
@@ -15,8 +15,15 @@ import argparse
 import sys
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
-from moe_pretrain.memory_plan import GPU_BYTES, HEADROOM, MemoryPlanner, RunLayout, gigabytes, stage_layout_of
-from moe_pretrain.sizing import count
+from moe_pretrain.planning.sizing import count
+from moe_pretrain.planning.stage_memory import (
+    GPU_BYTES,
+    HEADROOM,
+    MemoryPlanner,
+    RunLayout,
+    gigabytes,
+    stage_layouts_of,
+)
 from moe_pretrain.training.peak_flops import PEAK_TFLOPS
 from moe_pretrain.training.schedule import plan
 
@@ -69,7 +76,7 @@ def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float =
     capacity = capacity or GPU_BYTES[gpu]
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
-    layouts = [stage_layout_of(cfg, stage) for stage in cfg.stages]
+    layouts = stage_layouts_of(cfg)
     print(f"\nmemory per GPU, GB, worst pipeline rank ({gpu}: {capacity / 1e9:.3g} GB), layout {run.describe()}")
     all_fit = print_stages(planner, run, layouts, capacity)
     if propose:

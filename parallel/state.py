@@ -29,6 +29,9 @@ class ParallelLayout:
     ep: int = 1
     cp: int = 1
     vpp: int = 1
+    micro_batches: tuple[int, ...] = (1,)
+    """Micro-batches per step of each step shape (data.*'s one, or one per stage), counts the config leaves
+    at 0 derived (derive_micro_batches)."""
 
     @property
     def dp(self) -> int:
@@ -47,9 +50,39 @@ class ParallelLayout:
         return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
 
 
-def derive_micro_batches(cfg: Config) -> list[str]:
-    """Fill in data.micro_batches / stages[i].micro_batches left at 0 (in place) and log the choice (the
-    first start-up line); -> what was chosen, in words.
+@dataclass(frozen=True)
+class BatchShape:
+    """One step shape the run uses (data.*, or a stage's), with the config key that sets each figure, for
+    resolve_layout's messages."""
+
+    seq_key: str
+    seq_len: int
+    rows_text: str
+    """The global batch in sequences, in words naming its keys."""
+    rows: int
+    micro_key: str
+    micro_batches: int
+    """As configured: 0 = derived."""
+    cp_key: str
+    cp: int
+
+
+def batch_shapes(cfg: Config) -> list[BatchShape]:
+    """Every step shape the run will use: each stage's when a schedule is configured (data.seq_len /
+    data.batch_size are then unused), else data.*'s."""
+    if not cfg.stages:
+        d = cfg.data
+        return [BatchShape("data.seq_len", d.seq_len, f"data.batch_size={d.batch_size}", d.batch_size,
+                           "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp)]
+    return [BatchShape(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
+                       f"stages[{i}].micro_batches", st.micro_batches,
+                       f"stages[{i}].cp" if st.cp else "parallel.cp", st.cp or cfg.parallel.cp)
+            for i, st in enumerate(cfg.stages)]
+
+
+def derive_micro_batches(cfg: Config) -> tuple[tuple[int, ...], list[str]]:
+    """(micro-batches of each step shape, what was derived in words) for counts the config leaves at 0; the
+    config is not changed.
 
     The smallest count the schedules accept: 1 without pipeline parallelism, else parallel.pp (schedules
     run whole rounds of pp micro-batches; any valid count is a multiple of pp, and when pp micro-batches do
@@ -57,25 +90,18 @@ def derive_micro_batches(cfg: Config) -> list[str]:
     """
     pp = cfg.parallel.pp
     why = "no pipeline parallelism" if pp == 1 else f"the smallest count for parallel.pp={pp}: one round"
-    chosen = []
-    if not cfg.stages and not cfg.data.micro_batches:
-        cfg.data.micro_batches = pp
-        chosen.append(f"data.micro_batches={pp} ({why})")
-    for i, stage in enumerate(cfg.stages):
-        if not stage.micro_batches:
-            stage.micro_batches = pp
-            chosen.append(f"stages[{i}].micro_batches={pp} ({why})")
-    if chosen:
-        log.info("not set, so derived: " + ", ".join(chosen))
-    return chosen
+    shapes = batch_shapes(cfg)
+    chosen = [f"{shape.micro_key}={pp} ({why})" for shape in shapes if not shape.micro_batches]
+    return tuple(shape.micro_batches or pp for shape in shapes), chosen
 
 
 def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
-    """Check the config's parallel section against the world size and the model; no collectives.
-    Micro-batch counts left at 0 are derived first (derive_micro_batches)."""
-    derive_micro_batches(cfg)
+    """Check the config's parallel section against the world size and the model; no collectives. The
+    layout carries the micro-batch counts, derived where the config leaves them at 0 (the config is not
+    changed)."""
     p, m = cfg.parallel, cfg.model
-    layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp)
+    micro_batches, _ = derive_micro_batches(cfg)
+    layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp, micro_batches)
     problems = []
     model_parallel = p.tp * p.pp * p.cp
     if world_size % model_parallel:
@@ -102,20 +128,22 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append(f"model.mla.num_heads={m.mla.num_heads} is not divisible by parallel.tp={p.tp}")
     if p.pp * p.vpp > m.num_layers:
         problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
-    for seq_key, seq_len, rows_text, rows, micro_key, micro, cp_key, cp in _batch_shapes(cfg):
+    for shape, micro in zip(batch_shapes(cfg), micro_batches, strict=True):
+        cp = shape.cp
         if cp > 1 and (m.mla.num_heads // p.tp) % cp:
-            problems.append(f"{cp_key}={cp} must divide the model.mla.num_heads={m.mla.num_heads} / parallel.tp="
-                            f"{p.tp} attention heads of a tensor-parallel rank (MLA trades heads for positions)")
-        if seq_len % (2 * cp * p.tp):
-            problems.append(f"{seq_key}={seq_len} is not divisible by 2 x {cp_key} x parallel.tp = "
+            problems.append(f"{shape.cp_key}={cp} must divide the model.mla.num_heads={m.mla.num_heads} / "
+                            f"parallel.tp={p.tp} attention heads of a tensor-parallel rank (MLA trades heads for "
+                            "positions)")
+        if shape.seq_len % (2 * cp * p.tp):
+            problems.append(f"{shape.seq_key}={shape.seq_len} is not divisible by 2 x {shape.cp_key} x parallel.tp = "
                             f"{2 * cp * p.tp} (two fragments per context-parallel rank, each split over "
-                            "tensor parallel)" if cp > 1 else f"{seq_key}={seq_len} is not divisible by "
+                            "tensor parallel)" if cp > 1 else f"{shape.seq_key}={shape.seq_len} is not divisible by "
                             f"parallel.tp={p.tp}")
-        if not problems and rows % (layout.dp_at(cp) * micro):
-            problems.append(f"{rows_text} must be divisible by data-parallel size {layout.dp_at(cp)} x "
-                            f"{micro_key}={micro}")
+        if not problems and shape.rows % (layout.dp_at(cp) * micro):
+            problems.append(f"{shape.rows_text} must be divisible by data-parallel size {layout.dp_at(cp)} x "
+                            f"{shape.micro_key}={micro}")
         if p.pp > 1 and micro % p.pp:
-            problems.append(f"{micro_key}={micro} must be a multiple of parallel.pp={p.pp} "
+            problems.append(f"{shape.micro_key}={micro} must be a multiple of parallel.pp={p.pp} "
                             "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
     stages = p.pp * p.vpp
     if p.pipeline_layers and (len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers
@@ -130,18 +158,6 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     if problems:
         raise ConfigError("invalid parallel layout: " + "; ".join(problems))
     return layout
-
-
-def _batch_shapes(cfg: Config) -> list[tuple[str, int, str, int, str, int, str, int]]:
-    """(key, seq_len, rows text, rows, key, micro-batches, key, cp) of every step shape the run will use:
-    each stage's when a schedule is configured (data.seq_len / data.batch_size are then unused), else data.*."""
-    if not cfg.stages:
-        d = cfg.data
-        return [("data.seq_len", d.seq_len, f"data.batch_size={d.batch_size}", d.batch_size,
-                 "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp)]
-    return [(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
-             f"stages[{i}].micro_batches", st.micro_batches, f"stages[{i}].cp" if st.cp else "parallel.cp",
-             st.cp or cfg.parallel.cp) for i, st in enumerate(cfg.stages)]
 
 
 def context_sizes(cfg: Config) -> list[int]:
@@ -186,8 +202,8 @@ class ParallelContext:
     """Per context-parallel size the run uses (context_sizes)."""
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
-        return cls(ParallelLayout(world_size=1), device=torch.device(device),
+    def single(cls, device: torch.device | str = "cpu", layout: ParallelLayout | None = None) -> "ParallelContext":
+        return cls(layout or ParallelLayout(world_size=1), device=torch.device(device),
                    context_groups={1: ContextGroup(1, None, 0, 0, 1)})
 
     def context(self, cp: int) -> ContextGroup:
@@ -244,11 +260,14 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = resolve_layout(cfg, world_size)
+    derived = derive_micro_batches(cfg)[1]
+    if derived:  # the first start-up line
+        log.info("not set, so derived: " + ", ".join(derived))
     backend, device = select_device(cfg, backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1:
-        return ParallelContext.single(device)
+        return ParallelContext.single(device, layout)
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         store = elastic_attempt_store(world_size, timeout)

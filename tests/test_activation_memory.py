@@ -1,7 +1,7 @@
 """The memory plan's activation formulas against the tensors a real CPU forward + backward keeps alive
 (bench/activation_memory.py's probe, in this process).
 
-Measured: live tensor bytes (memory.LiveTensorBytes: every storage ops create, from creation to death;
+Measured: live tensor bytes (measured.LiveTensorBytes: every storage ops create, from creation to death;
 exact, the same on every machine and under any load), after the forward (what the step saves) and at their
 peak in backward. Without recomputation and with selective recomputation the plan is within 10% of them
 (measured 0.96-1.01 at 1K-4K tokens); with full recomputation the plan overestimates (measured saved 0.74,

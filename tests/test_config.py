@@ -69,6 +69,8 @@ def test_bad_values_name_their_keys(override, message):
     (["parallel.vpp=2", "parallel.pipeline_schedule=interleaved_1f1b"], ["parallel.pp=2"],
      "parallel.vpp=2 does nothing: there is no pipeline with parallel.pp=1; parallel.pipeline_schedule="
      "interleaved_1f1b does nothing"),
+    (["data.long_doc_tokens=128"], ["data.long_doc_share=0.5"],
+     "data.long_doc_tokens=128 does nothing: no long_doc_share draws from long documents"),
 ])
 def test_settings_that_act_only_with_another_are_refused_alone(overrides, enabled_by, message):
     """A setting whose effect needs another one that is off is refused at start naming both (it used to run
@@ -88,6 +90,13 @@ def test_stage_rope_base_needs_rope():
     with pytest.raises(ConfigError, match=r"stages\[0\]\.rope_theta=500000.0? does nothing"):
         load_config("configs/smoke.yaml", stage)
     assert load_config("configs/smoke.yaml", [*stage, "model.mla.position=rope"]).stages[0].rope_theta == 500000
+
+
+def test_stage_long_document_threshold_needs_a_share():
+    stage = "stages=[{name: a, tokens: 4096, seq_len: 256, batch_tokens: 2048, long_doc_tokens: 128}]"
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.long_doc_tokens=128 does nothing"):
+        load_config("configs/smoke.yaml", [stage, "train.steps=2"])
+    load_config("configs/smoke.yaml", [stage, "train.steps=2", "data.long_doc_share=0.5"])
 
 
 def test_missing_file_and_non_mapping(tmp_path):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moe_pretrain.memory import LiveTensorBytes
 from moe_pretrain.ops import kda, kda_recurrent
+from moe_pretrain.planning.measured import LiveTensorBytes
 from tests.helpers import rel_rms
 
 F64 = torch.float64
@@ -187,7 +187,7 @@ def test_packed_kda_memory_is_linear_in_t_whatever_the_documents():
     """4K tokens as one document against half of them as 2048 single-token documents: padding every
     document to the longest would need 2049 x 2048 positions (~1000x); one pass over shared chunks
     needs the same memory either way and doubling T twice the memory (measured exactly 1.0x and 2.0x: 36 and
-    72 MB of live tensors, memory.LiveTensorBytes, the same on every machine)."""
+    72 MB of live tensors, measured.LiveTensorBytes, the same on every machine)."""
     one, many, longer = kda_live_peak(4096, "one"), kda_live_peak(4096, "many"), kda_live_peak(8192, "many")
     assert many <= 1.05 * one, (one, many)
     assert longer <= 2.1 * many, (many, longer)

@@ -10,8 +10,8 @@ import pytest
 from bench.memory import PHASES, live_ratio, run_layout
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
-from moe_pretrain.rank_memory import per_rank_bytes
-from moe_pretrain.sizing import count
+from moe_pretrain.planning.rank_state import per_rank_bytes
+from moe_pretrain.planning.sizing import count
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 
@@ -22,7 +22,7 @@ MID = ["model.moe.num_experts=32", "model.moe.expert_intermediate=512", "model.m
 """90M parameters: 1.4 GB of state on one process, 0.38 GB on each of 4 expert-parallel ranks."""
 BOUND = 1.15
 """Peak live tensor bytes of each phase (build, two steps, a save) per byte of the state the rank holds (16 B a
-parameter): 1.0 is a rank holding its state and nothing else. Measured (memory.LiveTensorBytes, exact):
+parameter): 1.0 is a rank holding its state and nothing else. Measured (measured.LiveTensorBytes, exact):
 one process 0.76 / 1.09 / 1.00, ep4 0.96 / 1.07 / 1.03 (build / step / save). The bench also prints
 resident memory (1.17-1.36 here), which adds the allocator's retained memory and varies by machine."""
 
@@ -65,7 +65,7 @@ def test_sizing_per_rank_matches_what_the_layout_allocates():
 
 @pytest.mark.timeout(120)
 def test_sizing_layout_cli_names_the_worst_rank():
-    out = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "--json",
+    out = subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml", "--json",
                           "--layout", "tp=8,pp=16,ep=128,dp=32"], capture_output=True, text=True, check=True)
     per_rank = json.loads(out.stdout)["per_rank"]
     assert len(per_rank["stages"]) == 16 and per_rank["layout"]["world_size"] == 4096
@@ -74,6 +74,6 @@ def test_sizing_layout_cli_names_the_worst_rank():
     assert worst["rank"] == worst["pp_rank"] * 256
     # 2.8T parameters over 4096 ranks, fp32 state: ~2.1e9 parameters and ~23 GB on the fullest stage.
     assert 1.5e9 < worst["params"] < 2.5e9 and worst["total_bytes"] < 30e9
-    bad = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "--layout",
+    bad = subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml", "--layout",
                           "tp=8,pp=16,ep=100,dp=32"], capture_output=True, text=True)
     assert bad.returncode != 0 and "parallel.ep=100" in bad.stderr

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_pretrain.config import MLAConfig
-from moe_pretrain.memory import LiveTensorBytes
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA, rotate
+from moe_pretrain.planning.measured import LiveTensorBytes
 from tests.helpers import rel_rms
 
 F64 = torch.float64
@@ -145,7 +145,7 @@ def attention_live_peak(T: int) -> int:
 def test_document_attention_memory_is_linear_in_t():
     """One 16K-token document, forward + backward: a [T, T] boolean mask alone would be 268 MB and fp32
     probabilities 1 GB per head; the flash path keeps q, k, v, output, the log-sum-exp and their gradients
-    (measured 50 MB of live tensors, memory.LiveTensorBytes: every op's output, so a decomposed attention's
+    (measured 50 MB of live tensors, measured.LiveTensorBytes: every op's output, so a decomposed attention's
     T x T intermediates would count; a kernel's own tiles do not). Doubling T doubles it (measured 2.0x).
     Values narrower than queries (MLA's shape) must not push SDPA off its flash path."""
     peaks = [attention_live_peak(t) for t in (8192, 16384)]

@@ -9,7 +9,7 @@ import torch
 
 from moe_pretrain.config import EX_CONFIG, load_config
 from moe_pretrain.model import MoETransformer
-from moe_pretrain.sizing import count
+from moe_pretrain.planning.sizing import count
 from tests.models import tiny_config
 
 
@@ -59,12 +59,12 @@ def test_flops_grow_with_sequence_length():
 
 @pytest.mark.timeout(60)
 def test_cli_prints_json():
-    out = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "--json"],
+    out = subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml", "--json"],
                          capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     assert {"total_params", "active_params", "flops_per_token", "breakdown"} <= result.keys()
-    bad = subprocess.run([sys.executable, "-m", "moe_pretrain.sizing", "configs/full.yaml", "model.moe.top_k=0"],
-                         capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml",
+                          "model.moe.top_k=0"], capture_output=True, text=True)
     assert bad.returncode == EX_CONFIG and "model.moe.top_k=0 must be > 0" in bad.stderr
 
 

@@ -6,7 +6,7 @@ import pytest
 from checkpoints_tool.reshard import reshard
 from moe_pretrain.checkpoint.export import export
 from moe_pretrain.config import load_config
-from moe_pretrain.memory import LiveTensorBytes
+from moe_pretrain.planning.measured import LiveTensorBytes
 from moe_pretrain.training import Trainer
 
 PROBE = "configs/probe_memory.yaml"

@@ -172,14 +172,14 @@ def test_mfu_peak_on_a_gpu_is_the_vendor_figure_or_stated(monkeypatch):
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     trainer = Trainer(tiny_config("train.steps=6", "train.max_skipped_steps=2", "checkpoint.every=1",
                                   f"train.run_dir={tmp_path}", "logging.progress=false"))
-    real = trainer.cross_entropy_sum
+    real = trainer.runner.cross_entropy_sum
     poisoned = {3}
 
     def loss(logits, labels):
         value = real(logits, labels)
         return value * float("nan") if trainer.step + 1 in poisoned else value
 
-    monkeypatch.setattr(trainer, "cross_entropy_sum", loss)
+    monkeypatch.setattr(trainer.runner, "cross_entropy_sum", loss)
     trainer.train_step(), trainer.train_step()
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     result = trainer.train_step()  # step 3: NaN loss

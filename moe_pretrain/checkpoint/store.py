@@ -15,7 +15,6 @@ rank's I/O, so the trainer gives them a group whose timeout grows with the state
 """
 
 import json
-import re
 import shutil
 import threading
 import time
@@ -31,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
+from moe_pretrain.checkpoint.directory import LATEST, committed_checkpoints, step_dir
 from moe_pretrain.checkpoint.hashing_writer import HashingFileSystemWriter
 from moe_pretrain.checkpoint.manifest import (
     fsync_dir,
@@ -40,31 +40,18 @@ from moe_pretrain.checkpoint.manifest import (
     write_durably,
     write_manifest,
 )
+from moe_pretrain.checkpoint.pruning import prune
 from moe_pretrain.checkpoint.staging import ReusedHostStager
 from parallel.collectives import all_reduce_max, barrier, gather_objects
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
 WRITE_THREADS = 4
 """Files (and writer threads) per rank and save: parallel writes, and hashing that can start per file."""
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file or rank."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of committed-looking checkpoint directories, newest first (verification not done)."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return sorted(found, reverse=True)
 
 
 def _describe(err: BaseException, rank: int) -> list[str]:
@@ -151,7 +138,7 @@ def _commit(root: Path, final: Path, report: tuple[list[str], Entries], trainer_
         tmp.rename(final)
         fsync_dir(root)
         write_durably(root / LATEST, final.name + "\n")
-        prune(root, keep_last, keep_every)
+        prune(root, keep_last, keep_every)  # renames now, deletes in the background (pruning.py)
     _barrier(group)
     return final
 
@@ -233,20 +220,6 @@ class AsyncSaver:
         hashed, root, final, trainer_state, info, keep_last, keep_every = self.pending
         self.pending = None
         return _commit(root, final, hashed.result(), trainer_state, info, keep_last, keep_every, self.group)
-
-
-def prune(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
-    """Delete committed checkpoints beyond the newest keep_last, except multiples of keep_every and the
-    one `latest` names (never touched). Returns what was deleted."""
-    latest = root / LATEST
-    protected = latest.read_text().strip() if latest.is_file() else None
-    deleted = []
-    for index, (step, path) in enumerate(committed_checkpoints(root)):
-        keep = index < keep_last or (keep_every and step % keep_every == 0) or path.name == protected
-        if not keep:
-            shutil.rmtree(path)
-            deleted.append(path)
-    return deleted
 
 
 def shared_verify(group: dist.ProcessGroup | None = None) -> Callable[[Path], list[str]]:

@@ -70,6 +70,21 @@ def check_inert_settings(config: "Config") -> None:
             if stage.rope_theta:
                 problems.append(f"stages[{i}].rope_theta={stage.rope_theta} does nothing: MLA rotates nothing with "
                                 "model.mla.position=nope (set model.mla.position=rope)")
+    problems += _long_document_thresholds(config)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _long_document_thresholds(config: "Config") -> list[str]:
+    """long_doc_tokens says which documents count as long; it acts only where some long_doc_share draws
+    from them (data's, or the stage's own)."""
+    how = "no long_doc_share draws from long documents (set data.long_doc_share or the stage's)"
+    data, problems = config.data, []
+    shares = [data.long_doc_share, *(s.long_doc_share for s in config.stages)]
+    if data.long_doc_tokens and all(share is None for share in shares):
+        problems.append(f"data.long_doc_tokens={data.long_doc_tokens} does nothing: {how}")
+    for i, stage in enumerate(config.stages):
+        if stage.long_doc_tokens and stage.long_doc_share is None and data.long_doc_share is None:
+            problems.append(f"stages[{i}].long_doc_tokens={stage.long_doc_tokens} does nothing: {how}")
+    return problems
 

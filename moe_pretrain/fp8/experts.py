@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moe_pretrain.fp8.quantize import Quantized, quantize, scaled_matmul
-from moe_pretrain.fp8.recipes import RECIPES, Recipe
+from moe_pretrain.fp8.recipes import Recipe
 
 
 class AmaxHistory:
@@ -128,13 +128,3 @@ def advance_amax_histories(model: nn.Module) -> None:
         if fp8 is not None and fp8.history is not None:
             fp8.history.advance()
 
-
-def enable_fp8(model: nn.Module, recipe: str, amax_history: int) -> int:
-    """Give every routed-experts module of the model its FP8 settings (recipe 'off' clears them);
-    returns how many modules it set."""
-    from moe_pretrain.model.experts import GroupedExperts
-
-    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    for module in experts:
-        module.fp8 = None if recipe == "off" else Fp8Experts(RECIPES[recipe], amax_history)
-    return len(experts)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moe_pretrain.fp8.experts import Fp8Experts, fp8_grouped_mm
+from moe_pretrain.fp8.recipes import RECIPES
 from moe_pretrain.model.init import Normal
 from moe_pretrain.model.weight_casts import cast_weights
 from moe_pretrain.ops import grouped_mm, situ_glu
@@ -28,7 +29,7 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, latent, intermediate))
         self.param_init = {"w_gate": Normal(init_std), "w_up": Normal(init_std), "w_down": Normal(out_std)}
         self.fp8: Fp8Experts | None = None
-        """precision.fp8's settings (moe_pretrain.fp8.enable_fp8); None: the GEMMs run in the compute dtype."""
+        """precision.fp8's settings (enable_fp8, below); None: the GEMMs run in the compute dtype."""
 
     def compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w_gate, w_up, w_down) in autocast's dtype (weight_casts.cast_weights: once per step inside the
@@ -54,3 +55,13 @@ class GroupedExperts(nn.Module):
         if self.fp8 is None:
             return grouped_mm(x_RI, w_EOI, counts)
         return fp8_grouped_mm(x_RI, w_EOI, counts, self.fp8, name)
+
+
+def enable_fp8(model: nn.Module, recipe: str, amax_history: int) -> int:
+    """Give every routed-experts module of the model its FP8 settings (recipe 'off' clears them);
+    returns how many modules it set. It lives with the experts, not in moe_pretrain.fp8, so that the FP8
+    package never imports the model."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for module in experts:
+        module.fp8 = None if recipe == "off" else Fp8Experts(RECIPES[recipe], amax_history)
+    return len(experts)

@@ -4,7 +4,7 @@ Every measure is a sum and a count over named sets of rows: a validation dataset
 loss, tokens), a position bucket's loss (the same over positions [lo, hi) of long documents), a probe
 cell's accuracy (key tokens predicted top-1, keys). They are computed with the training forward (its
 autocast, context-parallel split and vocabulary-parallel logits; under pipeline parallelism the stage's
-schedule in forward-only mode, whose loss function then returns the sum asked for) and without gradients,
+schedule in forward-only mode: the step runner's score) and without gradients,
 so nothing of the training state changes (routers record statistics only from forwards that train). The
 rows are padded with unscored ones to whole shards and reduced like the training loss (counts over the
 data x context group; sums over it, or over the world with a pipeline, where only the last stage's first
@@ -12,7 +12,6 @@ tensor rank holds them), so every value is that of one process whatever the layo
 """
 
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,81 +25,68 @@ from moe_pretrain.data.long_context_eval import (
     probe_tokenizer,
 )
 from moe_pretrain.data.packing import RowPlan
+from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.model.weight_casts import casts_reused
+from moe_pretrain.training.step_runner import Scorer, StepPlan, StepRunner
 from parallel.collectives import all_reduce_sum
 from parallel.vocab_parallel_loss import vocab_parallel_top1
-
-if TYPE_CHECKING:
-    from moe_pretrain.training.trainer import StepPlan, Trainer
 
 
 class _Sums:
     """Where a plan's evaluation rows go: how many per set, in what batches, scored how."""
 
-    def __init__(self, trainer: "Trainer", plan: "StepPlan"):
-        self.trainer, self.plan = trainer, plan
-        data_parallel = trainer.ctx.context(plan.cp)
+    def __init__(self, runner: StepRunner, plan: StepPlan):
+        self.runner, self.plan = runner, plan
+        data_parallel = runner.ctx.context(plan.cp)
         self.shard, self.shards = data_parallel.dp_rank, data_parallel.dp_size
         # A pipeline takes one pass through its schedule: whole micro-batches on every rank.
-        self.multiple = self.shards * (plan.micro_batches if trainer.pipeline is not None else 1)
-        self.with_patches = trainer.pipeline is None or trainer.pipeline.holds_first
+        self.multiple = self.shards * (plan.micro_batches if runner.pipeline is not None else 1)
+        self.with_patches = runner.pipeline is None or runner.pipeline.holds_first
 
     def padded(self, rows: int) -> int:
         return -(-max(rows, 1) // self.multiple) * self.multiple
 
     def per_batch(self, rows: int) -> int:
         """Rows per batch on this rank: the training micro-batch's, or all of them through a pipeline."""
-        if self.trainer.pipeline is not None:
+        if self.runner.pipeline is not None:
             return rows // self.shards
         return max(self.plan.rows // self.plan.micro_batches // self.shards, 1)
 
     def reduce(self, sets: dict[str, list[Batch]], rows: int, score: str) -> dict[str, tuple[float, float]]:
         """{name: (summed score, scored tokens)} over all ranks; score: loss (summed next-token loss) or top1."""
-        trainer = self.trainer
+        runner = self.runner
+        device = runner.ctx.device
+        scorer = runner.cross_entropy_sum if score == "loss" else _top1_count(runner)
         # On the device until the one host read at the end (sums and counts of every set together).
-        sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64, device=trainer.device)
+        sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64, device=device)
         with casts_reused():  # no weight changes while evaluating
             for i, batches in enumerate(sets.values()):
                 for batch in batches:
-                    batch = batch.to(trainer.device)
-                    labels = trainer.model.context.local(batch.labels)
-                    sums[i, 1] += (labels != IGNORE_INDEX).sum()
-                    sums[i, 0] += self._score(batch, labels, rows, score)
-        group = dist.group.WORLD if trainer.pipeline is not None else trainer.ctx.dp_group
+                    batch = batch.to(device)
+                    sums[i, 1] += (runner.model.context.local(batch.labels) != IGNORE_INDEX).sum()
+                    sums[i, 0] += runner.score(self.plan, batch, rows, scorer)
+        group = dist.group.WORLD if runner.pipeline is not None else runner.ctx.dp_group
         totals = all_reduce_sum(sums[:, 0].contiguous(), group)
-        counts = all_reduce_sum(sums[:, 1].contiguous(), trainer.ctx.dp_group)
+        counts = all_reduce_sum(sums[:, 1].contiguous(), runner.ctx.dp_group)
         values = torch.stack([totals, counts], dim=1).tolist()
         return {name: (values[i][0], values[i][1]) for i, name in enumerate(sets)}
 
-    def _score(self, batch: Batch, labels: torch.Tensor, rows: int, score: str) -> torch.Tensor:
-        trainer = self.trainer
-        scorer = trainer.cross_entropy_sum if score == "loss" else _top1_count(trainer)
-        if trainer.pipeline is None:
-            with trainer.autocast():
-                logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-            return scorer(logits, labels).to(torch.float64)
-        trainer.pipeline_scorer = scorer  # the schedule's loss function returns this sum while evaluating
-        try:
-            return trainer.run_pipeline(self.plan, batch, rows, train=False)
-        finally:
-            trainer.pipeline_scorer = None
 
-
-def _top1_count(trainer: "Trainer"):
+def _top1_count(runner: StepRunner) -> Scorer:
     def count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         scored = labels != IGNORE_INDEX
-        if trainer.ctx.layout.tp == 1:
+        if runner.ctx.layout.tp == 1:
             top1 = logits.argmax(dim=-1) == labels
         else:
-            top1 = vocab_parallel_top1(logits, labels.clamp(min=0), trainer.ctx.tp_group)
+            top1 = vocab_parallel_top1(logits, labels.clamp(min=0), runner.ctx.tp_group)
         return (top1 & scored).sum().to(torch.float64)
     return count
 
 
 @torch.no_grad()
-def evaluate(trainer: "Trainer", plan: "StepPlan") -> dict[str, float]:
+def evaluate(runner: StepRunner, validation: ValidationData, plan: StepPlan) -> dict[str, float]:
     """{eval_loss, eval_loss.<dataset>} at the plan's sequence length (collective: every rank calls it)."""
-    sums, validation = _Sums(trainer, plan), trainer.validation
+    sums = _Sums(runner, plan)
     rows = sums.padded(validation.rows(plan.seq_len))
     sets = validation.batches(plan.seq_len, sums.shard, sums.shards, sums.per_batch(rows), sums.with_patches,
                               rows)
@@ -111,11 +97,11 @@ def evaluate(trainer: "Trainer", plan: "StepPlan") -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate_long_context(trainer: "Trainer", plan: "StepPlan") -> dict[str, float]:
+def evaluate_long_context(runner: StepRunner, validation: ValidationData, plan: StepPlan) -> dict[str, float]:
     """{eval_position_loss.<lo>-<hi>, probe_accuracy, probe_accuracy.<length>@<depth>} (collective)."""
-    cfg, data, sums = trainer.cfg.eval, trainer.data, _Sums(trainer, plan)
+    cfg, data, sums = runner.cfg.eval, runner.data, _Sums(runner, plan)
     record: dict[str, float] = {}
-    plans = long_document_rows(data, trainer.validation.sets, plan.seq_len, cfg.long_documents)
+    plans = long_document_rows(data, validation.sets, plan.seq_len, cfg.long_documents)
     rows = sums.padded(len(plans))
     if plans:
         plans += [RowPlan([], plan.seq_len + 1)] * (rows - len(plans))
@@ -130,7 +116,7 @@ def evaluate_long_context(trainer: "Trainer", plan: "StepPlan") -> dict[str, flo
     encode = probe_tokenizer(data.vocabulary)
     if encode is not None and cfg.probe_samples:
         rows = sums.padded(cfg.probe_samples)
-        cells = probe_batches(data.vocabulary, encode, plan.seq_len, cfg.probe_samples, rows, trainer.cfg.data.seed,
+        cells = probe_batches(data.vocabulary, encode, plan.seq_len, cfg.probe_samples, rows, runner.cfg.data.seed,
                               sums.shard, sums.shards, data.patch_dim)
         reduced = sums.reduce({name: [batch] for name, batch in cells.items()}, rows, "top1")
         record["probe_accuracy"] = sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
+from parallel.state import derive_micro_batches
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,12 @@ def stage_learning_rate(point: StagePoint) -> float:
 def plan(cfg: Config) -> list[dict]:
     """One row per stage: what the run will do."""
     rows, start = [], 0
+    micro_batches, _ = derive_micro_batches(cfg)
     for index, stage in enumerate(cfg.stages):
         first = stage_learning_rate(StagePoint(index, stage, start, 0))
         last = stage_learning_rate(StagePoint(index, stage, start, stage.tokens - stage.batch_tokens))
         rows.append({"stage": stage.name, "start_tokens": start, "tokens": stage.tokens, "steps": stage.steps,
                      "seq_len": stage.seq_len, "batch_tokens": stage.batch_tokens, "sequences": stage.rows,
-                     "micro_batches": stage.micro_batches, "lr_first": first, "lr_last": last})
+                     "micro_batches": micro_batches[index], "lr_first": first, "lr_last": last})
         start += stage.tokens
     return rows

@@ -8,7 +8,6 @@ optimizer reduces, clips, steps and gathers, and the routers move their biases o
 The trainer is the loop; what it advances, and what checkpoints hold, is a TrainingState (state.py).
 """
 
-import contextlib
 import logging
 import math
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 
 from kernels.fast_paths import configure as configure_fast_paths
@@ -27,29 +25,27 @@ from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
-from moe_pretrain.fp8 import advance_amax_histories, enable_fp8
+from moe_pretrain.fp8 import advance_amax_histories
+from moe_pretrain.model.experts import enable_fp8
 from moe_pretrain.model.mla import GatedMLA
-from moe_pretrain.model.weight_casts import casts_reused
-from moe_pretrain.ops.norms import compute_dtype
-from moe_pretrain.sizing import count
+from moe_pretrain.planning.sizing import count
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
-from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
+from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.peak_flops import peak_flops
-from moe_pretrain.training.pipeline import Pipeline, StepShape
 from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
+from moe_pretrain.training.step_runner import StepPlan, StepRunner
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
 from parallel.context_parallel import ContextParallel, NoContextParallel
 from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
-from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -68,23 +64,6 @@ class StepResult:
     """Seconds the step waited for its batches (near zero when they were prepared in the background)."""
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What the next optimizer step does: from the staged schedule, or from data.* / optim.* without one."""
-
-    seq_len: int
-    rows: int
-    micro_batches: int
-    lr: float
-    stage: str
-    stage_end_tokens: int | None
-    stage_index: int = 0
-    rope_theta: float = 0.0
-    cp: int = 1
-    """Context-parallel size of the step (a stage's, else parallel.cp)."""
-    recompute: str = "none"
-
-
 def check_vocabulary(cfg: Config, data: PretrainingData) -> None:
     vocab = data.vocabulary
     if cfg.model.vocab_size < vocab.size:
@@ -99,7 +78,8 @@ class NonFiniteError(RuntimeError):
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
         self.ctx = ctx or ParallelContext.single()
-        resolve_layout(cfg, self.ctx.layout.world_size)
+        self.layout = resolve_layout(cfg, self.ctx.layout.world_size)
+        """The checked layout with every step shape's micro-batch count (derived where the config leaves 0)."""
         self.dtype = DTYPES[cfg.train.dtype]
         configure_fast_paths(cfg, self.ctx.device, self.dtype)
         check_wandb(cfg)
@@ -112,19 +92,14 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx)
         enable_fp8(self.state.model, cfg.precision.fp8, cfg.precision.fp8_amax_history)
-        self.pipeline = None
-        if self.ctx.layout.pp > 1:
-            self.pipeline = Pipeline(self.state.model, cfg, self.ctx, self._pipeline_loss)
-        self.boundary_dtype = parameter_dtype(cfg)
+        self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
+        self.pipeline = self.runner.pipeline
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
         if self.ctx.distributed:
             # Checkpoint I/O gets its own gloo group (created collectively, here, on every rank): its collectives
             # never interleave with training's, and its timeout grows with the largest rank's state.
             self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout())
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group) if cfg.checkpoint.async_save else None
-        self.pipeline_loss_divisor = 1
-        self.pipeline_scorer = None
-        """While evaluating through the pipeline: what its loss function returns instead of the loss."""
         self._recompute = "none"
         """The recomputation the model's layers are set to (modules start with none)."""
         self.skipped_total = self.skipped_in_a_row = 0
@@ -165,25 +140,20 @@ class Trainer:
     def tokens_seen(self, value: int) -> None:
         self.state.tokens_seen = value
 
-    def autocast(self):
-        if self.dtype == torch.bfloat16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def step_plan(self, step: int | None = None, tokens_seen: int | None = None) -> StepPlan:
         """The plan of the step after `step` steps and `tokens_seen` tokens (default: the next one)."""
         cfg = self.cfg
         step = self.step if step is None else step
         tokens_seen = self.tokens_seen if tokens_seen is None else tokens_seen
         if not cfg.stages:
-            return StepPlan(cfg.data.seq_len, cfg.data.batch_size, cfg.data.micro_batches,
+            return StepPlan(cfg.data.seq_len, cfg.data.batch_size, self.layout.micro_batches[0],
                             learning_rate(step, cfg.train.steps, cfg.optim), "main", None,
                             cp=cfg.parallel.cp, recompute=cfg.train.recompute)
         point = stage_at(cfg.stages, tokens_seen)
         stage = point.stage
-        return StepPlan(stage.seq_len, stage.rows, stage.micro_batches, stage_learning_rate(point), stage.name,
-                        point.end_tokens, point.index, stage.rope_theta, stage.cp or cfg.parallel.cp,
-                        stage.recompute or cfg.train.recompute)
+        return StepPlan(stage.seq_len, stage.rows, self.layout.micro_batches[point.index],
+                        stage_learning_rate(point), stage.name, point.end_tokens, point.index, stage.rope_theta,
+                        stage.cp or cfg.parallel.cp, stage.recompute or cfg.train.recompute)
 
     def _apply_stage_layout(self, plan: StepPlan) -> None:
         """The step's context-parallel split and recomputation, on every module that runs it. The groups of
@@ -238,11 +208,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
+        ce_sum = self.runner.forward_backward(plan, batches, loss_tokens)
         if self.pipeline is None:
-            ce_total = self._forward_backward(batches, loss_tokens)
-            loss = all_reduce_sum(ce_total, ctx.dp_group) / loss_tokens
-        else:
-            loss = all_reduce_sum(self._pipeline_forward_backward(plan, batches, loss_tokens), dist.group.WORLD)
+            loss = all_reduce_sum(ce_sum, ctx.dp_group) / loss_tokens
+        else:  # each rank's share of the mean (non-zero on the last stage's first tensor rank)
+            loss = all_reduce_sum(ce_sum, dist.group.WORLD)
         norm = self.optimizer.reduce_gradients()
         loss_value, grad_norm = torch.stack([loss, norm.to(loss.dtype)]).tolist()  # the step's host read
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
@@ -281,64 +251,6 @@ class Trainer:
         if result.seq_len not in self._flops_per_token:
             self._flops_per_token[result.seq_len] = count(self.cfg.model, result.seq_len)["flops_per_token"]
         return self._flops_per_token[result.seq_len] * result.tokens / (result.seconds * self.peak_flops)
-
-    def _forward_backward(self, batches: list[Batch], loss_tokens: torch.Tensor) -> torch.Tensor:
-        """Micro-batches one after another on this rank; returns this rank's summed loss (float64, on the
-        device)."""
-        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        with casts_reused():  # the parameters do not change before the optimizer step
-            for batch in batches:
-                with self.autocast():
-                    logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-                ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
-                loss = ce_sum / loss_tokens + balance_loss / len(batches)
-                loss.backward()
-                ce_total += ce_sum.detach().to(torch.float64)
-        return ce_total
-
-    def _pipeline_forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor
-                                   ) -> torch.Tensor:
-        """The pipeline schedule over the same micro-batches (it splits their concatenation back along B).
-        Returns this rank's share of the global mean loss (non-zero on one tensor rank of the last stage)."""
-        self.pipeline_loss_divisor = loss_tokens
-        return self.run_pipeline(plan, Batch.concatenate(batches), plan.rows, train=True)
-
-    def run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, train: bool) -> torch.Tensor:
-        """This rank's rows of `rows` global ones through the schedule (train: forward and backward; else
-        forward only); returns the sum of what its loss function gave (float64 on the device; zero except on
-        the last stage's first tensor rank)."""
-        pipeline = self.pipeline
-        shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
-                          plan.cp)
-        if pipeline.holds_first:
-            args = (batch.tokens, batch.image_mask, batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
-        else:
-            args = ()
-        target = batch.labels if pipeline.holds_last else None
-        losses: list[torch.Tensor] = []
-        schedule = pipeline.schedule(shape)
-        with self.autocast(), casts_reused():  # every stage takes its own rows' document ids
-            (schedule.step if train else schedule.eval)(*args, target=target, losses=losses, doc_ids=batch.doc_ids)
-        if not pipeline.holds_last or self.ctx.tp_rank != 0:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
-
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        labels = self.model.context.local(labels)
-        if self.pipeline_scorer is not None:  # evaluating (evaluation.py): the sum it asks for
-            return self.pipeline_scorer(logits, labels)
-        return self.cross_entropy_sum(logits, labels) / self.pipeline_loss_divisor
-
-    def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
-        vocabulary slice (parallel/vocab_parallel_loss.py combines them)."""
-        logits = logits.to(compute_dtype(logits.dtype))
-        if self.ctx.layout.tp == 1:
-            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        valid = labels != IGNORE_INDEX
-        per_token = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.ctx.tp_group)
-        return (per_token * valid).sum()
 
     def metrics(self, result: StepResult) -> dict:
         """The step's record; collective (global expert loads), so every rank calls it."""
@@ -454,9 +366,9 @@ class Trainer:
                 record = self.metrics(result)
                 at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
                 if self._evaluation_due(at_boundary):
-                    record.update(evaluate(self, plan))
+                    record.update(evaluate(self.runner, self.validation, plan))
                     if self.cfg.eval.long_context and (at_boundary or self.step == cfg.train.steps):
-                        record.update(evaluate_long_context(self, plan))
+                        record.update(evaluate_long_context(self.runner, self.validation, plan))
                 if writer is not None:
                     writer.write(record)
                 history.append(record)
@@ -477,6 +389,7 @@ class Trainer:
             if saved_at != self.step:
                 self.save_checkpoint()
             self._wait_for_async_save()
+            checkpoint.wait_for_deletions()  # a finished run leaves no pruned checkpoint half deleted
         finally:
             self.batches.close()
             watchdog.close()

@@ -1,8 +1,8 @@
 """Per-GPU memory and communication of each stage of a staged run, and a search for layouts that fit.
 
 For a run layout (tp, pp, ep, vpp fixed for the run) and each stage's (cp, recompute, micro-batches), the
-worst pipeline rank's bytes: parameters, gradients and ZeRO-1 Adam moments (rank_memory.py, exact), saved
-activations (activation_memory.py: measured per-token coefficients, divided over tensor parallel, at
+worst pipeline rank's bytes: parameters, gradients and ZeRO-1 Adam moments (rank_state.py, exact), saved
+activations (step_activations.py: measured per-token coefficients, divided over tensor parallel, at
 T / cp positions, times the micro-batches a 1F1B schedule keeps in flight on that rank), the attention
 and KDA state among them, one recomputed layer's transient, the logits and loss, and the all-to-all
 buffers of expert dispatch and of MLA's head-for-position exchange. Allocator slack, NCCL buffers and
@@ -14,11 +14,11 @@ Communication: bytes each GPU sends per optimizer step for each group (ring coll
 import copy
 from dataclasses import dataclass
 
-from moe_pretrain.activation_memory import LayerActivations, activation_bytes, layer_activations
 from moe_pretrain.config import Config, StageConfig
-from moe_pretrain.rank_memory import parameter_shapes, stage_state_bytes
+from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
+from moe_pretrain.planning.step_activations import LayerActivations, activation_bytes, layer_activations
 from parallel.plan import ShardingPlan
-from parallel.state import ParallelLayout
+from parallel.state import ParallelLayout, derive_micro_batches
 
 GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
 """Memory per GPU, bytes (vendor figures)."""
@@ -228,9 +228,12 @@ def _multiples(n: int, step: int) -> list[int]:
     return [i for i in range(step, n + 1, step) if n % i == 0]
 
 
-def stage_layout_of(cfg: Config, stage: StageConfig) -> StageLayout:
-    return StageLayout(stage.cp or cfg.parallel.cp, stage.recompute or cfg.train.recompute,
-                       stage.micro_batches or cfg.parallel.pp)
+def stage_layouts_of(cfg: Config) -> list[StageLayout]:
+    """Each stage's (cp, recompute, micro-batches) as the config asks, micro-batches derived by the
+    trainer's rule where left at 0."""
+    micro_batches, _ = derive_micro_batches(cfg)
+    return [StageLayout(stage.cp or cfg.parallel.cp, stage.recompute or cfg.train.recompute, micro)
+            for stage, micro in zip(cfg.stages, micro_batches, strict=True)]
 
 
 def gigabytes(value: float) -> str:

@@ -1,5 +1,5 @@
-"""Parameter and FLOP counter from the model's own formulas: `python -m moe_pretrain.sizing CONFIG --json`;
-with `--layout tp=8,pp=16,ep=128,dp=32`, also each pipeline stage's per-rank state bytes (rank_memory.py).
+"""Parameter and FLOP counter from the model's own formulas: `python -m moe_pretrain.planning.sizing CONFIG --json`;
+with `--layout tp=8,pp=16,ep=128,dp=32`, also each pipeline stage's per-rank state bytes (rank_state.py).
 
 Counts mirror the modules in moe_pretrain/model one for one (tests check total == sum(p.numel()) on
 instantiated models), so the full-size figures (MODEL.md: ~2.8T total, ~104B active) come from the
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit(args)
     result = count(cfg.model, cfg.data.seq_len)
     if args.layout:
-        from moe_pretrain.rank_memory import describe, per_rank_bytes
+        from moe_pretrain.planning.rank_state import describe, per_rank_bytes
 
         try:
             result["per_rank"] = per_rank_bytes(cfg, args.layout)

@@ -1,0 +1,130 @@
+"""The forward and loss machinery of a step, one owner for training and for evaluation.
+
+A StepRunner holds this rank's model, its pipeline (schedules per step shape) under pipeline parallelism,
+the autocast of train.dtype and the next-token loss (vocabulary-parallel with tensor parallelism). Training
+calls forward_backward (micro-batches one after another, or the pipeline schedule); evaluation calls
+score (forward only, summing what its scorer gives). A pipeline schedule is built with one loss function;
+the runner's computes whatever the pass under way asks for (the training loss over the step's token count,
+or an evaluation's sum), set by the runner itself for the length of that pass.
+"""
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_pretrain.config import Config
+from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
+from moe_pretrain.model import MoETransformer
+from moe_pretrain.model.weight_casts import casts_reused
+from moe_pretrain.ops.norms import compute_dtype
+from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
+from moe_pretrain.training.pipeline import Pipeline, StepShape
+from parallel.state import ParallelContext
+from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
+
+Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits of this rank's positions and vocabulary slice, their labels) -> a summed score (0-dim)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next optimizer step does: from the staged schedule, or from data.* / optim.* without one."""
+
+    seq_len: int
+    rows: int
+    micro_batches: int
+    lr: float
+    stage: str
+    stage_end_tokens: int | None
+    stage_index: int = 0
+    rope_theta: float = 0.0
+    cp: int = 1
+    """Context-parallel size of the step (a stage's, else parallel.cp)."""
+    recompute: str = "none"
+
+
+class StepRunner:
+    def __init__(self, cfg: Config, ctx: ParallelContext, model: MoETransformer, data: PretrainingData):
+        """model: this rank's model (the whole model, or its pipeline chunks under their global names)."""
+        self.cfg, self.ctx, self.model, self.data = cfg, ctx, model, data
+        self.dtype = DTYPES[cfg.train.dtype]
+        self.boundary_dtype = parameter_dtype(cfg)
+        self.pipeline = Pipeline(model, cfg, ctx, self._pipeline_loss) if ctx.layout.pp > 1 else None
+        self._pipeline_score: Scorer | None = None
+        """What the pipeline's loss function returns during the pass under way (set by this runner only)."""
+
+    def autocast(self):
+        if self.dtype == torch.bfloat16:
+            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
+        vocabulary slice (parallel/vocab_parallel_loss.py combines them)."""
+        logits = logits.to(compute_dtype(logits.dtype))
+        if self.ctx.layout.tp == 1:
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        valid = labels != IGNORE_INDEX
+        per_token = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.ctx.tp_group)
+        return (per_token * valid).sum()
+
+    def forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches, every loss over the step's global count of loss
+        tokens; returns this rank's summed next-token loss (float64, on the device): without a pipeline the
+        rank's micro-batches' sum, with one its share of the global mean (non-zero on the last stage's first
+        tensor rank only)."""
+        if self.pipeline is not None:
+            def mean_share(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                return self.cross_entropy_sum(logits, labels) / loss_tokens
+
+            return self._run_pipeline(plan, Batch.concatenate(batches), plan.rows, mean_share, train=True)
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        with casts_reused():  # the parameters do not change before the optimizer step
+            for batch in batches:
+                with self.autocast():
+                    logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+                ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
+                loss = ce_sum / loss_tokens + balance_loss / len(batches)
+                loss.backward()
+                ce_total += ce_sum.detach().to(torch.float64)
+        return ce_total
+
+    @torch.no_grad()
+    def score(self, plan: StepPlan, batch: Batch, rows: int, scorer: Scorer) -> torch.Tensor:
+        """Forward only over this rank's rows of `rows` global ones (through the schedule with a pipeline):
+        the sum of scorer over them (float64 on the device; with a pipeline zero except on the last stage's
+        first tensor rank)."""
+        if self.pipeline is not None:
+            return self._run_pipeline(plan, batch, rows, scorer, train=False)
+        with self.autocast():
+            logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+        return scorer(logits, self.model.context.local(batch.labels)).to(torch.float64)
+
+    def _run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, scorer: Scorer, train: bool) -> torch.Tensor:
+        pipeline = self.pipeline
+        shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
+                          plan.cp)
+        if pipeline.holds_first:
+            args = (batch.tokens, batch.image_mask, batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
+        else:
+            args = ()
+        target = batch.labels if pipeline.holds_last else None
+        losses: list[torch.Tensor] = []
+        schedule = pipeline.schedule(shape)
+        self._pipeline_score = scorer
+        try:
+            with self.autocast(), casts_reused():  # every stage takes its own rows' document ids
+                (schedule.step if train else schedule.eval)(*args, target=target, losses=losses,
+                                                            doc_ids=batch.doc_ids)
+        finally:
+            self._pipeline_score = None
+        if not pipeline.holds_last or self.ctx.tp_rank != 0:
+            return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._pipeline_score(logits, self.model.context.local(labels))
