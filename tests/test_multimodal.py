@@ -43,11 +43,11 @@ def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
     return float((logits[:, colour_at - 1].argmax(-1) == tokens[:, colour_at]).float().mean())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # ~30 s on an idle 2-core machine; a CI machine shared with other jobs is far slower
 def test_caption_colour_is_predicted_from_the_image(tmp_path):
     assert len({name[0] for name in COLOURS}) == len(COLOURS)  # first letters identify the colour
     cfg = load_config("configs/smoke.yaml", [
-        "train.steps=300", "data.image_fraction=1.0", "data.seq_len=128", "data.batch_size=8",
+        "train.steps=200", "optim.lr=6e-3", "data.image_fraction=1.0", "data.seq_len=128", "data.batch_size=8",
         "model.hidden_size=64", "model.num_layers=4", "model.layer_pattern=KKKM", "model.kda.head_dim=32",
         "model.moe.latent_size=32", "model.dense_intermediate=128", "model.moe.expert_intermediate=32",
         "model.moe.shared_intermediate=32", "optim.warmup_steps=10", "logging.progress=false",
@@ -57,8 +57,9 @@ def test_caption_colour_is_predicted_from_the_image(tmp_path):
     seen = colour_accuracy(trainer.model, cfg, wrong_images=False)
     wrong = colour_accuracy(trainer.model, cfg, wrong_images=True)
     chance = 1 / len(COLOURS)
-    # Measured over train.seed 0, 2, 3, 4: 0.85 / 0.84 / 0.99 / 0.91 with the image, 0.09-0.11 with another
-    # image's patches (chance 0.14). At 150 steps half the seeds had not yet learnt to look (0.18-0.76).
+    # Measured at 200 steps, lr 6e-3 (twice the smoke config's, so it learns to look in 2/3 of the 300 steps it
+    # took at 3e-3): train.seed 4 / 1234 0.85 / 0.85 with the image, 0.09 / 0.11 with another image's patches
+    # (chance 0.14). At 150 steps seeds 0, 2, 3, 4, 1234 gave 0.79 / 0.72 / 0.74 / 0.58 / 0.49; at 100, 0.26-0.34.
     assert seen >= 0.5, seen
     assert wrong <= chance + 0.15, wrong
     assert seen - wrong >= 0.3, (seen, wrong)
