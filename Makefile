@@ -29,8 +29,10 @@ smoke: $(STAMP)
 		--config configs/smoke.yaml --require-loss-drop 2.0 parallel.tp=$(TP) parallel.ep=$(EP) \
 		train.run_dir=runs/smoke-$$(date +%Y%m%d-%H%M%S) $(SMOKE_ARGS)
 
+# One pytest worker per core of the 2-core CI machine (pytest-xdist); TEST_WORKERS=1 runs them in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

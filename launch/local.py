@@ -3,8 +3,16 @@
 Each worker gets (rank, world_size, *args); what rank 0's function returns comes back to the test
 (through torch.save to a file: tensors cannot outlive their process in a queue). A worker that raises
 fails the call with every rank's traceback; a hang is killed at the timeout.
+
+Workers are forked from a fork server that has imported torch, megatron-core and this package once
+(PRELOAD): a fresh interpreter spends ~10 s of CPU importing them (megatron-core alone ~8 s: it compiles
+torch's inductor and imports wandb), which used to be most of a short multi-process test. The server
+itself has run no torch op, so no thread pool is forked half-started (fork from the test process would
+be). Environment changes made after the first call do not reach later workers (they fork from the server);
+_worker sets what the layout needs.
 """
 
+import multiprocessing.context
 import os
 import queue
 import socket
@@ -36,9 +44,19 @@ def _worker(rank, world_size, port, fn, args, reports, result_file):
         raise
 
 
+PRELOAD = ["torch.distributed.checkpoint", "megatron.core", "moe_pretrain.training", "moe_pretrain.checkpoint",
+           "parallel.state", "launch.local"]
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call); later calls reuse it
+    return ctx
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     """Run fn on world_size processes; return rank 0's result. fn must be importable (module level)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     reports = ctx.Queue()
     port = free_port()
     result_file = Path(tempfile.mkdtemp()) / "rank0.pt"

@@ -2,10 +2,10 @@
 
 With the tiny smoke model (configs/smoke.yaml, 16 experts) on N GPUs (or N CPU processes with --procs),
 it runs, each as a real launch: one process; every parallel layout that fits N (data, tensor + expert,
-pipeline, and tensor x pipeline from 4); a save, a resume, and a check that the resumed run ends where
-an uninterrupted one does; a reshard of the checkpoint to another layout and a run resumed from it. It
-prints a pass / fail table and exits 0 only if everything passed. Runs go under --out (a temporary
-folder by default), each with its log.
+pipeline, and tensor x pipeline from 4), whose losses must equal the one process's; a save, a resume,
+and a check that the resumed run ends where an uninterrupted one does; a reshard of the checkpoint to
+another layout and a run resumed from it. It prints a pass / fail table and exits 0 only if everything
+passed. Runs go under --out (a temporary folder by default), each with its log.
 """
 
 import argparse
@@ -18,6 +18,13 @@ import time
 from pathlib import Path
 
 STEPS = 4
+LOSS_RTOL = 1e-4
+"""Layouts sum in other orders (fp32): over STEPS steps of the smoke model the losses agree far closer than
+this (CPU, gloo: MEASURED); a wrong reduction or a dropped gradient moves them by 1e-2 or more."""
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def layouts(n: int) -> list[tuple[str, list[str]]]:
@@ -35,6 +42,7 @@ class Smoke:
     def __init__(self, procs: int, out: Path, gpus: bool):
         self.procs, self.out, self.gpus = procs, out, gpus
         self.rows: list[tuple[str, bool, float, str]] = []
+        self.losses: dict[str, list[float]] = {}
 
     def train(self, name: str, procs: int, overrides: list[str]) -> tuple[bool, str, Path]:
         run_dir = self.out / name.replace(" ", "").replace("(", "_").replace(")", "")
@@ -61,13 +69,29 @@ class Smoke:
         print(f"{'PASS' if ok else 'FAIL'}  {name}  ({detail})", flush=True)
 
     def run(self) -> bool:
-        self.check("1 process", lambda: self.train("single", 1, [])[:2])
+        self.check("1 process", lambda: self.layout_run("1 process", 1, []))
         for name, overrides in layouts(self.procs):
-            self.check(name, lambda n=name, o=overrides: self.train(n, self.procs, o)[:2])
+            self.check(name, lambda n=name, o=overrides: self.layout_run(n, self.procs, o))
+        self.check("every layout's losses = 1 process's", self.losses_agree)
         self.check("save, resume, same final loss", self.save_and_resume)
         if self.procs % 2 == 0:
             self.check("reshard to tp2 x ep2, resume there", self.reshard)
         return all(ok for _, ok, _, _ in self.rows)
+
+    def layout_run(self, name: str, procs: int, overrides: list[str]) -> tuple[bool, str]:
+        ok, detail, run_dir = self.train("single" if procs == 1 else name, procs, overrides)
+        if ok:
+            self.losses[name] = losses(run_dir)
+        return ok, detail
+
+    def losses_agree(self) -> tuple[bool, str]:
+        """Every layout computes the same step as one process: the same losses within LOSS_RTOL."""
+        reference = self.losses.get("1 process")
+        if reference is None or len(self.losses) < 2:
+            return False, "the single-process run or every layout run failed"
+        worst = max(abs(a - b) / abs(b) for run in self.losses.values() for a, b in zip(run, reference, strict=True))
+        return worst <= LOSS_RTOL, f"largest relative difference {worst:.1e} over {len(self.losses) - 1} layouts " \
+                                   f"and {len(reference)} steps (allowed {LOSS_RTOL:.0e})"
 
     def save_and_resume(self) -> tuple[bool, str]:
         ok, detail, straight = self.train("straight", self.procs, [])
@@ -77,7 +101,7 @@ class Smoke:
         ok2, detail2, _ = self.train("resumed", self.procs, [])
         if not (ok and ok2):
             return False, detail if not ok else detail2
-        a, b = (json.loads((d / "metrics.jsonl").read_text().splitlines()[-1])["loss"] for d in (straight, resumed))
+        a, b = (losses(d)[-1] for d in (straight, resumed))
         return a == b, f"final loss {a:.6f} uninterrupted, {b:.6f} saved at step 2 and resumed"
 
     def reshard(self) -> tuple[bool, str]:

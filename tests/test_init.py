@@ -1,7 +1,6 @@
 """Layout-independent initialisation: a shard draws exactly its slice, every layout's gathered initial model
 equals the single-process one bitwise, and the full-size model builds on the meta device in seconds."""
 
-import time
 
 import pytest
 import torch
@@ -82,12 +81,10 @@ def test_initial_model_is_bitwise_the_same_on_every_layout(world_size, overrides
 
 
 @pytest.mark.timeout(120)
-def test_full_size_model_builds_on_meta_in_under_a_minute():
+def test_full_size_model_builds_on_meta():
+    """~2 s here (README); the time is the bench's to print, not a test's to bound."""
     cfg = load_config("configs/full.yaml")
-    start = time.perf_counter()
     model, parameters = meta_model(cfg)
-    seconds = time.perf_counter() - start
-    assert seconds < 60, seconds
     total = sum(p.numel() for p in model.parameters())
     assert total == count(cfg.model, cfg.data.seq_len)["total_params"]
     assert all(p.is_meta for p in model.parameters()) and len(parameters) == len(list(model.parameters()))
