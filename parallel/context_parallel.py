@@ -7,9 +7,14 @@ one from the back (Megatron-core's layout), so every rank has the same share of 
 recurrent work. Local tensors [B, T / cp, ...] hold a rank's two fragments one after the other. Everything
 position-wise (embeddings, norms, MLPs, routing, the loss) just runs on the local tokens; only the
 sequence mixers talk across ranks:
-- MLA, Ulysses style: an all-to-all trades heads for positions, so each rank attends over the whole
-  sequence (documents intact, in global order) with H / cp of the heads, and a second all-to-all trades
-  back. Needs the heads on a tensor-parallel rank divisible by cp.
+- MLA by the latent (parallel.cp_mla=latent): the per-token latent MLA's keys and values come from
+  (kv_lora_rank + rope dims: 576 values at full size, against H x 320 expanded) is all-gathered in sequence
+  order; each rank expands keys and values block by block for its own queries (ops.latent_attention:
+  online softmax, the expansion recomputed in the backward), so any cp works and no rank holds the
+  expanded K / V of the whole sequence.
+- MLA, Ulysses style (parallel.cp_mla=ulysses): an all-to-all trades heads for positions, so each rank
+  attends over the whole sequence (documents intact, in global order) with H / cp of the heads, and a
+  second all-to-all trades back. Needs the heads on a tensor-parallel rank divisible by cp.
 - KDA: each fragment's affine state summary (S_out = M S_in + B over its tokens, ops.kda) is all-gathered;
   every rank folds them in sequence order into its fragments' entry states, then runs its chunks from
   those. The short convolutions take their (kernel - 1)-position halo from the previous fragment. A
@@ -24,11 +29,22 @@ import torch.distributed as dist
 from parallel.collectives import all_gather_stacked, all_to_all_rows
 
 
+def mla_exchange(method: str, cp: int, heads: int) -> str:
+    """The MLA exchange a cp_mla setting gives at context-parallel size cp with `heads` MLA heads on a
+    tensor-parallel rank: auto takes Ulysses where the heads divide (its all-to-alls move each token's
+    q, k, v and output once and expand nothing twice), the latent exchange otherwise."""
+    if method == "auto":
+        return "ulysses" if heads % cp == 0 else "latent"
+    return method
+
+
 class NoContextParallel:
     """One rank holds every position (the identity)."""
 
     size = 1
     rank = 0
+    exchanges_latent = False
+    """MLA under cp: gather the latent (True) or trade heads for positions (False)."""
 
     def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
         return x_BT_
@@ -51,10 +67,13 @@ class NoContextParallel:
 
 
 class ContextParallel(NoContextParallel):
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, mla: str = "ulysses"):
+        """mla: the resolved exchange (mla_exchange): latent or ulysses."""
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.mla = mla
+        self.exchanges_latent = mla == "latent"
         self.fragments = (self.rank, 2 * self.size - 1 - self.rank)
         # Global fragment j is slot owner_slot[j] of the stacked [rank, 2] local fragments.
         self.owner_slot = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in range(2 * self.size)]
@@ -74,6 +93,18 @@ class ContextParallel(NoContextParallel):
         index = (torch.cumsum(image_mask.reshape(-1).long(), 0) - 1).reshape(image_mask.shape)
         local_mask = self.local(image_mask)
         return patches[self.local(index)[local_mask]], local_mask
+
+    def gather_sequence(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """Local [B, T / cp, ...] -> every position [B, T, ...] in sequence order (differentiable: the
+        backward returns each rank the gradient of its own positions, summed over the ranks)."""
+        B, T_local = x_BT_.shape[:2]
+        fragments = x_BT_.reshape(B, 2, T_local // 2, *x_BT_.shape[2:])
+        return self._global_order(all_gather_stacked(fragments, self.group)).flatten(1, 2)
+
+    def global_index(self, rows: int, seq_len: int) -> list[int]:
+        """Where each local position lies in the flattened [rows x seq_len] sequence (host integers)."""
+        F = seq_len // (2 * self.size)
+        return [row * seq_len + j * F + t for row in range(rows) for j in self.fragments for t in range(F)]
 
     def pieces(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """Local [B, T / cp, ...] -> [B * 2, F, ...]: each local fragment a row of its own."""

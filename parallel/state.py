@@ -65,6 +65,9 @@ class BatchShape:
     """As configured: 0 = derived."""
     cp_key: str
     cp: int
+    mla_key: str
+    mla: str
+    """MLA's exchange under cp as configured (auto, latent, ulysses)."""
 
 
 def batch_shapes(cfg: Config) -> list[BatchShape]:
@@ -73,10 +76,12 @@ def batch_shapes(cfg: Config) -> list[BatchShape]:
     if not cfg.stages:
         d = cfg.data
         return [BatchShape("data.seq_len", d.seq_len, f"data.batch_size={d.batch_size}", d.batch_size,
-                           "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp)]
+                           "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp,
+                           "parallel.cp_mla", cfg.parallel.cp_mla)]
     return [BatchShape(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
                        f"stages[{i}].micro_batches", st.micro_batches,
-                       f"stages[{i}].cp" if st.cp else "parallel.cp", st.cp or cfg.parallel.cp)
+                       f"stages[{i}].cp" if st.cp else "parallel.cp", st.cp or cfg.parallel.cp,
+                       f"stages[{i}].cp_mla" if st.cp_mla else "parallel.cp_mla", st.cp_mla or cfg.parallel.cp_mla)
             for i, st in enumerate(cfg.stages)]
 
 
@@ -130,10 +135,10 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
         problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
     for shape, micro in zip(batch_shapes(cfg), micro_batches, strict=True):
         cp = shape.cp
-        if cp > 1 and (m.mla.num_heads // p.tp) % cp:
+        if cp > 1 and (m.mla.num_heads // p.tp) % cp and shape.mla == "ulysses":
             problems.append(f"{shape.cp_key}={cp} must divide the model.mla.num_heads={m.mla.num_heads} / "
-                            f"parallel.tp={p.tp} attention heads of a tensor-parallel rank (MLA trades heads for "
-                            "positions)")
+                            f"parallel.tp={p.tp} attention heads of a tensor-parallel rank with {shape.mla_key}="
+                            "ulysses (MLA trades heads for positions; latent or auto exchanges the latent)")
         if shape.seq_len % (2 * cp * p.tp):
             problems.append(f"{shape.seq_key}={shape.seq_len} is not divisible by 2 x {shape.cp_key} x parallel.tp = "
                             f"{2 * cp * p.tp} (two fragments per context-parallel rank, each split over "

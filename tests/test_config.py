@@ -69,6 +69,8 @@ def test_bad_values_name_their_keys(override, message):
     (["parallel.vpp=2", "parallel.pipeline_schedule=interleaved_1f1b"], ["parallel.pp=2"],
      "parallel.vpp=2 does nothing: there is no pipeline with parallel.pp=1; parallel.pipeline_schedule="
      "interleaved_1f1b does nothing"),
+    (["parallel.cp_mla=latent"], ["parallel.cp=2"],
+     "parallel.cp_mla=latent does nothing: MLA exchanges nothing without context parallelism"),
     (["data.long_doc_tokens=128"], ["data.long_doc_share=0.5"],
      "data.long_doc_tokens=128 does nothing: no long_doc_share draws from long documents"),
 ])
@@ -90,6 +92,14 @@ def test_stage_rope_base_needs_rope():
     with pytest.raises(ConfigError, match=r"stages\[0\]\.rope_theta=500000.0? does nothing"):
         load_config("configs/smoke.yaml", stage)
     assert load_config("configs/smoke.yaml", [*stage, "model.mla.position=rope"]).stages[0].rope_theta == 500000
+
+
+def test_stage_mla_exchange_needs_the_stage_to_run_context_parallel():
+    stage = "stages=[{name: a, tokens: 4096, seq_len: 256, batch_tokens: 2048, cp_mla: latent}]"
+    with pytest.raises(ConfigError, match=r"stages\[0\]\.cp_mla=latent does nothing"):
+        load_config("configs/smoke.yaml", [stage, "train.steps=2"])
+    with_cp = "stages=[{name: a, tokens: 4096, seq_len: 256, batch_tokens: 2048, cp_mla: latent, cp: 2}]"
+    assert load_config("configs/smoke.yaml", [with_cp, "train.steps=2"]).stages[0].cp_mla == "latent"
 
 
 def test_stage_long_document_threshold_needs_a_share():

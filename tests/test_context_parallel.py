@@ -1,4 +1,5 @@
-"""Context parallelism against one process on the same sequences (gloo, 2 and 4 processes, float64).
+"""Context parallelism against one process on the same sequences (gloo, 2, 4 and 8 processes, float64),
+MLA by Ulysses and by the latent (with more cp ranks than MLA heads).
 
 The tiny model's forward + backward on rows packed with several documents: a single-token document, a
 boundary exactly on a context-parallel rank's edge, fragments (T / 2 cp) that are not a multiple of the
@@ -62,10 +63,15 @@ def cp_worker(rank, world_size, overrides):
         destroy_parallel()
 
 
-@pytest.mark.timeout(240)
+LATENT = ["model.mla.num_heads=2", "parallel.cp_mla=latent"]
+"""MLA by the latent with 2 heads: cp 4 and 8 exceed the heads (Ulysses could not split them)."""
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("world_size", "overrides", "tolerance"), [
     (4, [], 1e-9), (2, ["train.recompute=full"], 1e-9), (2, ["train.dtype=float32"], 1e-4),
-], ids=["cp4", "cp2-recompute", "cp2-fp32"])
+    (2, [*LATENT, "model.mla.position=rope"], 1e-9), (4, LATENT, 1e-9), (8, LATENT, 1e-9),
+], ids=["cp4", "cp2-recompute", "cp2-fp32", "cp2-latent-rope", "cp4-latent", "cp8-latent"])
 def test_context_parallel_matches_one_process(world_size, overrides, tolerance):
     cfg = model_config(*overrides)
     model = build_model(cfg)

@@ -58,8 +58,10 @@ def test_invalid_layout_fails_on_every_rank(tmp_path):
     (1, ["parallel.cp=1", "parallel.vpp=1"], None),
     (2, ["parallel.cp=2", "data.seq_len=98"],
      "data.seq_len=98 is not divisible by 2 x parallel.cp x parallel.tp = 4 (two fragments per context-parallel"),
-    (4, ["parallel.cp=2", "parallel.tp=2"], "parallel.cp=2 must divide the model.mla.num_heads=2 / parallel.tp=2 "
-                                            "attention heads of a tensor-parallel rank"),
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.cp_mla=ulysses"],
+     "parallel.cp=2 must divide the model.mla.num_heads=2 / parallel.tp=2 attention heads of a tensor-parallel rank "
+     "with parallel.cp_mla=ulysses"),
+    (4, ["parallel.cp=2", "parallel.tp=2"], None),  # auto: the latent exchange has no head cap
     (4, ["parallel.cp=2", "parallel.ep=2", "data.batch_size=4"], None),
 ])
 def test_layout_errors_name_the_keys(world, overrides, message):

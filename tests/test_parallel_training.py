@@ -70,10 +70,11 @@ def single_process(tmp_path, dtype):
     (4, ["parallel.pp=2", "parallel.tp=2", "data.micro_batches=2"]),
     (2, ["parallel.ep=2", "train.recompute=full"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "model.mla.num_heads=4"]),
-    (4, ["parallel.cp=2", "parallel.pp=2", "data.micro_batches=2"]),
+    (4, ["parallel.cp=2", "parallel.pp=2", "parallel.ep=2", "parallel.cp_mla=latent", "data.micro_batches=2"]),
+    (4, ["parallel.cp=4", "parallel.ep=2"]),  # 2 MLA heads: auto takes the latent exchange
 ], ids=["ep4", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "pp2",
         "pp2-vpp2-interleaved", "pp2-vpp2-zero-bubble", "pp2-dense-first-stage", "pp2xtp2", "ep2-recompute-full",
-        "cp2xtp2xep2", "cp2xpp2"])
+        "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent"])
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))

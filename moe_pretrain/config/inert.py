@@ -71,6 +71,7 @@ def check_inert_settings(config: "Config") -> None:
                 problems.append(f"stages[{i}].rope_theta={stage.rope_theta} does nothing: MLA rotates nothing with "
                                 "model.mla.position=nope (set model.mla.position=rope)")
     problems += _long_document_thresholds(config)
+    problems += _context_parallel_methods(config)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -88,3 +89,16 @@ def _long_document_thresholds(config: "Config") -> list[str]:
             problems.append(f"stages[{i}].long_doc_tokens={stage.long_doc_tokens} does nothing: {how}")
     return problems
 
+
+
+def _context_parallel_methods(config: "Config") -> list[str]:
+    """cp_mla chooses how MLA attends across context-parallel ranks: it acts only where cp > 1."""
+    p, problems = config.parallel, []
+    how = "MLA exchanges nothing without context parallelism"
+    sizes = [stage.cp or p.cp for stage in config.stages] or [p.cp]
+    if p.cp_mla != "auto" and max(sizes) == 1:
+        problems.append(f"parallel.cp_mla={p.cp_mla} does nothing: {how} (parallel.cp=1 and no stage sets cp > 1)")
+    for i, stage in enumerate(config.stages):
+        if stage.cp_mla and (stage.cp or p.cp) == 1:
+            problems.append(f"stages[{i}].cp_mla={stage.cp_mla} does nothing: {how} in this stage (its cp is 1)")
+    return problems

@@ -26,6 +26,10 @@ class ParallelConfig:
     """Expert-parallel size: experts are split over ep ranks, folded onto data-parallel ranks."""
     cp: int = 1
     """Context-parallel size: each sequence split over cp ranks (load-balanced fragments; stages may change it)."""
+    cp_mla: Literal["auto", "latent", "ulysses"] = "auto"
+    """How MLA attends across cp ranks: latent (all-gather the per-token latent, expand keys block by block:
+    any cp), ulysses (all-to-all trading heads for positions: needs the heads of a tensor-parallel rank
+    divisible by cp); auto = ulysses where the heads allow it, else latent. Stages may set their own."""
     vpp: int = 1
     """Virtual pipeline stages per rank (interleaved_1f1b or zero_bubble schedules)."""
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"] = "1f1b"

@@ -25,6 +25,8 @@ class StageConfig:
     cp: int = 0
     """Context-parallel size in this stage (0 = parallel.cp): long stages split their sequences, short
     ones need not pay for it. tp, pp and ep stay those of the run; data parallel takes what cp leaves."""
+    cp_mla: Literal["", "auto", "latent", "ulysses"] = ""
+    """MLA's exchange under context parallelism in this stage ("" = parallel.cp_mla)."""
     recompute: Literal["", "none", "selective", "full"] = ""
     """Activation recomputation in this stage ("" = train.recompute)."""
     lr_peak: float = 3e-4

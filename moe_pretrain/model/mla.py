@@ -8,10 +8,13 @@ out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
 down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. Under
-context parallelism the attention core trades heads for positions (parallel/context_parallel.py).
+context parallelism (parallel/context_parallel.py) the attention core either trades heads for positions
+(Ulysses), or each rank gathers every position's latent [c_KV | k_rope] and expands keys and values block
+by block for its own queries (ops.latent_attention; parallel.cp_mla).
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe_pretrain.config import MLAConfig
@@ -20,6 +23,7 @@ from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.ops.document_attention import document_causal_attention
+from moe_pretrain.ops.latent_attention import latent_causal_attention
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -60,11 +64,25 @@ class GatedMLA(nn.Module):
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q = self.q_up(self.q_norm(self.q_down(x))).reshape(B, T, -1, Dn + Dr)
         H = q.shape[2]  # heads on this rank
-        c_kv, k_rope = self.kv_down(x).split([cfg.kv_lora_rank, Dr], dim=-1)
+        if cfg.position == "rope" and Dr > 0:
+            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
+        latent = self.kv_down(x)
+        if layout.context.exchanges_latent:
+            attn = self._attend_by_latent(q, layout.sequence.gather(latent), layout)
+        else:
+            attn = self._attend(q, latent, layout)
+        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
+        return self.o_proj((attn * gate).reshape(B, T, -1))
+
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """Every position's keys and values expanded at once (one rank, or Ulysses across cp ranks)."""
+        cfg = self.cfg
+        B, T, H = q.shape[:3]
+        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        c_kv, k_rope = latent.split([cfg.kv_lora_rank, Dr], dim=-1)
         k_rope = layout.sequence.gather(k_rope)
         k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
         if cfg.position == "rope" and Dr > 0:
-            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
             k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
         def core(q, k, v):
@@ -75,6 +93,33 @@ class GatedMLA(nn.Module):
                                             layout.document_bounds, self.scale)
             return cp.sequence_to_heads(out.reshape(rows, positions, heads, Dv))
 
-        attn = maybe_recompute(self.recompute_core, core, q, k, v)
-        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
-        return self.o_proj((attn * gate).reshape(B, T, H * Dv))
+        return maybe_recompute(self.recompute_core, core, q, k, v)
+
+    def _attend_by_latent(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """This rank's queries [B, T / cp, H, Dn + Dr] over every position's latent (gathered here), keys
+        and values expanded a block at a time and again in the backward: the core saves only its output
+        and log-sum-exp, so selective recomputation has nothing to add."""
+        cfg = self.cfg
+        B, T_local, H = q.shape[:3]
+        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        every = layout.context.gather_sequence(latent)  # [B, T, kv_lora_rank + Dr]
+        T = every.shape[1]
+        bounds = layout.document_bounds
+        key_positions = None
+        if cfg.position == "rope" and Dr > 0:  # each key's offset in its document, for its rotation
+            index = torch.arange(B * T, device=q.device)
+            starts = layout.cu_seqlens.to(q.device)
+            key_positions = index - starts[torch.searchsorted(starts, index, right=True) - 1]
+        up = self.kv_up.weight  # this rank's heads (a column-parallel shard under tp)
+
+        def expand(block: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            c_kv, k_rope = block.split([cfg.kv_lora_rank, Dr], dim=-1)
+            k_nope, v = F.linear(self.kv_norm(c_kv), up).unflatten(-1, (H, Dn + Dv)).split([Dn, Dv], dim=-1)
+            if key_positions is not None:
+                k_rope = rotate(k_rope, key_positions[start:end], self.rope_theta)
+            return torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, H, Dr)], dim=-1), v
+
+        out = latent_causal_attention(q.reshape(B * T_local, H, Dn + Dr), layout.context.global_index(B, T),
+                                      every.reshape(B * T, -1), bounds, expand, (up, self.kv_norm.weight),
+                                      self.scale)
+        return out.reshape(B, T_local, H, Dv)

@@ -24,7 +24,7 @@ from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
-from parallel.context_parallel import ContextParallel
+from parallel.context_parallel import ContextParallel, mla_exchange
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
@@ -69,8 +69,9 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
 
 
-def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext) -> None:
-    """Every sharded parameter becomes this rank's (meta) shard; communicating modules are swapped in."""
+def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext, mla: str = "ulysses") -> None:
+    """Every sharded parameter becomes this rank's (meta) shard; communicating modules are swapped in.
+    mla: MLA's exchange under context parallelism (resolved: context_parallel.mla_exchange)."""
     layout = ctx.layout
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     problems = plan.check_divisible(shapes, layout.tp, layout.ep)
@@ -89,7 +90,7 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext)
         model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
         model.sequence = SequenceParallel(ctx.tp_group)
     if layout.cp > 1:
-        model.context = ContextParallel(ctx.context(layout.cp).group)
+        model.context = ContextParallel(ctx.context(layout.cp).group, mla)
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
             module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)
@@ -145,7 +146,8 @@ def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingP
     if unplanned := plan.unplanned(list(parameters)):
         raise RuntimeError(f"parameters the sharding plan neither places nor declares replicated "
                            f"(parallel/plan.py MODEL_PLAN / REPLICATED): {', '.join(unplanned[:8])}")
-    shard_parameters(model, plan, ctx)
+    shard_parameters(model, plan, ctx, mla_exchange(cfg.parallel.cp_mla, ctx.layout.cp,
+                                                    cfg.model.mla.num_heads // ctx.layout.tp))
     if ctx.layout.pp > 1:
         model = keep_pipeline_stage(model, cfg, ctx)
     materialize(model, parameters, plan, ctx, cfg.train.seed, parameter_dtype(cfg), draw_values=draw_values)

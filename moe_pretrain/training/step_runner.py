@@ -44,6 +44,8 @@ class StepPlan:
     cp: int = 1
     """Context-parallel size of the step (a stage's, else parallel.cp)."""
     recompute: str = "none"
+    cp_mla: str = "ulysses"
+    """MLA's exchange under context parallelism (parallel/context_parallel.mla_exchange, resolved)."""
 
 
 class StepRunner:

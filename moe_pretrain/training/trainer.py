@@ -43,7 +43,7 @@ from moe_pretrain.training.step_runner import StepPlan, StepRunner
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
-from parallel.context_parallel import ContextParallel, NoContextParallel
+from parallel.context_parallel import ContextParallel, NoContextParallel, mla_exchange
 from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
 
@@ -148,21 +148,28 @@ class Trainer:
         if not cfg.stages:
             return StepPlan(cfg.data.seq_len, cfg.data.batch_size, self.layout.micro_batches[0],
                             learning_rate(step, cfg.train.steps, cfg.optim), "main", None,
-                            cp=cfg.parallel.cp, recompute=cfg.train.recompute)
+                            cp=cfg.parallel.cp, recompute=cfg.train.recompute,
+                            cp_mla=self._mla_exchange(cfg.parallel.cp_mla, cfg.parallel.cp))
         point = stage_at(cfg.stages, tokens_seen)
         stage = point.stage
+        cp = stage.cp or cfg.parallel.cp
         return StepPlan(stage.seq_len, stage.rows, self.layout.micro_batches[point.index],
                         stage_learning_rate(point), stage.name, point.end_tokens, point.index, stage.rope_theta,
-                        stage.cp or cfg.parallel.cp, stage.recompute or cfg.train.recompute)
+                        cp, stage.recompute or cfg.train.recompute,
+                        self._mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp))
+
+    def _mla_exchange(self, method: str, cp: int) -> str:
+        return mla_exchange(method, cp, self.cfg.model.mla.num_heads // self.cfg.parallel.tp)
 
     def _apply_stage_layout(self, plan: StepPlan) -> None:
         """The step's context-parallel split and recomputation, on every module that runs it. The groups of
         every cp size were built at start-up (ParallelContext.context_groups), so a stage boundary that
         changes cp switches in place: tp, pp, ep and the data x context group (gradients, ZeRO-1 shards)
         stay the same; only which positions and which slice of the batch this rank takes change."""
-        if self.model.context.size != plan.cp:
+        context = self.model.context
+        if context.size != plan.cp or (plan.cp > 1 and context.mla != plan.cp_mla):
             group = self.ctx.context(plan.cp).group
-            context = ContextParallel(group) if plan.cp > 1 else NoContextParallel()
+            context = ContextParallel(group, plan.cp_mla) if plan.cp > 1 else NoContextParallel()
             for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
                 model.context = context
         if plan.recompute != self._recompute:
