@@ -5,7 +5,8 @@ worst pipeline rank's bytes: parameters, gradients and ZeRO-1 Adam moments (rank
 activations (step_activations.py: measured per-token coefficients, divided over tensor parallel, at
 T / cp positions, times the micro-batches a 1F1B schedule keeps in flight on that rank), the attention
 and KDA state among them, one recomputed layer's transient, the logits and loss, and the all-to-all
-buffers of expert dispatch and of MLA's head-for-position exchange. Allocator slack, NCCL buffers and
+buffers of expert dispatch and of MLA's exchange (Ulysses' head-for-position all-to-all, or the latent
+exchange's gathered latent, one expanded key block and one tile of scores). Allocator slack, NCCL buffers and
 CUDA context are not modelled; --propose asks for 10% headroom to cover them.
 Communication: bytes each GPU sends per optimizer step for each group (ring collectives send
 (n - 1) / n of the tensor; all-to-all sends (n - 1) / n of its rows).
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from moe_pretrain.config import Config, StageConfig
 from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
 from moe_pretrain.planning.step_activations import LayerActivations, activation_bytes, layer_activations
+from parallel.context_parallel import mla_exchange
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelLayout, derive_micro_batches
 
@@ -24,6 +26,8 @@ GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
 """Memory per GPU, bytes (vendor figures)."""
 ACTIVATION_BYTES = {"bfloat16": 2, "float32": 4, "float64": 8}
 HEADROOM = 0.10
+LATENT_BLOCK = 1024
+"""ops.latent_attention's default query tile and key block."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,12 @@ class StageLayout:
     cp: int
     recompute: str
     micro_batches: int
+    mla: str = "ulysses"
+    """MLA's exchange under cp (resolved: parallel/context_parallel.mla_exchange)."""
 
     def describe(self) -> str:
-        return f"cp={self.cp} {self.recompute} M={self.micro_batches}"
+        return f"cp={self.cp}{' latent' if self.cp > 1 and self.mla == 'latent' else ''} {self.recompute} " \
+               f"M={self.micro_batches}"
 
 
 def _sent(size: int, nbytes: float) -> float:
@@ -60,7 +67,7 @@ class MemoryPlanner:
         self.shapes = parameter_shapes(cfg)
         self.plan = ShardingPlan()
         self._runs: dict[RunLayout, tuple[Config, list[dict]]] = {}
-        self._layers: dict[tuple[int, str], LayerActivations] = {}
+        self._layers: dict[tuple, LayerActivations] = {}
 
     def _run_state(self, run: RunLayout) -> tuple[Config, list[dict]]:
         """The config with the run's layout, and its pipeline ranks' state bytes (the same for every
@@ -73,10 +80,10 @@ class MemoryPlanner:
             self._runs[run] = cfg, stage_state_bytes(cfg, self.shapes, layout)
         return self._runs[run]
 
-    def _layer(self, index: int, recompute: str) -> LayerActivations:
-        key = (index, recompute)
+    def _layer(self, index: int, recompute: str, mla: str = "ulysses", cp: int = 1, tp: int = 1) -> LayerActivations:
+        key = (index, recompute, mla, cp, tp)
         if key not in self._layers:
-            self._layers[key] = layer_activations(self.cfg.model, index, recompute)
+            self._layers[key] = layer_activations(self.cfg.model, index, recompute, mla, cp, tp)
         return self._layers[key]
 
     def problems(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> list[str]:
@@ -92,8 +99,9 @@ class MemoryPlanner:
             found.append(f"ep={p.ep} must divide the {p.gpus // p.pp} ranks of a stage and the experts")
         if m.kda.num_heads % p.tp or m.mla.num_heads % p.tp or m.vocab_size % p.tp:
             found.append(f"tp={p.tp} must divide the heads and the vocabulary")
-        if layout.cp > 1 and (m.mla.num_heads // p.tp) % layout.cp:
-            found.append(f"cp={layout.cp} must divide the {m.mla.num_heads // p.tp} MLA heads of a tp rank")
+        if layout.cp > 1 and (m.mla.num_heads // p.tp) % layout.cp and layout.mla == "ulysses":
+            found.append(f"cp={layout.cp} must divide the {m.mla.num_heads // p.tp} MLA heads of a tp rank "
+                         "with the Ulysses exchange")
         if stage.seq_len % (2 * layout.cp * p.tp):
             found.append(f"seq_len={stage.seq_len} is not divisible by 2 x cp x tp")
         if stage.rows % (dp * layout.micro_batches):
@@ -122,14 +130,20 @@ class MemoryPlanner:
             if run.vpp > 1:
                 in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)
             act = activation_bytes(m, state["layers"], layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
-                                   in_flight=in_flight, last=p == run.pp - 1, layer_of=self._layer)
+                                   in_flight=in_flight, last=p == run.pp - 1,
+                                   layer_of=lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp))
             moe_layers = [i for i in state["layers"] if m.is_moe_layer(i)]
             buffers = 0.0
             if run.ep > 1 and moe_layers:
                 buffers += 2 * m.moe.top_k * tokens / run.tp * m.moe.latent_size * act_bytes
             if layout.cp > 1 and any(m.layer_kind(i) == "mla" for i in state["layers"]):
                 a = m.mla
-                buffers += 4 * tokens * a.num_heads / run.tp * (a.qk_nope_head_dim + a.qk_rope_head_dim) * act_bytes
+                qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads / run.tp
+                if layout.mla == "latent":  # one key block expanded, one tile's scores (fp32, x3 in backward)
+                    buffers += LATENT_BLOCK * heads * (qk + a.v_head_dim) * 4 * 2 \
+                        + LATENT_BLOCK * heads * LATENT_BLOCK * 4 * 3
+                else:
+                    buffers += 4 * tokens * heads * qk * act_bytes
             total = state["total_bytes"] + act.peak + buffers
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
@@ -158,9 +172,13 @@ class MemoryPlanner:
         kda = len(layers) - mla
         a, k = m.mla, m.kda
         head_dims = 3 * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.v_head_dim
-        cp = M * passes * (mla * 2 * _sent(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
-                           + kda * _sent(layout.cp, 2 * layout.cp * k.num_heads / run.tp * k.head_dim * 2 * k.head_dim
-                                         * 4 * tokens * layout.cp / stage.seq_len))
+        if layout.mla == "latent":  # all-gather of the latent forward (and re-forward), reduce-scatter back
+            mla_bytes = passes * _sent(layout.cp, layout.cp * tokens * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
+        else:
+            mla_bytes = passes * 2 * _sent(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
+        kda_bytes = passes * _sent(layout.cp, 2 * layout.cp * k.num_heads / run.tp * k.head_dim * 2 * k.head_dim
+                                   * 4 * tokens * layout.cp / stage.seq_len)
+        cp = M * (mla * mla_bytes + kda * kda_bytes)
         dp_cp = run.gpus // (run.tp * run.pp)
         dp = 2 * _sent(dp_cp, state["param_bytes"])
         return {"tp": tp, "ep": ep, "pp": pp, "cp": cp, "dp": dp}
@@ -197,9 +215,12 @@ class MemoryPlanner:
         return None if best is None else (best[1], best[2])
 
     def _smallest_stage_layout(self, run: RunLayout, stage: StageConfig, gpu_bytes: float):
-        """The least cp, then the cheapest recomputation, that fits the stage with HEADROOM, at the most
-        micro-batches the rules allow (the fewest sequences in flight); None if nothing fits."""
-        for cp in _divisors_up_to(self.cfg.model.mla.num_heads // run.tp, stage.seq_len):
+        """The least cp, then the cheapest recomputation, then Ulysses before the latent exchange (where the
+        heads allow Ulysses), that fits the stage with HEADROOM, at the most micro-batches the rules allow
+        (the fewest sequences in flight); None if nothing fits."""
+        heads = self.cfg.model.mla.num_heads // run.tp
+        for cp in [c for c in _powers_of_two(run.gpus // (run.tp * run.pp)) if stage.seq_len % (2 * c * run.tp) == 0]:
+            exchanges = ["ulysses", "latent"] if mla_exchange("auto", cp, heads) == "ulysses" else ["latent"]
             model_parallel = run.tp * run.pp * cp
             if run.gpus % model_parallel or stage.rows % (run.gpus // model_parallel):
                 continue
@@ -207,16 +228,21 @@ class MemoryPlanner:
             if not counts:
                 continue
             for recompute in RECOMPUTE_ORDER:
-                layout = StageLayout(cp, recompute, max(counts))
-                result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
-                if result is not None:
-                    return layout, result
+                for mla in exchanges:
+                    layout = StageLayout(cp, recompute, max(counts), mla)
+                    result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
+                    if result is not None:
+                        return layout, result
         return None
 
 
 RECOMPUTE_ORDER = ["none", "selective", "full"]
 EP_CANDIDATES = 6
 """The search tries the largest few expert-parallel sizes (smaller ones only add expert memory per GPU)."""
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
 def _divisors_up_to(n: int, limit: int) -> list[int]:
@@ -232,8 +258,13 @@ def stage_layouts_of(cfg: Config) -> list[StageLayout]:
     """Each stage's (cp, recompute, micro-batches) as the config asks, micro-batches derived by the
     trainer's rule where left at 0."""
     micro_batches, _ = derive_micro_batches(cfg)
-    return [StageLayout(stage.cp or cfg.parallel.cp, stage.recompute or cfg.train.recompute, micro)
-            for stage, micro in zip(cfg.stages, micro_batches, strict=True)]
+    heads = cfg.model.mla.num_heads // cfg.parallel.tp
+    layouts = []
+    for stage, micro in zip(cfg.stages, micro_batches, strict=True):
+        cp = stage.cp or cfg.parallel.cp
+        mla = mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp, heads)
+        layouts.append(StageLayout(cp, stage.recompute or cfg.train.recompute, micro, mla))
+    return layouts
 
 
 def gigabytes(value: float) -> str:

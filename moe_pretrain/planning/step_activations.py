@@ -63,6 +63,21 @@ def _mla(m: ModelConfig, recompute: Recompute) -> float:
         + 2.96 * a.kv_lora_rank + 2.52 * a.qk_rope_head_dim + 1.04 * d
 
 
+def _mla_by_latent(m: ModelConfig, cp: int, tp: int) -> tuple[float, float]:
+    """(fp32 elements, activation-dtype elements) per local token of an MLA layer under the latent exchange
+    (ops.latent_attention). Measured against the document-attention path with saved-tensor hooks (d 64,
+    H 2 / 8, kv_lora_rank 32 / 64, at one rank): it saves (2 qk + 2 Dv) H + 2 r fewer elements (no expanded
+    keys and values, no normed latent; within 5 elements of the fit), and then the gathered latent of the
+    other cp - 1 ranks' positions (r + Dr per position), the log-sum-exp (fp32, H) and three int64 index
+    vectors (counted as 2 fp32 elements per entry: 2 + cp entries per local token). The latent is not split
+    over tensor parallel (every tp rank gathers all of it): its share is multiplied by tp here, because
+    activation_bytes divides every count by tp."""
+    a = m.mla
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    kept = _mla(m, "none") - (2 * qk + 2 * a.v_head_dim) * a.num_heads - 2 * a.kv_lora_rank
+    return a.num_heads + 2 * (2 + cp) * tp, kept + (cp - 1) * (a.kv_lora_rank + a.qk_rope_head_dim) * tp
+
+
 def _mlp(m: ModelConfig, index: int, recompute: Recompute) -> float:
     d = m.hidden_size
     if not m.is_moe_layer(index):
@@ -87,13 +102,18 @@ def mix_entries(m: ModelConfig, index: int) -> tuple[int, int]:
     return bank + (index % block != 0), bank + 1
 
 
-def layer_activations(m: ModelConfig, index: int, recompute: Recompute) -> LayerActivations:
-    """Saved elements per token of layer `index` (all heads: divide by tp for a tensor-parallel rank)."""
+def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exchange: str = "ulysses",
+                      cp: int = 1, tp: int = 1) -> LayerActivations:
+    """Saved elements per token of layer `index` (all heads: divide by tp for a tensor-parallel rank);
+    mla_exchange: how an MLA layer attends across cp ranks (latent: _mla_by_latent)."""
     d = m.hidden_size
     attn_entries, mlp_entries = mix_entries(m, index)
     norms_and_mixes = 2 * (2 * d + 1) + _mix(d, attn_entries) + _mix(d, mlp_entries)
+    latent = m.layer_kind(index) == "mla" and mla_exchange == "latent"
     if m.layer_kind(index) == "kda":
         core, mixer = _kda(m)
+    elif latent:
+        core, mixer = _mla_by_latent(m, cp, tp)
     else:
         core, mixer = 0.0, _mla(m, "none")
     other = norms_and_mixes + _mlp(m, index, "none")
@@ -103,7 +123,11 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute) -> Layer
         # The layer keeps its inputs (the running partial sum; the bank is shared by all layers) and
         # backward re-runs it whole, one layer at a time.
         return LayerActivations(0.0, 0.0, 2 * d, core + mixer + other)
-    # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections.
+    # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections;
+    # the latent exchange already saves only what its backward needs (nothing is recomputed there).
+    if latent:
+        kept_other = norms_and_mixes + _mlp(m, index, "selective")
+        return LayerActivations(core, mixer, kept_other, other - kept_other)
     kept_mixer = mixer if m.layer_kind(index) == "kda" else _mla(m, "selective")
     kept_other = norms_and_mixes + _mlp(m, index, "selective")
     return LayerActivations(0.0, kept_mixer, kept_other, core + (mixer - kept_mixer) + (other - kept_other))
