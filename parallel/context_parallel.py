@@ -74,6 +74,7 @@ class ContextParallel(NoContextParallel):
         self.rank = dist.get_rank(group)
         self.mla = mla
         self.exchanges_latent = mla == "latent"
+        self._global_index: dict[tuple[int, int], list[int]] = {}
         self.fragments = (self.rank, 2 * self.size - 1 - self.rank)
         # Global fragment j is slot owner_slot[j] of the stacked [rank, 2] local fragments.
         self.owner_slot = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in range(2 * self.size)]
@@ -102,9 +103,13 @@ class ContextParallel(NoContextParallel):
         return self._global_order(all_gather_stacked(fragments, self.group)).flatten(1, 2)
 
     def global_index(self, rows: int, seq_len: int) -> list[int]:
-        """Where each local position lies in the flattened [rows x seq_len] sequence (host integers)."""
-        F = seq_len // (2 * self.size)
-        return [row * seq_len + j * F + t for row in range(rows) for j in self.fragments for t in range(F)]
+        """Where each local position lies in the flattened [rows x seq_len] sequence (host integers); built
+        once per shape, not per MLA layer and micro-batch."""
+        if (rows, seq_len) not in self._global_index:
+            F = seq_len // (2 * self.size)
+            self._global_index[rows, seq_len] = [row * seq_len + j * F + t for row in range(rows)
+                                                 for j in self.fragments for t in range(F)]
+        return self._global_index[rows, seq_len]
 
     def pieces(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """Local [B, T / cp, ...] -> [B * 2, F, ...]: each local fragment a row of its own."""

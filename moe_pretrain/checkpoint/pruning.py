@@ -67,15 +67,14 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, background: bool = Tr
     deletions are deleted too. Returns the checkpoints dropped (their original paths)."""
     latest = root / LATEST
     protected = latest.read_text().strip() if latest.is_file() else None
-    dropped, renamed = [], []
+    dropped = []
     for index, (step, path) in enumerate(committed_checkpoints(root)):
         keep = index < keep_last or (keep_every and step % keep_every == 0) or path.name == protected
         if not keep:
             target = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{DELETING}")
             os.rename(path, target)
             dropped.append(path)
-            renamed.append(target)
-    if renamed:
+    if dropped:
         fsync_dir(root)  # the renames are durable before anything is deleted
         log.info(f"pruned {', '.join(p.name for p in dropped)} (renamed; deleting "
                  f"{'in the background' if background else 'now'})")

@@ -106,6 +106,7 @@ class _LatentAttention(torch.autograd.Function):
         dlatent = torch.zeros_like(latent_MC)
         dparams = [torch.zeros_like(p) if p.requires_grad else None for p in params]
         wanted = [p for p in params if p.requires_grad]
+        wanted_index = [i for i, p in enumerate(params) if p.requires_grad]
         for b, (k0, k1) in enumerate(visibility.key_blocks):
             tiles = visibility.tiles_seeing[b]
             if not tiles:
@@ -133,7 +134,7 @@ class _LatentAttention(torch.autograd.Function):
                 if block.requires_grad:
                     dlatent[k0:k1] = grads[0]
                     grads = grads[1:]
-                for index, grad in zip([i for i, p in enumerate(params) if p.requires_grad], grads, strict=True):
+                for index, grad in zip(wanted_index, grads, strict=True):
                     if grad is not None:
                         dparams[index] += grad
         return (dq.to(q_NHD.dtype), dlatent if latent_MC.requires_grad else None, None, None, None, None, None,
