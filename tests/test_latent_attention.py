@@ -90,6 +90,7 @@ def saved_bytes_worker(rank, world_size, overrides):
     from moe_pretrain.model.layout import DocumentLayout
     from moe_pretrain.model.mla import GatedMLA
     from parallel.context_parallel import ContextParallel, NoContextParallel
+    from parallel.context_parallel_mixers import apply_context_parallel
 
     dist.init_process_group("gloo")
     try:
@@ -102,6 +103,7 @@ def saved_bytes_worker(rank, world_size, overrides):
         out = {}
         contexts = {"document": NoContextParallel(), "latent": ContextParallel(dist.group.WORLD, "latent")}
         for name, context in contexts.items():
+            apply_context_parallel(layer, context)
             seen = set()
 
             def pack(t, seen=seen):

@@ -3,9 +3,9 @@
 Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
 q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
 low-rank f = W_fb W_fa x; beta = sigmoid(W_b x); y = W_o [sigmoid(W_g x) * RMSNorm_head(o)].
-The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments. Under context
-parallelism each local fragment is a piece of its own, with its convolution halo and entry state from
-the fragments before it (parallel/context_parallel.py).
+The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments. The layer knows
+nothing of context parallelism: the parallel set-up swaps in parallel/context_parallel_mixers.py's variant,
+which overrides the three steps that see across positions (_rows, _convolve, _recur).
 Under tensor parallelism the layer holds H / tp heads (parallel/plan.py) and its column projections
 return the whole sequence, so head counts and T are read from the tensors, not the config.
 """
@@ -21,7 +21,6 @@ from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops import kda, l2_norm, rms_norm
-from moe_pretrain.ops.kda import kda_with_entry_states
 from moe_pretrain.ops.norms import compute_dtype
 
 DT_RANGE = (1e-3, 1e-1)
@@ -78,31 +77,35 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         K = self.cfg.head_dim
-        cp = layout.context
-        B, T = layout.position_in_doc.shape  # this cp rank's positions, whatever tensor-parallel shard x holds
-        pos = cp.pieces(layout.position_in_doc)  # under cp every local fragment is a row of its own
-
-        def conv(projected, short_conv):
-            return short_conv(cp.pieces(projected), pos, cp.halo(projected, short_conv.kernel_size - 1))
+        B, T = layout.position_in_doc.shape  # this rank's positions, whatever tensor-parallel shard x holds
+        pos = self._rows(layout.position_in_doc, layout)
 
         def heads(t):
             return t.reshape(*t.shape[:2], -1, K)
 
-        q = l2_norm(heads(F.silu(conv(self.q_proj(x), self.q_conv))))
-        k = l2_norm(heads(F.silu(conv(self.k_proj(x), self.k_conv))))
-        v = heads(F.silu(conv(self.v_proj(x), self.v_conv)))
-        g = self.decay(heads(cp.pieces(self.f_b_proj(self.f_a_proj(x)))))
-        beta = torch.sigmoid(cp.pieces(self.b_proj(x)).to(g.dtype))
-
-        def core(q, k, v, g, beta):
-            if cp.size > 1:
-                return kda_with_entry_states(q, k, v, g, beta, pos == 0, cp.entry_states,
-                                             chunk_size=self.cfg.chunk_size)
-            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            return kda(*flat, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size,
-                       lower_bound=self.cfg.lower_bound if self.cfg.gate == "lower_bound" else None)[0]
-
-        o = maybe_recompute(self.recompute_core, core, q, k, v, g, beta)
+        q = l2_norm(heads(F.silu(self._convolve(self.q_proj(x), self.q_conv, pos, layout))))
+        k = l2_norm(heads(F.silu(self._convolve(self.k_proj(x), self.k_conv, pos, layout))))
+        v = heads(F.silu(self._convolve(self.v_proj(x), self.v_conv, pos, layout)))
+        g = self.decay(heads(self._rows(self.f_b_proj(self.f_a_proj(x)), layout)))
+        beta = torch.sigmoid(self._rows(self.b_proj(x), layout).to(g.dtype))
+        o = maybe_recompute(self.recompute_core, self._recur, q, k, v, g, beta, pos, layout)
         o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps).to(x.dtype)
         gate = torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj((gate * o).flatten(2))
+
+    def _rows(self, x_BT_: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The rows the recurrence and the convolutions run over: the batch's own."""
+        return x_BT_
+
+    def _convolve(self, projected: torch.Tensor, short_conv: ShortConvolution, positions: torch.Tensor,
+                  layout: DocumentLayout) -> torch.Tensor:
+        """A short convolution over each row (nothing precedes a row's first position)."""
+        return short_conv(projected, positions, None)
+
+    def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               positions: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The chunked delta rule over the packed documents (cu_seqlens segments of the flat batch)."""
+        B, T = positions.shape
+        flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        return kda(*flat, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size,
+                   lower_bound=self.cfg.lower_bound if self.cfg.gate == "lower_bound" else None)[0]

@@ -7,14 +7,13 @@ out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
 (ops.document_causal_attention: no T x T mask).
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
-down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. Under
-context parallelism (parallel/context_parallel.py) the attention core either trades heads for positions
-(Ulysses), or each rank gathers every position's latent [c_KV | k_rope] and expands keys and values block
-by block for its own queries (ops.latent_attention; parallel.cp_mla).
+down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. The layer
+knows nothing of context parallelism: the parallel set-up swaps in a variant from
+parallel/context_parallel_mixers.py that trades heads for positions around _core (Ulysses) or replaces
+_attend by the latent exchange (parallel.cp_mla).
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_pretrain.config import MLAConfig
@@ -23,7 +22,6 @@ from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.ops.document_attention import document_causal_attention
-from moe_pretrain.ops.latent_attention import latent_causal_attention
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -66,16 +64,12 @@ class GatedMLA(nn.Module):
         H = q.shape[2]  # heads on this rank
         if cfg.position == "rope" and Dr > 0:
             q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
-        latent = self.kv_down(x)
-        if layout.context.exchanges_latent:
-            attn = self._attend_by_latent(q, layout.sequence.gather(latent), layout)
-        else:
-            attn = self._attend(q, latent, layout)
+        attn = self._attend(q, self.kv_down(x), layout)
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, -1))
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """Every position's keys and values expanded at once (one rank, or Ulysses across cp ranks)."""
+        """Every position's keys and values expanded at once from this rank's latent [c_KV | k_rope]."""
         cfg = self.cfg
         B, T, H = q.shape[:3]
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -85,41 +79,11 @@ class GatedMLA(nn.Module):
         if cfg.position == "rope" and Dr > 0:
             k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
-        def core(q, k, v):
-            cp = layout.context  # under cp: every position, H / cp heads (identity otherwise)
-            q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
-            rows, positions, heads = q.shape[:3]
-            out = document_causal_attention(*(t.reshape(rows * positions, heads, -1) for t in (q, k, v)),
-                                            layout.document_bounds, self.scale)
-            return cp.sequence_to_heads(out.reshape(rows, positions, heads, Dv))
+        return maybe_recompute(self.recompute_core, self._core, q, k, v, layout)
 
-        return maybe_recompute(self.recompute_core, core, q, k, v)
-
-    def _attend_by_latent(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """This rank's queries [B, T / cp, H, Dn + Dr] over every position's latent (gathered here), keys
-        and values expanded a block at a time and again in the backward: the core saves only its output
-        and log-sum-exp, so selective recomputation has nothing to add."""
-        cfg = self.cfg
-        B, T_local, H = q.shape[:3]
-        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        every = layout.context.gather_sequence(latent)  # [B, T, kv_lora_rank + Dr]
-        T = every.shape[1]
-        bounds = layout.document_bounds
-        key_positions = None
-        if cfg.position == "rope" and Dr > 0:  # each key's offset in its document, for its rotation
-            index = torch.arange(B * T, device=q.device)
-            starts = layout.cu_seqlens.to(q.device)
-            key_positions = index - starts[torch.searchsorted(starts, index, right=True) - 1]
-        up = self.kv_up.weight  # this rank's heads (a column-parallel shard under tp)
-
-        def expand(block: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-            c_kv, k_rope = block.split([cfg.kv_lora_rank, Dr], dim=-1)
-            k_nope, v = F.linear(self.kv_norm(c_kv), up).unflatten(-1, (H, Dn + Dv)).split([Dn, Dv], dim=-1)
-            if key_positions is not None:
-                k_rope = rotate(k_rope, key_positions[start:end], self.rope_theta)
-            return torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, H, Dr)], dim=-1), v
-
-        out = latent_causal_attention(q.reshape(B * T_local, H, Dn + Dr), layout.context.global_index(B, T),
-                                      every.reshape(B * T, -1), bounds, expand, (up, self.kv_norm.weight),
-                                      self.scale)
-        return out.reshape(B, T_local, H, Dv)
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """Causal attention within each document: [B, T, H, D] -> [B, T, H, Dv]."""
+        rows, positions, heads = q.shape[:3]
+        out = document_causal_attention(*(t.reshape(rows * positions, heads, -1) for t in (q, k, v)),
+                                        layout.document_bounds, self.scale)
+        return out.reshape(rows, positions, heads, -1)

@@ -25,6 +25,7 @@ from moe_pretrain.model.moe import LatentMoE
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
 from parallel.context_parallel import ContextParallel, mla_exchange
+from parallel.context_parallel_mixers import apply_context_parallel
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
@@ -90,7 +91,7 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
         model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
         model.sequence = SequenceParallel(ctx.tp_group)
     if layout.cp > 1:
-        model.context = ContextParallel(ctx.context(layout.cp).group, mla)
+        apply_context_parallel(model, ContextParallel(ctx.context(layout.cp).group, mla))
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
             module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)

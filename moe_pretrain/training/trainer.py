@@ -44,6 +44,7 @@ from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
 from parallel.context_parallel import ContextParallel, NoContextParallel, mla_exchange
+from parallel.context_parallel_mixers import apply_context_parallel
 from parallel.optimizer import ShardedAdamW
 from parallel.state import ParallelContext, resolve_layout
 
@@ -171,7 +172,7 @@ class Trainer:
             group = self.ctx.context(plan.cp).group
             context = ContextParallel(group, plan.cp_mla) if plan.cp > 1 else NoContextParallel()
             for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
-                model.context = context
+                apply_context_parallel(model, context)
         if plan.recompute != self._recompute:
             self.model.set_recompute(plan.recompute)
             self._recompute = plan.recompute
