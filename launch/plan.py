@@ -19,6 +19,7 @@ from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
     HEADROOM,
+    HOST_BYTES_PER_GPU,
     MemoryPlanner,
     RunLayout,
     gigabytes,
@@ -97,29 +98,29 @@ def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float =
 
 
 def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> bool:
-    print(f"{'stage':8s} {'layout':24s} {'dp':>5s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'mixers':>7s} "
-          f"{'activ':>7s} {'a2a':>7s} {'total':>7s} {'fits':>5s} | GB sent/step: {'tp':>6s} {'ep':>6s} {'pp':>6s} "
-          f"{'cp':>6s} {'dp':>6s}")
+    print(f"{'stage':8s} {'layout':29s} {'dp':>5s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'mixers':>7s} "
+          f"{'activ':>7s} {'a2a':>7s} {'total':>7s} {'host':>7s} {'fits':>5s} | GB sent/step: {'tp':>6s} {'ep':>6s} "
+          f"{'pp':>6s} {'cp':>6s} {'dp':>6s}")
     all_fit = True
     for stage, layout in zip(planner.cfg.stages, layouts, strict=True):
         if layout is None:
             all_fit = False
-            print(f"{stage.name:8s} {'-':24s} no layout fits (see below)")
+            print(f"{stage.name:8s} {'-':29s} no layout fits (see below)")
             continue
         problems = planner.problems(run, stage, layout)
         if problems:
             all_fit = False
-            print(f"{stage.name:8s} {layout.describe():24s} invalid: {'; '.join(problems)}")
+            print(f"{stage.name:8s} {layout.describe():29s} invalid: {'; '.join(problems)}")
             continue
         result = planner.stage(run, stage, layout)
         w, c = result["worst"], result["communication"]
-        fits = w["total_bytes"] <= capacity
+        fits = w["total_bytes"] <= capacity and w["host_bytes"] <= HOST_BYTES_PER_GPU
         all_fit &= fits
-        print(f"{stage.name:8s} {layout.describe():24s} {result['dp']:5d} {gigabytes(w['param_bytes'])} "
+        print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} {gigabytes(w['param_bytes'])} "
               f"{gigabytes(w['grad_bytes'])} {gigabytes(w['optimizer_bytes'])} {gigabytes(w['mixer_state_bytes'])} "
               f"{gigabytes(w['activation_bytes'])} {gigabytes(w['buffer_bytes'])} {gigabytes(w['total_bytes'])} "
-              f"{'yes' if fits else 'NO':>5s} |               " + " ".join(gigabytes(c[k])[1:] for k in
-                                                                          ("tp", "ep", "pp", "cp", "dp")))
+              f"{gigabytes(w['host_bytes'])} {'yes' if fits else 'NO':>5s} |               "
+              + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
     return all_fit
 
 

@@ -4,9 +4,9 @@
 Measured: live tensor bytes (measured.LiveTensorBytes: every storage ops create, from creation to death;
 exact, the same on every machine and under any load), after the forward (what the step saves) and at their
 peak in backward. Without recomputation and with selective recomputation the plan is within 10% of them
-(measured 0.96-1.01 at 1K-4K tokens); with full recomputation the plan overestimates (measured saved 0.74,
-peak 0.81: its per-layer input and transient assume a whole layer's activations alive at once), which is
-the safe side for a memory plan, so only its lower bound is wider. The allocator's figures (mallinfo2,
+(measured 0.96-1.01 at 1K-4K tokens); with full recomputation the plan overestimates a little (measured
+saved 0.88, peak 0.87 at 2K tokens: its transient assumes a whole layer's activations alive at once),
+which is the safe side for a memory plan, so only its lower bound is wider. The allocator's figures (mallinfo2,
 resident memory) depend on the machine and are printed by the bench, not bounded here.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "activation_memory.py"
-BOUNDS = {"none": (0.9, 1.1), "selective": (0.9, 1.1), "full": (0.7, 1.1)}
+BOUNDS = {"none": (0.9, 1.1), "selective": (0.9, 1.1), "full": (0.8, 1.1)}
 """measured / plan, for the saved bytes and the peak."""
 
 

@@ -72,6 +72,7 @@ def check_inert_settings(config: "Config") -> None:
                                 "model.mla.position=nope (set model.mla.position=rope)")
     problems += _long_document_thresholds(config)
     problems += _context_parallel_methods(config)
+    problems += _saved_input_policies(config)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -101,4 +102,18 @@ def _context_parallel_methods(config: "Config") -> list[str]:
     for i, stage in enumerate(config.stages):
         if stage.cp_mla and (stage.cp or p.cp) == 1:
             problems.append(f"stages[{i}].cp_mla={stage.cp_mla} does nothing: {how} in this stage (its cp is 1)")
+    return problems
+
+
+def _saved_input_policies(config: "Config") -> list[str]:
+    """saved_inputs moves what full recomputation keeps (each layer's inputs): it acts only where the
+    recomputation in force is full."""
+    train, problems = config.train, []
+    how = "only train.recompute=full keeps just the layers' inputs (set recompute=full"
+    modes = [stage.recompute or train.recompute for stage in config.stages] or [train.recompute]
+    if train.saved_inputs != "device" and "full" not in modes:
+        problems.append(f"train.saved_inputs={train.saved_inputs} does nothing: {how})")
+    for i, stage in enumerate(config.stages):
+        if stage.saved_inputs and (stage.recompute or train.recompute) != "full":
+            problems.append(f"stages[{i}].saved_inputs={stage.saved_inputs} does nothing: {how} in this stage)")
     return problems

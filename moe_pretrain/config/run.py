@@ -127,6 +127,10 @@ class TrainConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in backward (model/recompute.py): selective re-runs the attention cores and
     the routed experts' MLP; full re-runs every decoder layer from its inputs."""
+    saved_inputs: Literal["device", "host", "fp8"] = "device"
+    """Where full recomputation keeps each layer's inputs until its backward (model/saved_inputs.py):
+    device; host (copied out as saved, back one layer ahead of the backward; exact); fp8 (block-scaled
+    e4m3 on the device: about half the bytes of bf16, lossy). Needs recompute=full."""
 
     def __post_init__(self) -> None:
         require_positive("train", steps=self.steps)

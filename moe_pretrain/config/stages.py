@@ -29,6 +29,8 @@ class StageConfig:
     """MLA's exchange under context parallelism in this stage ("" = parallel.cp_mla)."""
     recompute: Literal["", "none", "selective", "full"] = ""
     """Activation recomputation in this stage ("" = train.recompute)."""
+    saved_inputs: Literal["", "device", "host", "fp8"] = ""
+    """Where full recomputation keeps the layers' inputs in this stage ("" = train.saved_inputs)."""
     lr_peak: float = 3e-4
     lr_end: float = 3e-5
     warmup_tokens: int = 0

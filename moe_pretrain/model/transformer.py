@@ -24,6 +24,7 @@ from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import Recompute, maybe_recompute
 from moe_pretrain.model.router import Router
+from moe_pretrain.model.saved_inputs import SavedInputs, SavedInputsPolicy
 from moe_pretrain.model.vision import PatchEmbedding
 from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
@@ -48,13 +49,22 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate, beta=moe.situ_beta,
                                   linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std)
+        self.index = index
         self.recompute = False
         """Recompute the whole layer in backward (train.recompute=full)."""
+        self.saved_inputs = SavedInputs()
+        """Where the recomputed layer's inputs wait for its backward (train.saved_inputs; the model's store)."""
 
     def forward(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (new partial block sum, balancing loss or None)."""
-        return maybe_recompute(self.recompute, self._forward, bank, partial, layout)
+        if not self.recompute:
+            return self._forward(bank, partial, layout)
+        with self.saved_inputs.layer(self.index):  # the bank's tensors as arguments: the checkpoint saves them
+            return maybe_recompute(True, self._forward_flat, partial, layout, *bank)
+
+    def _forward_flat(self, partial, layout, *bank):
+        return self._forward(list(bank), partial, layout)
 
     def _forward(self, bank, partial, layout):
         visible = bank if partial is None else [*bank, partial]
@@ -154,13 +164,17 @@ class MoETransformer(nn.Module):
             setattr(stage, name, getattr(full, name))
         return stage
 
-    def set_recompute(self, mode: Recompute) -> None:
-        """What backward recomputes (model/recompute.py), on the layers this module holds."""
+    def set_recompute(self, mode: Recompute, saved_inputs: SavedInputsPolicy = "device") -> SavedInputs:
+        """What backward recomputes (model/recompute.py), on the layers this module holds, and where full
+        recomputation keeps the layers' inputs (model/saved_inputs.py): one store for them all, returned."""
+        store = SavedInputs(saved_inputs)
         for layer in self.layers.values():
+            layer.saved_inputs = store
             layer.recompute = mode == "full"
             layer.mixer.recompute_core = mode == "selective"
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.recompute_experts = mode == "selective"
+        return store
 
     def routers(self) -> dict[int, Router]:
         """The router of every MoE layer, by global layer index."""

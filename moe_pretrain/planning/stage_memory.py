@@ -6,7 +6,9 @@ activations (step_activations.py: measured per-token coefficients, divided over 
 T / cp positions, times the micro-batches a 1F1B schedule keeps in flight on that rank), the attention
 and KDA state among them, one recomputed layer's transient, the logits and loss, and the all-to-all
 buffers of expert dispatch and of MLA's exchange (Ulysses' head-for-position all-to-all, or the latent
-exchange's gathered latent, one expanded key block and one tile of scores). Allocator slack, NCCL buffers and
+exchange's gathered latent, one expanded key block and one tile of scores); under full recomputation
+the layers' inputs where train.saved_inputs keeps them (host memory is checked against
+HOST_BYTES_PER_GPU, FP8 counts 1 + 4 / 128 bytes a value). Allocator slack, NCCL buffers and
 CUDA context are not modelled; --propose asks for 10% headroom to cover them.
 Communication: bytes each GPU sends per optimizer step for each group (ring collectives send
 (n - 1) / n of the tensor; all-to-all sends (n - 1) / n of its rows).
@@ -26,6 +28,8 @@ GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
 """Memory per GPU, bytes (vendor figures)."""
 ACTIVATION_BYTES = {"bfloat16": 2, "float32": 4, "float64": 8}
 HEADROOM = 0.10
+HOST_BYTES_PER_GPU = 2e12 / 8
+"""Host memory for one GPU's offloaded layer inputs: an 8-GPU H100 / H200 node (DGX) has about 2 TB."""
 LATENT_BLOCK = 1024
 """ops.latent_attention's default query tile and key block."""
 
@@ -49,9 +53,12 @@ class StageLayout:
     micro_batches: int
     mla: str = "ulysses"
     """MLA's exchange under cp (resolved: parallel/context_parallel.mla_exchange)."""
+    saved_inputs: str = "device"
+    """Where full recomputation keeps the layers' inputs (model/saved_inputs.py)."""
 
     def describe(self) -> str:
-        return f"cp={self.cp}{' latent' if self.cp > 1 and self.mla == 'latent' else ''} {self.recompute} " \
+        kept = f"/{self.saved_inputs}" if self.saved_inputs != "device" else ""
+        return f"cp={self.cp}{' latent' if self.cp > 1 and self.mla == 'latent' else ''} {self.recompute}{kept} " \
                f"M={self.micro_batches}"
 
 
@@ -131,7 +138,8 @@ class MemoryPlanner:
                 in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)
             act = activation_bytes(m, state["layers"], layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
                                    in_flight=in_flight, last=p == run.pp - 1,
-                                   layer_of=lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp))
+                                   layer_of=lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp),
+                                   saved_inputs=layout.saved_inputs)
             moe_layers = [i for i in state["layers"] if m.is_moe_layer(i)]
             buffers = 0.0
             if run.ep > 1 and moe_layers:
@@ -148,7 +156,7 @@ class MemoryPlanner:
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
-                   "total_bytes": total, "in_flight": in_flight}
+                   "total_bytes": total, "in_flight": in_flight, "host_bytes": act.host}
             if worst is None or total > worst["total_bytes"]:
                 worst = row
         return {"worst": worst, "dp": dp, "rows_per_micro": rows,
@@ -189,7 +197,9 @@ class MemoryPlanner:
         if self.problems(run, stage, layout):
             return None
         result = self.stage(run, stage, layout)
-        return result if result["worst"]["total_bytes"] <= (1 - headroom) * gpu_bytes else None
+        worst = result["worst"]
+        fits = worst["total_bytes"] <= (1 - headroom) * gpu_bytes and worst["host_bytes"] <= HOST_BYTES_PER_GPU
+        return result if fits else None
 
     def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
         """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
@@ -215,8 +225,9 @@ class MemoryPlanner:
         return None if best is None else (best[1], best[2])
 
     def _smallest_stage_layout(self, run: RunLayout, stage: StageConfig, gpu_bytes: float):
-        """The least cp, then the cheapest recomputation, then Ulysses before the latent exchange (where the
-        heads allow Ulysses), that fits the stage with HEADROOM, at the most micro-batches the rules allow
+        """The least cp, then the cheapest recomputation, then (under full recomputation) the layers' inputs
+        on the device, on the host, in FP8, then Ulysses before the latent exchange (where the heads allow
+        Ulysses), that fits the stage with HEADROOM, at the most micro-batches the rules allow
         (the fewest sequences in flight); None if nothing fits."""
         heads = self.cfg.model.mla.num_heads // run.tp
         for cp in [c for c in _powers_of_two(run.gpus // (run.tp * run.pp)) if stage.seq_len % (2 * c * run.tp) == 0]:
@@ -228,15 +239,18 @@ class MemoryPlanner:
             if not counts:
                 continue
             for recompute in RECOMPUTE_ORDER:
-                for mla in exchanges:
-                    layout = StageLayout(cp, recompute, max(counts), mla)
-                    result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
-                    if result is not None:
-                        return layout, result
+                for saved_inputs in SAVED_INPUTS_ORDER if recompute == "full" else ["device"]:
+                    for mla in exchanges:
+                        layout = StageLayout(cp, recompute, max(counts), mla, saved_inputs)
+                        result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
+                        if result is not None:
+                            return layout, result
         return None
 
 
 RECOMPUTE_ORDER = ["none", "selective", "full"]
+SAVED_INPUTS_ORDER = ["device", "host", "fp8"]
+"""Exact before lossy: host offload changes no number (it costs host memory and PCIe traffic), FP8 does."""
 EP_CANDIDATES = 6
 """The search tries the largest few expert-parallel sizes (smaller ones only add expert memory per GPU)."""
 
@@ -263,7 +277,8 @@ def stage_layouts_of(cfg: Config) -> list[StageLayout]:
     for stage, micro in zip(cfg.stages, micro_batches, strict=True):
         cp = stage.cp or cfg.parallel.cp
         mla = mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp, heads)
-        layouts.append(StageLayout(cp, stage.recompute or cfg.train.recompute, micro, mla))
+        layouts.append(StageLayout(cp, stage.recompute or cfg.train.recompute, micro, mla,
+                                   stage.saved_inputs or cfg.train.saved_inputs))
     return layouts
 
 

@@ -16,6 +16,9 @@ What they count, by component:
 - MoE: router scores (fp32, E), k routed copies of the latent rows and of the experts' gate / up /
   activation (3 F each; selective recomputes the experts' MLP), latent norm, shared experts (3 S).
 - Each AttnRes mix over n >= 2 entries: 3 d + 2 per entry; each pre-norm 2 d + 1.
+- Full recomputation: each layer keeps its inputs, d per token: the partial block sum, or at a block's
+  first layer the bank entry it closes (each entry saved once: model/saved_inputs.py's ledger counts
+  exactly d per token per layer); train.saved_inputs keeps them on the host or in FP8 (saved_input_bytes).
 Under bf16 autocast the KDA op's intermediates stay fp32 (ops.norms.compute_dtype) while the rest is bf16:
 kda_core elements are 4 bytes, the others the activation dtype's (not yet measured on a GPU).
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moe_pretrain.config import ModelConfig
+from moe_pretrain.model.saved_inputs import PREFETCH_LAYERS, SavedInputsPolicy, saved_input_bytes
 
 Recompute = Literal["none", "selective", "full"]
 
@@ -120,9 +124,9 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
     if recompute == "none":
         return LayerActivations(core, mixer, other, 0.0)
     if recompute == "full":
-        # The layer keeps its inputs (the running partial sum; the bank is shared by all layers) and
-        # backward re-runs it whole, one layer at a time.
-        return LayerActivations(0.0, 0.0, 2 * d, core + mixer + other)
+        # The layer keeps its inputs (the running partial sum, or the bank entry a block's first layer
+        # closes: d per token per layer) and backward re-runs it whole, one layer at a time.
+        return LayerActivations(0.0, 0.0, d, core + mixer + other)
     # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections;
     # the latent exchange already saves only what its backward needs (nothing is recomputed there).
     if latent:
@@ -151,6 +155,8 @@ class ActivationBytes:
     """One recomputed layer re-materialised in backward (0 without recomputation)."""
     head: float
     """Final mix and norm, head input, logits and the loss's log-probabilities (last stage only)."""
+    host: float = 0.0
+    """Saved layer inputs kept in host memory (train.saved_inputs=host), not on the GPU."""
 
     @property
     def saved(self) -> float:
@@ -163,14 +169,23 @@ class ActivationBytes:
 
 def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, tokens: int, *, act_bytes: int,
                      tp: int = 1, in_flight: float = 1.0, last: bool = True,
-                     layer_of: Callable[[int, Recompute], LayerActivations] | None = None) -> ActivationBytes:
+                     layer_of: Callable[[int, Recompute], LayerActivations] | None = None,
+                     saved_inputs: SavedInputsPolicy = "device") -> ActivationBytes:
     """Bytes for `tokens` positions of one micro-batch through `layers`, `in_flight` micro-batches kept at
     once, every per-token count divided over tensor (and sequence) parallel; kda_core elements and the
-    transient are counted at 4 bytes (>= fp32), the rest at act_bytes."""
+    transient are counted at 4 bytes (>= fp32), the rest at act_bytes. Under full recomputation `other` is
+    the layers' inputs, kept as saved_inputs says; the host policy keeps on the GPU the inputs of
+    PREFETCH_LAYERS layers and every bank entry of the micro-batch in backward."""
     per_layer = [(layer_of or (lambda i, r: layer_activations(m, i, r)))(i, recompute) for i in layers]
     scale = tokens / tp * in_flight
     mixers = sum(a.kda_core * 4 + a.mixer * act_bytes for a in per_layer) * scale
     other = sum(a.other for a in per_layer) * act_bytes * scale
+    host = 0.0
+    if recompute == "full":
+        other, host = saved_input_bytes(saved_inputs, sum(a.other for a in per_layer) * scale, act_bytes)
+        if saved_inputs == "host":
+            window = min(len(layers), PREFETCH_LAYERS + m.num_layers // m.attn_res.block_size + 1)
+            other = window * m.hidden_size * tokens / tp * act_bytes
     transient = max((a.transient for a in per_layer), default=0.0) * 4 * tokens / tp
     head = head_activations(m, m.vocab_size) * 4 * tokens / tp if last else 0.0
-    return ActivationBytes(mixers, other, transient, head)
+    return ActivationBytes(mixers, other, transient, head, host)

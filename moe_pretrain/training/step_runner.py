@@ -46,6 +46,8 @@ class StepPlan:
     recompute: str = "none"
     cp_mla: str = "ulysses"
     """MLA's exchange under context parallelism (parallel/context_parallel.mla_exchange, resolved)."""
+    saved_inputs: str = "device"
+    """Where full recomputation keeps the layers' inputs (model/saved_inputs.py)."""
 
 
 class StepRunner:

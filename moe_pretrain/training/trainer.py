@@ -28,6 +28,7 @@ from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.fp8 import advance_amax_histories
 from moe_pretrain.model.experts import enable_fp8
 from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
@@ -101,8 +102,10 @@ class Trainer:
             # never interleave with training's, and its timeout grows with the largest rank's state.
             self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout())
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group) if cfg.checkpoint.async_save else None
-        self._recompute = "none"
-        """The recomputation the model's layers are set to (modules start with none)."""
+        self._recompute = ("none", "device")
+        """The recomputation and saved-input policy the model's layers are set to (modules start with none)."""
+        self.saved_inputs: SavedInputs | None = None
+        """The store of the layers' saved inputs under full recomputation (its ledger: model/saved_inputs.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
         self.last_checkpoint: Path | None = None
         self.peak_flops = peak_flops(cfg.logging.peak_tflops, self.device, self.dtype) * self.ctx.layout.world_size
@@ -150,14 +153,16 @@ class Trainer:
             return StepPlan(cfg.data.seq_len, cfg.data.batch_size, self.layout.micro_batches[0],
                             learning_rate(step, cfg.train.steps, cfg.optim), "main", None,
                             cp=cfg.parallel.cp, recompute=cfg.train.recompute,
-                            cp_mla=self._mla_exchange(cfg.parallel.cp_mla, cfg.parallel.cp))
+                            cp_mla=self._mla_exchange(cfg.parallel.cp_mla, cfg.parallel.cp),
+                            saved_inputs=cfg.train.saved_inputs)
         point = stage_at(cfg.stages, tokens_seen)
         stage = point.stage
         cp = stage.cp or cfg.parallel.cp
         return StepPlan(stage.seq_len, stage.rows, self.layout.micro_batches[point.index],
                         stage_learning_rate(point), stage.name, point.end_tokens, point.index, stage.rope_theta,
                         cp, stage.recompute or cfg.train.recompute,
-                        self._mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp))
+                        self._mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp),
+                        stage.saved_inputs or cfg.train.saved_inputs)
 
     def _mla_exchange(self, method: str, cp: int) -> str:
         return mla_exchange(method, cp, self.cfg.model.mla.num_heads // self.cfg.parallel.tp)
@@ -173,9 +178,9 @@ class Trainer:
             context = ContextParallel(group, plan.cp_mla) if plan.cp > 1 else NoContextParallel()
             for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
                 apply_context_parallel(model, context)
-        if plan.recompute != self._recompute:
-            self.model.set_recompute(plan.recompute)
-            self._recompute = plan.recompute
+        if (plan.recompute, plan.saved_inputs) != self._recompute:
+            self.saved_inputs = self.model.set_recompute(plan.recompute, plan.saved_inputs)
+            self._recompute = (plan.recompute, plan.saved_inputs)
 
     def _apply_positional_settings(self, plan: StepPlan) -> None:
         """The stage's RoPE base on every MLA layer (stage rope_theta 0: model.mla.rope_theta)."""
