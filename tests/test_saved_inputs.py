@@ -34,6 +34,7 @@ def _store_after_forward(policy: str, dtype: torch.dtype):
     loss = logits.float().square().mean()
     ledger = (store.elements, store.device_bytes, store.host_bytes)
     loss.backward()
+    assert store._last is None or store._last() is None, "the store keeps a layer's inputs past its backward"
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return cfg, ledger, loss.detach(), grads
 

@@ -126,10 +126,16 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 class _Layer:
-    """The inputs one layer's checkpoint saved in one forward, and the layer before it in that forward."""
+    """The inputs one layer's checkpoint saved in one forward, and the layer before it in that forward.
+    It lives as long as autograd holds what the layer packed; the links to it are weak, so the store
+    keeps nothing alive past the backward that frees it."""
 
     def __init__(self, index: int, before: "_Layer | None"):
-        self.index, self.before, self.stored = index, before, []
+        self.index, self.stored = index, []
+        self.before = None if before is None else weakref.ref(before)
+
+    def earlier(self) -> "_Layer | None":
+        return None if self.before is None else self.before()
 
 
 class SavedInputs:
@@ -139,7 +145,8 @@ class SavedInputs:
         self.policy = policy
         self.elements = self.device_bytes = self.host_bytes = 0
         """The ledger since the last reset(): values stored (each once), and their bytes by where they are kept."""
-        self._last: _Layer | None = None
+        self._last: weakref.ref | None = None
+        """The layer the latest forward packed for last (weak)."""
         self._seen: dict[int, tuple[weakref.ref, _Stored]] = {}
 
     def reset(self) -> None:
@@ -148,8 +155,10 @@ class SavedInputs:
     @contextlib.contextmanager
     def layer(self, index: int) -> Iterator[None]:
         """Layer `index`'s checkpoint runs inside: what it saves is kept by the policy."""
-        before = self._last if self._last is not None and self._last.index == index - 1 else None
-        current = self._last = _Layer(index, before)
+        last = None if self._last is None else self._last()
+        before = last if last is not None and last.index == index - 1 else None
+        current = _Layer(index, before)
+        self._last = weakref.ref(current)
         if before is None:
             self._seen.clear()  # a new forward: share entries within one forward only
 
@@ -168,9 +177,9 @@ class SavedInputs:
 
         def unpack(packed: tuple[_Layer, _Stored]) -> torch.Tensor:
             owner, stored = packed
-            if owner.before is not None:
-                for earlier in owner.before.stored:
-                    earlier.prefetch()
+            earlier = owner.earlier()
+            for entry in earlier.stored if earlier is not None else ():
+                entry.prefetch()
             return stored.load()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
