@@ -186,3 +186,30 @@ def test_stage_rope_base_reaches_the_mla_layers(tmp_path):
         trainer.train_step()
         thetas.append({m.rope_theta for m in trainer.model.modules() if isinstance(m, GatedMLA)})
     assert thetas == [{10000.0}] * 4 + [{500000.0}] * 2
+
+
+@pytest.mark.timeout(120)
+def test_plan_moves_the_saved_inputs_where_the_stage_says(monkeypatch):
+    """The full-size 1m stage on its layout with the layers' inputs on the device, the host and in FP8: the
+    host policy moves them off the GPU (but its prefetch window), FP8 keeps 1 + 4 / 128 bytes a value for
+    bf16's 2, and a stage whose offloaded inputs exceed the node's host memory does not fit."""
+    from dataclasses import replace
+
+    from moe_pretrain.config import load_config
+    from moe_pretrain.planning import stage_memory
+    from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+
+    cfg = load_config(["configs/full.yaml", "configs/stages/full.yaml"])
+    planner, run = MemoryPlanner(cfg), RunLayout(2048, 4, 4, 128)
+    stage, layout = cfg.stages[3], stage_layouts_of(cfg)[3]
+    worst = {policy: planner.stage(run, stage, replace(layout, saved_inputs=policy))["worst"]
+             for policy in ("device", "host", "fp8")}
+    device, host, fp8 = worst["device"], worst["host"], worst["fp8"]
+    moved = host["host_bytes"]
+    assert device["host_bytes"] == fp8["host_bytes"] == 0 and moved > 0
+    assert host["total_bytes"] < device["total_bytes"] < device["total_bytes"] + moved
+    assert device["total_bytes"] - fp8["total_bytes"] == pytest.approx(moved * (1 - (1 + 4 / 128) / 2), rel=1e-9)
+    gpu = stage_memory.GPU_BYTES["h200"]
+    assert planner.fits(run, stage, replace(layout, saved_inputs="host"), gpu) is not None
+    monkeypatch.setattr(stage_memory, "HOST_BYTES_PER_GPU", moved / 2)
+    assert planner.fits(run, stage, replace(layout, saved_inputs="host"), gpu) is None
