@@ -49,6 +49,8 @@ class _Stored:
         self.policy, self.dtype, self.shape, self.device = policy, t.dtype, t.shape, t.device
         self._loaded: weakref.ref | None = None
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._copied: torch.cuda.Event | None = None
+        """Recorded after the copy out (CUDA): a copy back on another stream waits for it."""
         if policy == "fp8":
             self.value: torch.Tensor | Quantized = quantize(t.detach().reshape(-1, t.shape[-1]), (1, FP8_BLOCK),
                                                             torch.float8_e4m3fn)
@@ -57,8 +59,7 @@ class _Stored:
         else:
             self.value = t
 
-    @staticmethod
-    def _to_host(t: torch.Tensor) -> torch.Tensor:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not t.is_cuda:  # one code path: on CPU the "host" is a copy, so the saved tensor's memory is freed
             return t.clone()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -66,6 +67,8 @@ class _Stored:
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
         t.record_stream(stream)  # the device memory is not reused before the copy has read it
         return host
 
@@ -111,6 +114,8 @@ class _Stored:
         elif self._live() is not None:  # a bank entry another layer's backward brought back already
             back = self._live()
         else:
+            if self._copied is not None:  # the copy out ran on the side stream
+                torch.cuda.current_stream(self.device).wait_event(self._copied)
             back = self.value.to(self.device)
         self._loaded = weakref.ref(back)
         return back
@@ -167,7 +172,8 @@ class SavedInputs:
             if seen is not None and seen[0]() is t:
                 stored = seen[1]
             else:
-                stored = _Stored(t, self.policy if t.is_floating_point() else "device")
+                kept = t.is_floating_point() and t.dim() >= 2  # (integers and scalars stay as they are)
+                stored = _Stored(t, self.policy if kept else "device")
                 self._seen[id(t)] = (weakref.ref(t), stored)
                 self.elements += t.numel()
                 self.device_bytes += stored.device_bytes()
