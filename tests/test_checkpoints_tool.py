@@ -1,7 +1,10 @@
 """python -m checkpoints_tool inspect | verify | prune on real checkpoints."""
 
+import contextlib
+import io
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -11,9 +14,23 @@ from moe_pretrain.training import Trainer
 from tests.models import tiny_config
 
 
-def tool(*args):
-    return subprocess.run([sys.executable, "-m", "checkpoints_tool", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def tool(*args) -> Done:
+    """python -m checkpoints_tool's main in this process (an interpreter start per command cost the suite
+    about 10 s each); its exit code and what it printed. test_verify_exit_codes_name_bad_files runs the
+    module itself once, for the process's exit code."""
+    from checkpoints_tool.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return Done(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -44,7 +61,9 @@ def test_verify_exit_codes_name_bad_files(checkpoints):
     assert done.returncode == 1
     assert "BAD" in done.stdout and "step_00000003/__0_0.distcp: sha256" in done.stdout
     assert tool("verify", root / "step_00000004").returncode == 0
-    assert tool("verify", root / "nowhere").returncode == 2
+    command = subprocess.run([sys.executable, "-m", "checkpoints_tool", "verify", str(root / "nowhere")],
+                             capture_output=True, text=True, timeout=120)
+    assert command.returncode == 2 and "nowhere" in command.stderr, command.stderr
 
 
 def test_prune_never_touches_latest(checkpoints):
