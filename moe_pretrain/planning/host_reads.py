@@ -1,0 +1,67 @@
+"""Counting the host reads of tensor values a piece of code makes, and where (issue 25's meter).
+
+On a GPU every read of a tensor's value on the host (item, tolist, bool / int / float / index of a tensor)
+and every op whose output shape depends on the values (nonzero, unique, masked_select, boolean-mask
+indexing, repeat_interleave without output_size) waits for the device's queue to drain: the step stalls
+and nothing queued behind it overlaps. On a CPU the same calls are cheap, so they go unnoticed; this
+mode counts them on the code path a CUDA run takes, wherever that path runs on a CPU. Counts are of
+calls, so they are exact and the same on every machine.
+"""
+
+import collections
+import sys
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
+DATA_DEPENDENT = frozenset({"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"})
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGES = tuple(str(_ROOT / name) + "/" for name in ("moe_pretrain", "parallel", "kernels", "launch"))
+
+
+def _kind(func, args: tuple, kwargs: dict) -> str | None:
+    name = getattr(func, "__name__", "")
+    if name in HOST_READS or name in DATA_DEPENDENT:
+        return name
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) > 1 \
+            and isinstance(args[1], torch.Tensor):
+        return name
+    if name == "__getitem__" and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+            return "boolean mask index"
+    return None
+
+
+def _site() -> str:
+    """The innermost caller in the project's packages (file:line), or '?'."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_PACKAGES) and path != __file__:
+            return f"{Path(path).relative_to(_ROOT)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+class HostReads(TorchFunctionMode):
+    """with HostReads() as reads: ... ; reads.total, reads.by_kind, reads.by_site (Counters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_kind: collections.Counter = collections.Counter()
+        self.by_site: collections.Counter = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _kind(func, args, kwargs)
+        if kind is not None:
+            self.by_kind[kind] += 1
+            self.by_site[kind, _site()] += 1
+        return func(*args, **kwargs)
