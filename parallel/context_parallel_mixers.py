@@ -65,11 +65,8 @@ class LatentExchangeMLA(GatedMLA):
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         every = layout.context.gather_sequence(layout.sequence.gather(latent))  # [B, T, kv_lora_rank + Dr]
         T = every.shape[1]
-        key_positions = None
-        if cfg.position == "rope" and Dr > 0:  # each key's offset in its document, for its rotation
-            index = torch.arange(B * T, device=q.device)
-            starts = layout.cu_seqlens.to(q.device)
-            key_positions = index - starts[torch.searchsorted(starts, index, right=True) - 1]
+        # each key's offset in its document, for its rotation (built once per forward, shared by the layers)
+        key_positions = layout.sequence_positions.to(q.device) if cfg.position == "rope" and Dr > 0 else None
         up = self.kv_up.weight  # this rank's heads (a column-parallel shard under tp)
 
         def expand(block: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,3 +60,12 @@ class DocumentLayout:
         """cu_seqlens as host integers, read once per forward (MLA's per-document loop needs them on the
         host; every MLA layer shares this one device-to-host copy)."""
         return self.cu_seqlens.tolist()
+
+    @functools.cached_property
+    def sequence_positions(self) -> torch.Tensor:
+        """[B * T] every position's offset in its document over the flattened whole sequence (every cp
+        rank's positions, not only this one's), built once per forward: the latent exchange rotates each
+        gathered key by it in every MLA layer."""
+        starts = self.cu_seqlens
+        index = torch.arange(self.document_bounds[-1], device=starts.device)  # the bounds MLA reads anyway
+        return index - starts[torch.searchsorted(starts, index, right=True) - 1]
