@@ -85,6 +85,15 @@ class Cluster:
                 raise TimeoutError(f"job {job_id} is {info.get('JobState')} after {timeout} s, not in {states}")
             time.sleep(1)
 
+    def log_tails(self, lines: int = 15) -> str:
+        """The last lines of slurmctld's and slurmd's logs, for a failing test's message."""
+        tails = []
+        for daemon in ("slurmctld", "slurmd"):
+            log = self.root / f"{daemon}.log"
+            text = log.read_text().splitlines()[-lines:] if log.exists() else ["(no log)"]
+            tails.append(f"--- {log}\n" + "\n".join(text))
+        return "\n".join(tails)
+
     def stop(self) -> None:
         for daemon in ("slurmd", "slurmctld"):
             pid_file = self.root / f"{daemon}.pid"

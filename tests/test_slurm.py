@@ -161,11 +161,14 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job,
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], env=cluster.env, check=True)
     cluster.wait(job_id, {"PENDING"}, timeout=120)  # requeued by its own script
-    # slurmctld holds a requeued job for 120 s (its BeginTime); release it now, as the rest is ours to test.
+    # slurmctld holds a requeued job for 120 s (its BeginTime); release it sooner, as the rest is ours to test,
+    # but not within the second of the requeue: slurmd revoked the first run's credential then, and refuses
+    # ("Job credential revoked", the job FAILED) a new one issued in the same second, as its clock is in seconds.
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
     info = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=420)
     log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{log[-3000:]}\n{cluster.log_tails()}"
     step = int(log.split("preempted by SIGUSR2 at step ")[1].split(";")[0])
     assert 8 <= step < 30
     assert f"job {job_id}: requeueing" in log and f"job {job_id} restart 1" in log
