@@ -40,7 +40,7 @@ class ContextParallelKDA(KimiDeltaAttention):
     def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                positions: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         return kda_with_entry_states(q, k, v, g, beta, positions == 0, layout.context.entry_states,
-                                     chunk_size=self.cfg.chunk_size)
+                                     chunk_size=self.cfg.chunk_size, lower_bound=self.gate_floor)
 
 
 class UlyssesMLA(GatedMLA):

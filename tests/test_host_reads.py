@@ -1,5 +1,6 @@
 """planning/host_reads.HostReads counts every kind of host read of tensor values, and names the site."""
 
+import pytest
 import torch
 
 from moe_pretrain.planning.host_reads import HostReads
@@ -32,3 +33,35 @@ def test_every_kind_of_host_read_is_counted_where_it_happens():
         DocumentLayout.from_doc_ids(torch.zeros(2, 8, dtype=torch.long)).document_bounds  # noqa: B018
     sites = {(kind, site.split(":")[0]): n for (kind, site), n in reads.by_site.items()}
     assert sites == {("nonzero", "moe_pretrain/model/layout.py"): 1, ("tolist", "moe_pretrain/model/layout.py"): 1}
+
+
+def step_reads(tmp_path, *overrides: str) -> HostReads:
+    """Host reads of one training step of the TINY model (one process), after a warm-up step."""
+    from moe_pretrain.training import Trainer
+    from tests.models import tiny_config
+
+    cfg = tiny_config("train.steps=2", "logging.progress=false", f"train.run_dir={tmp_path / '-'.join(overrides)}",
+                      *overrides)
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    with HostReads() as reads:
+        trainer.train_step()
+    return reads
+
+
+@pytest.mark.timeout(300)
+def test_a_training_step_reads_the_host_a_fixed_number_of_times(tmp_path):
+    """Per step: the step-end scalars (one tolist in the trainer) and, per micro-batch, the document layout's
+    bounds (a nonzero and a tolist in model/layout.py, shared by every layer), whatever the depth and the
+    number of experts; nothing inside a layer reads the host."""
+    shallow = step_reads(tmp_path, "model.num_layers=3", "model.layer_pattern=KKM")
+    deep = step_reads(tmp_path, "model.moe.num_experts=16")  # 6 layers
+    micro = step_reads(tmp_path, "model.moe.num_experts=16", "data.micro_batches=4")
+    per_step = {("tolist", "moe_pretrain/training/trainer.py")}
+    per_micro_batch = {("nonzero", "moe_pretrain/model/layout.py"), ("tolist", "moe_pretrain/model/layout.py")}
+
+    def sites(reads):
+        return {(kind, site.split(":")[0]): n for (kind, site), n in reads.by_site.items()}
+
+    assert sites(shallow) == sites(deep) == {site: 1 for site in per_step | per_micro_batch}
+    assert sites(micro) == {**{site: 1 for site in per_step}, **{site: 4 for site in per_micro_batch}}

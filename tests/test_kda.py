@@ -149,6 +149,20 @@ def test_sub_block_size_follows_the_decay(lower, expected):
     assert _sub_block_size(G) == expected
 
 
+@pytest.mark.parametrize(("floor", "expected"), [(-1.0, 64), (-2.0, 32), (-5.0, 16), (-20.0, 4)])
+def test_sub_block_size_from_the_gate_floor_reads_nothing(floor, expected):
+    """With the gate's floor known the size is that of the worst decays the floor allows (G falling at the
+    floor, the cases above), whatever G holds, and no value of G is read on the host."""
+    from moe_pretrain.ops.kda import _sub_block_size
+    from moe_pretrain.planning.host_reads import HostReads
+
+    mild = torch.full((1, 64, 16), -0.01).cumsum(-2)
+    with HostReads() as reads:
+        size = _sub_block_size(mild, floor)
+    assert size == expected and reads.total == 0
+    assert _sub_block_size(torch.full((1, 64, 16), floor).cumsum(-2)) == expected
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_packed_documents_in_one_pass_match_recurrence(chunk_size):
     """The training path (no initial or final states): all documents share the chunks of one sequence.

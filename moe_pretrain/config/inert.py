@@ -40,6 +40,10 @@ DEPENDENTS = (
               "only precision.fp8=delayed keeps amax histories"),
     Dependent("model.moe", ("qb_rate",), lambda c: c.model.moe.balancing == "qb",
               "it is quantile balancing's rate (model.moe.balancing=qb)"),
+    Dependent("model.moe", ("qb_quantile",), lambda c: c.model.moe.balancing == "qb",
+              "it chooses how quantile balancing finds its quantiles (model.moe.balancing=qb)"),
+    Dependent("model.moe", ("qb_bins",), lambda c: c.model.moe.balancing == "qb" and c.model.moe.qb_quantile ==
+              "histogram", "it sizes quantile balancing's histograms (model.moe.qb_quantile=histogram)"),
     Dependent("model.moe", ("aux_free_rate",), lambda c: c.model.moe.balancing == "aux_free",
               "it is the aux-free rule's rate (model.moe.balancing=aux_free)"),
     Dependent("model.moe", ("aux_loss_coef",), lambda c: c.model.moe.balancing == "aux_loss",

@@ -74,6 +74,14 @@ class MoEConfig:
     balancing: Literal["qb", "aux_free", "aux_loss"] = "qb"
     """qb: quantile balancing; aux_free: DeepSeek sign update; aux_loss: classic auxiliary loss."""
     qb_rate: float = 1.0
+    qb_quantile: Literal["histogram", "exact"] = "histogram"
+    """How quantile balancing finds each expert's margin quantile over the step's global batch. histogram: from
+    integer counts of model.moe.qb_bins bins per expert, every forward's scores dropped once counted (a few MB
+    per layer, one collective per pipeline stage per step, error a fraction of a bin: ops/margin_histogram.py).
+    exact: every score of the step kept until it ends and the exact quantile found by bisection (the reference;
+    at full size ~1.9 GB per MoE layer per rank, up to 32 collectives per layer)."""
+    qb_bins: int = 1000
+    """Histogram bins per expert (model.moe.qb_quantile=histogram): width (2 + bias range) / qb_bins."""
     aux_free_rate: float = 1e-3
     aux_loss_coef: float = 1e-2
     situ_beta: float = 4.0
@@ -83,6 +91,7 @@ class MoEConfig:
         require_positive("model.moe", num_experts=self.num_experts, top_k=self.top_k,
                   expert_intermediate=self.expert_intermediate, latent_size=self.latent_size,
                   situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta)
+        require(self.qb_bins >= 2, f"model.moe.qb_bins={self.qb_bins} must be >= 2")
         require(self.top_k < self.num_experts,
                  f"model.moe.top_k={self.top_k} must be < model.moe.num_experts={self.num_experts}")
         require(self.num_shared_experts >= 0, f"model.moe.num_shared_experts={self.num_shared_experts} must be >= 0")

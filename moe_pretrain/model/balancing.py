@@ -2,6 +2,9 @@
 
 A balancer watches every routing of a training step (all micro-batches), then proposes the next
 bias once the optimizer has stepped: statistics of one batch steer the routing of the next.
+Quantile balancing reads its column quantiles from margin histograms by default (model.moe.qb_quantile=
+histogram: integer counts, a few MB per layer, one collective per pipeline stage per step, no host read);
+qb_quantile=exact keeps every score of the step and finds the exact quantile (the reference).
 Only the aux-loss strategy adds a term to the loss; the other two move the bias and nothing else.
 Statistics are those of the global batch: `stats` sums and ranks over every token of the step, on one
 process (LocalStatistics) or over the data-parallel group (set by the parallel set-up), so every
@@ -12,6 +15,7 @@ import torch
 
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.ops import aux_free_update, expert_load, load_balancing_loss, quantile_balance_margins
+from moe_pretrain.ops.margin_histogram import MarginBins
 from parallel.statistics import LocalStatistics
 
 
@@ -24,7 +28,8 @@ class Balancer:
         self._scores: list[torch.Tensor] = []
         self._choices: list[torch.Tensor] = []
 
-    def observe(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    def observe(self, scores: torch.Tensor, topk_idx: torch.Tensor, bias: torch.Tensor) -> None:
+        """One forward's detached scores [m, n] and choices [m, k] under the step's bias [n]."""
         self._scores.append(scores)
         self._choices.append(topk_idx)
 
@@ -50,7 +55,8 @@ class Balancer:
 
 
 class QuantileBalancer(Balancer):
-    """ops.quantile_balance_update, with m and the column quantiles taken over the global batch."""
+    """ops.quantile_balance_update, with m and the column quantiles taken over the global batch: exact, from
+    every score of the step (kept until the step ends; bisection over ranks, parallel/statistics.py)."""
 
     def rule(self, scores, choices, bias):
         k, n = self.cfg.top_k, scores.shape[1]
@@ -58,6 +64,51 @@ class QuantileBalancer(Balancer):
         m = int(self.stats.total(torch.tensor(scores.shape[0], device=scores.device)))
         c = self.stats.column_kth_largest(margins, (m * k) // n + 1)
         return (bias.to(margins.dtype) - self.cfg.qb_rate * c).to(bias.dtype)
+
+
+class HistogramQuantileBalancer(Balancer):
+    """Quantile balancing with the column quantiles read from histograms of the margins (ops.margin_histogram):
+    each forward bins its margins into counts [n, B] and keeps nothing else; after the step the counts are
+    summed over the balancing group (every layer of a stage in one collective: reduce_pending) and the bias
+    follows from them on the device."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self.counts: torch.Tensor | None = None
+        """[n, B] int64, this step's counts: this rank's, or the group's once `reduced`."""
+        self.bins: MarginBins | None = None
+        self.reduced = False
+
+    def observe(self, scores, topk_idx, bias):
+        margins = quantile_balance_margins(scores, bias, self.cfg.top_k)
+        if self.counts is None:  # the step's first forward: the bias, hence the bins, hold until the step ends
+            self.bins = MarginBins.for_bias(bias, self.cfg.qb_bins, margins.dtype)
+            self.counts = torch.zeros(scores.shape[1], self.cfg.qb_bins, dtype=torch.int64, device=scores.device)
+        self.bins.add(self.counts, margins)
+
+    def discard(self):
+        self.counts, self.bins, self.reduced = None, None, False
+
+    def next_bias(self, bias):
+        if self.counts is None:
+            return bias
+        counts, bins = (self.counts if self.reduced else self.stats.total(self.counts)), self.bins
+        self.discard()
+        m = counts[0].sum()  # every token of the global batch falls in one bin of each column
+        c = bins.kth_largest(counts, (m * self.cfg.top_k) // counts.shape[0] + 1)
+        return (bias.to(c.dtype) - self.cfg.qb_rate * c).to(bias.dtype)
+
+
+def reduce_pending(balancers: list[Balancer]) -> None:
+    """Sum the step's histograms of these balancers (a pipeline stage's, which share one balancing group:
+    training/parallelize.py) over the group in one collective, so next_bias needs none."""
+    pending = [b for b in balancers if isinstance(b, HistogramQuantileBalancer) and b.counts is not None
+               and not b.reduced]
+    if not pending:
+        return
+    totals = pending[0].stats.total(torch.stack([b.counts for b in pending]))
+    for balancer, counts in zip(pending, totals.unbind(0), strict=True):
+        balancer.counts, balancer.reduced = counts, True
 
 
 class AuxFreeBalancer(Balancer):
@@ -69,7 +120,7 @@ class AuxFreeBalancer(Balancer):
 
 
 class AuxLossBalancer(Balancer):
-    def observe(self, scores, topk_idx):
+    def observe(self, scores, topk_idx, bias):
         """Nothing to keep: the loss acts through the gradient, the bias stays at 0."""
 
     def loss(self, scores, topk_idx):
@@ -80,4 +131,6 @@ BALANCERS = {"qb": QuantileBalancer, "aux_free": AuxFreeBalancer, "aux_loss": Au
 
 
 def make_balancer(cfg: MoEConfig) -> Balancer:
+    if cfg.balancing == "qb" and cfg.qb_quantile == "histogram":
+        return HistogramQuantileBalancer(cfg)
     return BALANCERS[cfg.balancing](cfg)

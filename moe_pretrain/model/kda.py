@@ -107,5 +107,11 @@ class KimiDeltaAttention(nn.Module):
         """The chunked delta rule over the packed documents (cu_seqlens segments of the flat batch)."""
         B, T = positions.shape
         flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        return kda(*flat, cu_seqlens=layout.cu_seqlens, chunk_size=self.cfg.chunk_size,
-                   lower_bound=self.cfg.lower_bound if self.cfg.gate == "lower_bound" else None)[0]
+        return kda(*flat, cu_seqlens=layout.cu_seqlens, document_bounds=layout.document_bounds,
+                   chunk_size=self.cfg.chunk_size,
+                   lower_bound=self.gate_floor)[0]
+
+    @property
+    def gate_floor(self) -> float | None:
+        """The decay's floor (every g >= it) with the bounded gate; None with softplus (unbounded)."""
+        return self.cfg.lower_bound if self.cfg.gate == "lower_bound" else None

@@ -42,7 +42,7 @@ class Router(nn.Module):
             scores = router_scores(logits)
             if not recomputing():  # backward's second pass routes identically and must not count again
                 detached = scores.detach()  # (a graph here would save tensors the recomputation does not)
-                self.balancer.observe(detached, topk_idx)
+                self.balancer.observe(detached, topk_idx, self.expert_bias)
                 self.load += expert_load(topk_idx, self.cfg.num_experts)
                 p = detached / detached.sum(dim=-1, keepdim=True)
                 self.entropy_sum += -(p * p.clamp_min(1e-30).log()).sum().to(self.entropy_sum.dtype)

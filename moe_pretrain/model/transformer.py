@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
+from moe_pretrain.model.balancing import reduce_pending
 from moe_pretrain.model.init import Normal
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
@@ -122,8 +123,11 @@ class MoETransformer(nn.Module):
         tokens, image_mask [B, T] and patches cover every position, also under context parallelism."""
         x = self.sequence.scatter(self.embedding(self.context.local(tokens)))
         if patches is not None:
-            if image_mask is None or int(image_mask.sum()) != patches.shape[0]:
-                raise ValueError("forward: image_mask must mark exactly one position per patch")
+            if image_mask is None:
+                raise ValueError("forward: patches need an image_mask marking one position per patch")
+            # Checked on the device (a CUDA run raises at its next sync), not by reading the count on the host.
+            torch._assert_async(image_mask.sum() == patches.shape[0],
+                                "forward: image_mask must mark exactly one position per patch")
             patches, image_mask = self.context.local_patches(patches, image_mask)
             patches, local_mask = self.sequence.local_patches(patches, image_mask)
             visual = self.patch_embedding(patches.to(self.patch_embedding.proj.weight.dtype))
@@ -187,6 +191,9 @@ class MoETransformer(nn.Module):
             router.discard_step()
 
     def update_balancing(self) -> None:
-        """Move every router's bias by its balancer (call after each optimizer step)."""
-        for router in self.routers().values():
+        """Move every router's bias by its balancer (call after each optimizer step); the layers' histograms are
+        reduced together first (one collective for the stage)."""
+        routers = self.routers().values()
+        reduce_pending([router.balancer for router in routers])
+        for router in routers:
             router.update_bias()

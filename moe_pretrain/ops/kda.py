@@ -27,7 +27,7 @@ from kernels.kda import fla_chunk_kda, fla_chunk_kda_supported
 from moe_pretrain.ops.norms import compute_dtype
 
 
-def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, bounds: list[int] | None) -> None:
     if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(
             f"kda: q, k, g must share one [B, T, H, K] shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}"
@@ -42,7 +42,9 @@ def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             raise ValueError(f"kda: cu_seqlens needs packed input with B == 1, got B = {B}")
         if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1:
             raise ValueError("kda: cu_seqlens must be a 1-D integer tensor of document offsets")
-        bounds = cu_seqlens.tolist()
+        if bounds is None or len(bounds) != cu_seqlens.numel():
+            raise ValueError(f"kda: document_bounds must be cu_seqlens as host integers ({cu_seqlens.numel()} "
+                             f"of them), got {None if bounds is None else len(bounds)}")
         if bounds[0] != 0 or bounds[-1] != T or any(b >= e for b, e in itertools.pairwise(bounds)):
             raise ValueError(f"kda: cu_seqlens must rise strictly from 0 to T={T}, got {bounds}")
     state_shape = (B if cu_seqlens is None else cu_seqlens.numel() - 1, H, q.shape[-1], v.shape[-1])
@@ -60,6 +62,7 @@ def kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    document_bounds: list[int] | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
     lower_bound: float | None = None,
@@ -69,9 +72,15 @@ def kda(
     On CUDA with fla installed this calls fla's Triton chunk_kda; elsewhere it runs the vectorised
     PyTorch chunk algorithm of this module (autograd-differentiable), which is the reference.
     lower_bound: the bounded gate's floor when g comes from it (g >= lower_bound); fla then takes its
-    safe-gate path (safe_gate=True, lower_bound), which the bound makes exact. The reference needs no hint.
+    safe-gate path (safe_gate=True, lower_bound), which the bound makes exact; the reference then sizes its
+    sub-blocks from the bound alone, reading nothing of g on the host (_sub_block_size).
+    document_bounds: cu_seqlens as host integers, when the caller holds them already (the model reads them
+    once per forward, DocumentLayout.document_bounds, and every layer shares them); without them kda reads
+    cu_seqlens once. fla reads its own chunk indices from cu_seqlens, cached for the same tensor object.
     """
-    _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    if cu_seqlens is not None and document_bounds is None:
+        document_bounds = cu_seqlens.tolist()
+    _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, document_bounds)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if fla_chunk_kda_supported(q, lower_bound):
@@ -80,12 +89,13 @@ def kda(
             cu_seqlens=cu_seqlens, output_final_state=output_final_state, lower_bound=lower_bound,
         )
     if cu_seqlens is None:
-        o, state = _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size)
+        o, state = _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size, lower_bound)
     elif initial_state is None and not output_final_state:
         starts = document_starts(cu_seqlens, q.shape[1]).unsqueeze(0)
-        o, state = _chunk_kda(q, k, v, g, beta, scale, None, chunk_size, starts)
+        o, state = _chunk_kda(q, k, v, g, beta, scale, None, chunk_size, lower_bound, starts)
     else:
-        o, state = _per_document(_chunk_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        o, state = _per_document(_chunk_kda, q, k, v, g, beta, scale, initial_state, document_bounds,
+                                 chunk_size, lower_bound)
     return o, (state if output_final_state else None)
 
 
@@ -102,13 +112,14 @@ def kda_recurrent(
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA: the test oracle and the decoding form. Same contract as kda()."""
-    _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    bounds = None if cu_seqlens is None else cu_seqlens.tolist()
+    _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, bounds)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if cu_seqlens is None:
         o, state = _recurrent_kda(q, k, v, g, beta, scale, initial_state)
     else:
-        o, state = _per_document(_recurrent_kda, q, k, v, g, beta, scale, initial_state, cu_seqlens)
+        o, state = _per_document(_recurrent_kda, q, k, v, g, beta, scale, initial_state, bounds)
     return o, (state if output_final_state else None)
 
 
@@ -142,19 +153,26 @@ def _decay(exponent: torch.Tensor) -> torch.Tensor:
     return exponent.clamp_min(math.log(torch.finfo(exponent.dtype).tiny) + 1.0).exp()
 
 
-def _sub_block_size(G: torch.Tensor) -> int:
+def _sub_block_size(G: torch.Tensor, lower_bound: float | None = None) -> int:
     """The largest sub-block size (a power-of-two divisor of the chunk C, at most C) whose decay factors
     stay safely finite: every |G_t - G_m| inside a block, m its middle position, at most half the log of
     the dtype's largest value (e^44 in fp32, e^354 in fp64), so e^{G_t - G_m} and its reciprocal are
     normal numbers with room for the inputs' own scale. Size 1 always qualifies. Mild decays (a freshly
     initialised model) take the whole chunk; the lower-bound gate's strongest (-5 per token) takes 16.
-    One host sync per call.
+
+    With the gate's floor known (every g >= lower_bound) the size follows from it alone, without reading G:
+    inside a block |G_t - G_m| <= |lower_bound| * (sub // 2), so no host sync, and the same size for every
+    layer and step (16 at -5 in fp32). Without a floor (the softplus gate) the decays are read: one host
+    sync per call.
     """
     C = G.shape[-2]
     limit = 0.5 * math.log(torch.finfo(G.dtype).max)
     sub = C
     while sub > 1:
-        if C % sub == 0:
+        if C % sub == 0 and lower_bound is not None:
+            if -lower_bound * (sub // 2) <= limit:
+                return sub
+        elif C % sub == 0:
             blocks = G.unflatten(-2, (C // sub, sub))
             first, middle, last = blocks[..., 0, :], blocks[..., sub // 2, :], blocks[..., -1, :]
             # G falls monotonically, so the block's extremes are its ends.
@@ -226,7 +244,8 @@ class _PreparedChunks:
     which is what context parallelism exchanges between ranks.
     """
 
-    def __init__(self, q, k, v, g, beta, scale: float, chunk: int, doc_starts: torch.Tensor | None = None):
+    def __init__(self, q, k, v, g, beta, scale: float, chunk: int, lower_bound: float | None = None,
+                 doc_starts: torch.Tensor | None = None):
         B, T, H, K = q.shape
         V = v.shape[-1]
         self.shape, self.out_dtype = (B, T, H, K, V), q.dtype
@@ -239,7 +258,7 @@ class _PreparedChunks:
             )
         q, k, v, g, beta = (_to_chunks(x.to(dtype), chunk).contiguous() for x in (q * scale, k, v, g, beta))
         G = g.cumsum(dim=-2)
-        P, Akk = _intra_chunk_products(q, k, _BlockDecays(G, _sub_block_size(G)))
+        P, Akk = _intra_chunk_products(q, k, _BlockDecays(G, _sub_block_size(G, lower_bound)))
         carry = last = carry_end = None  # no document boundary: every token carries the entry state
         if doc_starts is not None:
             segment = torch.nn.functional.pad(doc_starts, (0, pad)).view(B, 1, -1, chunk).cumsum(-1)  # [B,1,N,C]
@@ -285,9 +304,9 @@ class _PreparedChunks:
         return M, Bs
 
 
-def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk, doc_starts=None):
+def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk, lower_bound=None, doc_starts=None):
     """Chunked KDA over [B, T, H, .] -> (o, state after the last token); see _PreparedChunks."""
-    return _PreparedChunks(q, k, v, g, beta, scale, chunk, doc_starts).outputs(initial_state)
+    return _PreparedChunks(q, k, v, g, beta, scale, chunk, lower_bound, doc_starts).outputs(initial_state)
 
 
 def kda_with_entry_states(
@@ -301,6 +320,7 @@ def kda_with_entry_states(
     *,
     chunk_size: int = 64,
     scale: float | None = None,
+    lower_bound: float | None = None,
 ) -> torch.Tensor:
     """KDA over pieces of longer sequences whose entry states come from elsewhere (context parallel).
 
@@ -311,7 +331,7 @@ def kda_with_entry_states(
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    prepared = _PreparedChunks(q, k, v, g, beta, scale, chunk_size, doc_starts)
+    prepared = _PreparedChunks(q, k, v, g, beta, scale, chunk_size, lower_bound, doc_starts)
     return prepared.outputs(entry_states(*prepared.summary()))[0]
 
 
@@ -319,12 +339,11 @@ def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x if mask is None else x * mask
 
 
-def _per_document(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens, *extra):
+def _per_document(fn, q, k, v, g, beta, scale, initial_state, bounds: list[int], *extra):
     """Each document of a packed sequence on its own, from its own initial state -> (o, [N, H, K, V]).
 
     Used when per-document initial or final states are asked for (decoding, tests); training, which
     needs neither, runs all documents in one pass (_chunk_kda with doc_starts)."""
-    bounds = cu_seqlens.tolist()
     outputs, states = [], []
     for doc, (start, end) in enumerate(itertools.pairwise(bounds)):
         h0 = None if initial_state is None else initial_state[doc : doc + 1]

@@ -1,8 +1,8 @@
 """Counting the host reads of tensor values a piece of code makes, and where (issue 25's meter).
 
 On a GPU every read of a tensor's value on the host (item, tolist, bool / int / float / index of a tensor)
-and every op whose output shape depends on the values (nonzero, unique, masked_select, boolean-mask
-indexing, repeat_interleave without output_size) waits for the device's queue to drain: the step stalls
+and every op whose output shape depends on the values (nonzero, unique, masked_select, bincount,
+boolean-mask indexing, repeat_interleave without output_size) waits for the device's queue to drain: the step stalls
 and nothing queued behind it overlaps. On a CPU the same calls are cheap, so they go unnoticed; this
 mode counts them on the code path a CUDA run takes, wherever that path runs on a CPU. Counts are of
 calls, so they are exact and the same on every machine.
@@ -16,7 +16,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
-DATA_DEPENDENT = frozenset({"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select"})
+DATA_DEPENDENT = frozenset({"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount"})
+"""Ops whose output's shape depends on the values (bincount: CUDA's reads the maximum to size its output)."""
 _ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = tuple(str(_ROOT / name) + "/" for name in ("moe_pretrain", "parallel", "kernels", "launch"))
 
@@ -57,6 +58,16 @@ class HostReads(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.by_kind.values())
+
+    @property
+    def values_read(self) -> int:
+        """Reads of a value (item, tolist, bool / int / float / index)."""
+        return sum(n for kind, n in self.by_kind.items() if kind in HOST_READS)
+
+    @property
+    def shapes_read(self) -> int:
+        """Ops whose output shape the host must learn from the values."""
+        return self.total - self.values_read
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

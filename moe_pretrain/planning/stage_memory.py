@@ -8,7 +8,8 @@ and KDA state among them, one recomputed layer's transient, the logits and loss,
 buffers of expert dispatch and of MLA's exchange (Ulysses' head-for-position all-to-all, or the latent
 exchange's gathered latent, one expanded key block and one tile of scores); under full recomputation
 the layers' inputs where train.saved_inputs keeps them (host memory is checked against
-HOST_BYTES_PER_GPU, FP8 counts 1 + 4 / 128 bytes a value). Allocator slack, NCCL buffers and
+HOST_BYTES_PER_GPU, FP8 counts 1 + 4 / 128 bytes a value), and quantile balancing's statistics
+(balancing_state.py: its histograms, or the exact mode's kept scores). Allocator slack, NCCL buffers and
 CUDA context are not modelled; --propose asks for 10% headroom to cover them.
 Communication: bytes each GPU sends per optimizer step for each group (ring collectives send
 (n - 1) / n of the tensor; all-to-all sends (n - 1) / n of its rows).
@@ -18,6 +19,7 @@ import copy
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
+from moe_pretrain.planning.balancing_state import balancing_bytes
 from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
 from moe_pretrain.planning.step_activations import LayerActivations, activation_bytes, layer_activations
 from parallel.context_parallel import mla_exchange
@@ -152,11 +154,13 @@ class MemoryPlanner:
                         + LATENT_BLOCK * heads * LATENT_BLOCK * 4 * 3
                 else:
                     buffers += 4 * tokens * heads * qk * act_bytes
-            total = state["total_bytes"] + act.peak + buffers
+            # Routers see this tensor rank's sequence-parallel share of the positions.
+            balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, layout.micro_batches)
+            total = state["total_bytes"] + act.peak + buffers + balancing
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
-                   "total_bytes": total, "in_flight": in_flight, "host_bytes": act.host}
+                   "balancing_bytes": balancing, "total_bytes": total, "in_flight": in_flight, "host_bytes": act.host}
             if worst is None or total > worst["total_bytes"]:
                 worst = row
         return {"worst": worst, "dp": dp, "rows_per_micro": rows,
