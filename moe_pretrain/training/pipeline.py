@@ -2,8 +2,11 @@
 
 The layers are cut into pp x vpp contiguous chunks (parallel/plan.py, pipeline_chunks); rank r holds
 chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
-boundary need not align with an AttnRes block: the bank stacked as [B, N, T, D] and, unless a block
-closes at the boundary, the running block sum. Only floating-point tensors that the receiver uses
+boundary need not align with an AttnRes block: the bank (its first entry, the embeddings, [B, T, D], and
+the block sums after it stacked as [B, N - 1, T, D]) and, unless a block closes at the boundary, the running
+block sum. Each crosses in the dtype it has in the model: under bf16 autocast the embeddings are fp32 (the
+embedding runs outside autocast) and the block sums bf16, so a pipeline computes what one process does and
+sends half the bytes fp32 would. Only floating-point tensors that the receiver uses
 cross: torch 2.10 and 2.11 (the GPU image has 2.10) make every received buffer require grad, which an
 integer tensor cannot, and refuse to send back a gradient that is None. The document ids every stage
 needs for its masks come from each rank's own batch instead (every stage reads its rows, without
@@ -33,6 +36,7 @@ from torch.distributed.pipelining import (
 
 from moe_pretrain.config import Config
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.training.parallelize import DTYPES
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 
@@ -64,14 +68,20 @@ def patches_from_rows(patch_rows: torch.Tensor, image_mask: torch.Tensor) -> tor
 class StageForward(nn.Module):
     """The forward of one chunk, with the chunk's modules (and only those) as parameters."""
 
-    def __init__(self, chunk: MoETransformer, layers: list[int], first: bool, last: bool):
+    def __init__(self, chunk: MoETransformer, layers: list[int], first: bool, last: bool,
+                 compute_dtype: torch.dtype):
         super().__init__()
         self.chunk = chunk
         self.first, self.last = first, last
-        self.sends_partial = not last and closes_no_block(layers[-1], chunk.cfg.attn_res.block_size)
+        block = chunk.cfg.attn_res.block_size
+        self.sends_partial = not last and closes_no_block(layers[-1], block)
         """A block still open after this chunk's last layer: its partial sum travels on."""
+        self.receives_blocks = layers[0] >= block
+        """Block sums are in the bank this chunk receives (not only the embeddings)."""
         self.boundary_dtype = next(chunk.parameters()).dtype
-        """Activations cross stages in the parameter dtype (fp32 under bf16 autocast): static shapes."""
+        """The embeddings' dtype (the parameters')."""
+        self.compute_dtype = compute_dtype
+        """The block sums' and the partial sum's (bf16 under bf16 autocast)."""
 
     def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor):
         chunk = self.chunk
@@ -81,16 +91,19 @@ class StageForward(nn.Module):
             patches = patches_from_rows(patch_rows, image_mask) if patch_rows.shape[1] else None
             bank, partial = [chunk.embed(tokens, layout, patches, image_mask if patches is not None else None)], None
         else:
-            bank_stack, *received_partial = inputs  # no partial sum when a block closed right before this chunk
+            embedded, *rest = inputs  # no partial sum when a block closed right before this chunk
             layout = chunk.layout(doc_ids, doc_ids)
-            bank = list(bank_stack.unbind(1))
-            partial = received_partial[0] if received_partial else None
+            bank = [embedded, *(rest.pop(0).unbind(1) if self.receives_blocks else ())]
+            partial = rest[0] if rest else None
         bank, partial, _ = chunk.run_layers(bank, partial, layout)  # aux_loss is refused with pp > 1
-        dtype = self.boundary_dtype
         if self.last:
-            return chunk.logits(bank, partial).to(dtype)
-        bank_stack = torch.stack([b.to(dtype) for b in bank], dim=1)
-        return (bank_stack, partial.to(dtype).contiguous()) if self.sends_partial else (bank_stack,)
+            return chunk.logits(bank, partial).to(self.boundary_dtype)
+        outputs = [bank[0].to(self.boundary_dtype)]
+        if len(bank) > 1:
+            outputs.append(torch.stack([b.to(self.compute_dtype) for b in bank[1:]], dim=1))
+        if self.sends_partial:
+            outputs.append(partial.to(self.compute_dtype).contiguous())
+        return tuple(outputs)
 
 
 def closes_no_block(layer: int, block_size: int) -> bool:
@@ -99,9 +112,12 @@ def closes_no_block(layer: int, block_size: int) -> bool:
 
 
 def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers: list[int], first: bool,
-                     last: bool, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+                     last: bool, dtype: torch.dtype, compute_dtype: torch.dtype | None = None
+                     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example (meta) tensors of one micro-batch at a chunk's positional input and output (the document ids,
-    a keyword input, are every stage's own)."""
+    a keyword input, are every stage's own): the embeddings in `dtype`, block sums and the partial sum in
+    `compute_dtype` (default: `dtype`)."""
+    compute_dtype = compute_dtype or dtype
     rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
     T, D = shape.seq_len, cfg.model.hidden_size
     local = T // shape.cp  # activations hold this context-parallel rank's positions
@@ -112,10 +128,13 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
     def boundary(last_layer_before):
-        bank = meta(rows, 1 + (last_layer_before + 1) // block, local // ctx.layout.tp, D)
+        positions = local // ctx.layout.tp
+        tensors = [meta(rows, positions, D)]
+        if blocks := (last_layer_before + 1) // block:
+            tensors.append(meta(rows, blocks, positions, D, dtype=compute_dtype))
         if closes_no_block(last_layer_before, block):
-            return bank, meta(rows, local // ctx.layout.tp, D)
-        return (bank,)
+            tensors.append(meta(rows, positions, D, dtype=compute_dtype))
+        return tuple(tensors)
 
     if first:
         patch_rows = meta(rows, shape.patches_per_row, cfg.model.vision.patch_dim).requires_grad_(False)
@@ -143,7 +162,8 @@ class Pipeline:
         self.mine = chunks_of_rank(self.num_stages, pp, ctx.pp_rank)
         self.forwards = {index: StageForward(
             MoETransformer.stage_of(model, self.layers[index], first=index == 0, last=index == self.num_stages - 1),
-            self.layers[index], index == 0, index == self.num_stages - 1) for index in self.mine}
+            self.layers[index], index == 0, index == self.num_stages - 1, DTYPES[cfg.train.dtype])
+            for index in self.mine}
         self.holds_first, self.holds_last = 0 in self.mine, self.num_stages - 1 in self.mine
         self.model = model
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
@@ -160,7 +180,7 @@ class Pipeline:
                 first, last = index == 0, index == self.num_stages - 1
                 forward = self.forwards[index]
                 inputs, outputs = stage_boundaries(self.cfg, self.ctx, shape, self.layers[index], first, last,
-                                                   forward.boundary_dtype)
+                                                   forward.boundary_dtype, forward.compute_dtype)
                 stages.append(PipelineStage(
                     forward, index, self.num_stages, self.ctx.device, input_args=inputs, output_args=outputs,
                     group=self.ctx.pp_group))
