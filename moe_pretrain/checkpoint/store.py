@@ -187,10 +187,11 @@ class AsyncSaver:
         final, tmp = _prepare(root, step, self.group)
         writer = _writer(tmp)
         self._staged.clear()
+        ready = self._stager.ready_event(tensors)  # on this (the training's) thread: after the step's writes
 
         def write() -> None:
             try:
-                staged = self._stager.stage(tensors)
+                staged = self._stager.stage(tensors, after=ready)
             finally:
                 self._staged.set()
             dcp.save(staged, storage_writer=writer, planner=BoxedSavePlanner(), process_group=self.group)
