@@ -9,6 +9,7 @@ ran on fla / Triton / grouped-GEMM / FP8 kernels or on the PyTorch references.
 import torch
 
 from kernels import selection
+from kernels.flex_attention import flex_unavailable_reason
 from kernels.kda import fla_unavailable_reason
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.fp8 import fp8_unavailable_reason
@@ -33,6 +34,8 @@ def configure(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
     process's (kernels.selection)."""
     if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device, dtype)):
         raise ConfigError(f"kernels.grouped_gemm=grouped cannot run here: {reason}; use kernels.grouped_gemm=auto")
+    if cfg.kernels.attention == "flex" and (reason := flex_unavailable_reason(device, training=True)):
+        raise ConfigError(f"kernels.attention=flex cannot run here: {reason}; use kernels.attention=auto")
     if cfg.kernels.kda == "fla" and (reason := fla_unavailable_reason(device, kda_gate_floor(cfg))):
         raise ConfigError(f"kernels.kda=fla cannot run here: {reason}; use kernels.kda=auto")
     if cfg.precision.fp8 != "off" and (reason := fp8_unavailable_reason(cfg.precision.fp8, device)):
@@ -57,8 +60,12 @@ def fast_paths(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict[st
                else "torch._grouped_mm, forward and backward")
     if cfg.precision.fp8 != "off":
         grouped = f"{grouped} (unused by the FP8 expert GEMMs, which loop over experts)"
+    flex_reason = ("kernels.attention=sdpa" if cfg.kernels.attention == "sdpa"
+                   else flex_unavailable_reason(device, training=True))
     return {
         "KDA": f"PyTorch chunk form ({kda_reason})" if kda_reason else "fla chunk_kda (Triton)",
+        "MLA attention": (f"one SDPA per document ({flex_reason})" if flex_reason
+                          else "FlexAttention, one call per layer"),
         "FP8": describe_fp8(cfg.precision.fp8, device),
         "grouped GEMM": grouped,
         "Triton kernels (SiTU-GLU, MoE permute)": triton,

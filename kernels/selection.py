@@ -22,6 +22,7 @@ class KernelChoice:
     triton: str = "auto"
     grouped_gemm: str = "auto"
     kda: str = "auto"
+    attention: str = "auto"
 
 
 _active = KernelChoice()
@@ -51,7 +52,7 @@ def configure(cfg: KernelsConfig, device: torch.device) -> None:
     global _active
     if cfg.triton == "triton" and (reason := triton_unavailable_reason(device)):
         raise ConfigError(f"kernels.triton=triton cannot run here: {reason}; use kernels.triton=auto")
-    _active = KernelChoice(triton=cfg.triton, grouped_gemm=cfg.grouped_gemm, kda=cfg.kda)
+    _active = KernelChoice(triton=cfg.triton, grouped_gemm=cfg.grouped_gemm, kda=cfg.kda, attention=cfg.attention)
 
 
 def active() -> KernelChoice:
@@ -75,3 +76,10 @@ def use_triton(t: torch.Tensor) -> bool:
     if _active.triton == "auto":
         return t.is_cuda and triton_installed()
     return _active.triton == "triton"
+
+
+def use_flex_attention(t: torch.Tensor) -> bool:
+    """Whether MLA's attention over this tensor runs as one FlexAttention call (kernels/flex_attention.py)."""
+    if _active.attention == "auto":
+        return t.is_cuda
+    return _active.attention == "flex"

@@ -35,6 +35,10 @@ class KernelsConfig:
     """The local experts as one torch._grouped_mm (no host sync on the token counts) instead of one matmul
     per expert. auto: where that kernel runs for this device, dtype and widths; grouped: required (start-up
     error otherwise); loop: one matmul per expert (the reference)."""
+    attention: Literal["auto", "flex", "sdpa"] = "auto"
+    """MLA's document-causal attention. auto: FlexAttention on CUDA (one call per layer over every document,
+    kernels/flex_attention.py), else one SDPA per document (the reference, moe_pretrain/ops/document_attention.py);
+    flex: required (a start-up error where its backward cannot run: CPU); sdpa: the reference everywhere."""
     kda: Literal["auto", "fla", "torch"] = "auto"
     """KDA's chunked kernel. auto: fla's Triton chunk_kda on CUDA when fla is installed, else the PyTorch chunk
     form (moe_pretrain/ops/kda.py, the reference); fla: required (start-up error otherwise); torch: the

@@ -10,7 +10,9 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
+from kernels.flex_attention import document_block_mask
 from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
 
@@ -60,6 +62,12 @@ class DocumentLayout:
         """cu_seqlens as host integers, read once per forward (MLA's per-document loop needs them on the
         host; every MLA layer shares this one device-to-host copy)."""
         return self.cu_seqlens.tolist()
+
+    @functools.cached_property
+    def attention_mask(self) -> BlockMask:
+        """FlexAttention's block mask of the whole flattened sequence (causal, within documents), built on the
+        device once per forward and shared by every MLA layer (kernels/flex_attention.py)."""
+        return document_block_mask(self.cu_seqlens, self.document_bounds[-1])
 
     @functools.cached_property
     def sequence_positions(self) -> torch.Tensor:

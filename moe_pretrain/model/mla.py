@@ -4,7 +4,8 @@ Shape legend: B batch, T positions, D hidden, H heads, Dn nope dims, Dr rope dim
 c_Q = RMSNorm(W_DQ x); q = W_UQ c_Q -> [q_nope | q_rope]; [c_KV | k_rope] = W_DKV x;
 [k_nope | v] = W_UKV RMSNorm(c_KV); k = [k_nope | k_rope shared by all heads];
 out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
-(ops.document_causal_attention: no T x T mask).
+(ops.document_causal_attention, one SDPA per document, no T x T mask; on CUDA one FlexAttention call per
+layer, kernels/flex_attention.py, with the block mask built once per forward).
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
 down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. The layer
@@ -16,6 +17,8 @@ _attend by the latent exchange (parallel.cp_mla).
 import torch
 from torch import nn
 
+from kernels.flex_attention import flex_document_attention
+from kernels.selection import use_flex_attention
 from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
@@ -82,8 +85,12 @@ class GatedMLA(nn.Module):
         return maybe_recompute(self.recompute_core, self._core, q, k, v, layout)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """Causal attention within each document: [B, T, H, D] -> [B, T, H, Dv]."""
+        """Causal attention within each document: [B, T, H, D] -> [B, T, H, Dv]; one FlexAttention call on the
+        GPU (kernels.attention), one SDPA per document otherwise (the reference)."""
         rows, positions, heads = q.shape[:3]
-        out = document_causal_attention(*(t.reshape(rows * positions, heads, -1) for t in (q, k, v)),
-                                        layout.document_bounds, self.scale)
+        flat = [t.reshape(rows * positions, heads, -1) for t in (q, k, v)]
+        if use_flex_attention(q):
+            out = flex_document_attention(*flat, layout.attention_mask, self.scale)
+        else:
+            out = document_causal_attention(*flat, layout.document_bounds, self.scale)
         return out.reshape(rows, positions, heads, -1)

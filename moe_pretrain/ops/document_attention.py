@@ -9,7 +9,8 @@ kernel needs one head dim for q, k and v; MLA's values are narrower (128 against
 with unequal dims SDPA silently takes its math path, which saves each document's [L, L] probabilities
 (measured: ~doc length x heads floats per token). So the narrower of q/k and v is zero-padded to the
 wider and the output sliced back to Dv.
-A GPU varlen kernel (flash / Transformer Engine THD with cu_seqlens) would do all documents in one call.
+This is the CPU path and the reference; on CUDA MLA does all documents in one FlexAttention call
+(kernels/flex_attention.py, kernels.attention).
 """
 
 import itertools

@@ -1,0 +1,80 @@
+"""kernels/flex_attention.py (MLA's GPU attention path) against the per-document SDPA reference, forward on a
+CPU (FlexAttention compiles its forward here; its backward is CUDA-only, tests/gpu/test_flex_attention_gpu.py)."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kernels.flex_attention import document_block_mask, flex_document_attention
+from kernels.selection import choosing
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.ops.document_attention import document_causal_attention
+from moe_pretrain.planning.host_reads import HostReads
+from tests.models import tiny_config
+
+ROWS, T = 2, 160
+"""Two rows of 160 positions: N = 320 flattened, three 128-blocks, the last ragged (one compiled shape)."""
+LAYOUTS = {
+    "one document per row": [0, 160, 320],
+    "documents crossing blocks, single tokens, a block-aligned start": [0, 1, 2, 100, 128, 160, 161, 300, 320],
+    "many short documents": list(range(0, 321, 10)),
+}
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts the torch functions called (the ops a forward issues), whatever they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def mla_forward_calls(layer: GatedMLA, x: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    layout = DocumentLayout.from_doc_ids(doc_ids)
+    layout.attention_mask  # noqa: B018  (built once per forward, outside the layer)
+    layout.document_bounds  # noqa: B018
+    with TorchCalls() as calls:
+        out = layer(x, layout)
+    return out, calls.calls
+
+
+@pytest.mark.timeout(300)
+@torch.no_grad()
+def test_flex_attention_matches_the_reference_and_an_mla_layer_issues_the_same_ops_for_any_documents():
+    """float32: FlexAttention against one SDPA per document within 1e-5 (measured ~1e-6: the online
+    softmax's summation order), q / k head dim 12 and v's 8 as the TINY model has them, for every document
+    layout; its block mask is built with no host read. Then an MLA layer's forward on 1 and 32 documents per
+    row: with FlexAttention it calls the same torch functions (one attention launch, whatever the documents),
+    with the reference it calls more for more documents (one SDPA each)."""
+    cfg = tiny_config().model.mla
+    D, Dv, H = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.num_heads
+    gen = torch.Generator().manual_seed(0)
+    for name, bounds in LAYOUTS.items():
+        q, k = (torch.randn(ROWS * T, H, D, generator=gen) for _ in range(2))
+        v = torch.randn(ROWS * T, H, Dv, generator=gen)
+        with HostReads() as reads:
+            mask = document_block_mask(torch.tensor(bounds), ROWS * T)
+        assert reads.total == 0, name
+        got = flex_document_attention(q, k, v, mask, 0.3)
+        want = document_causal_attention(q, k, v, bounds, 0.3)
+        assert (got - want).abs().max() < 1e-5, name
+
+    torch.manual_seed(0)
+    layer = GatedMLA(32, cfg, init_std=0.02, out_std=0.02).eval()
+    x = torch.randn(ROWS, T, 32, generator=gen)
+    one = torch.arange(ROWS).unsqueeze(1).expand(ROWS, T)
+    many = torch.arange(T).div(T // 32, rounding_mode="floor").expand(ROWS, T)  # 32 documents per row
+    with choosing(attention="flex"):
+        flex_one, flex_one_calls = mla_forward_calls(layer, x, one)
+        flex_many, flex_many_calls = mla_forward_calls(layer, x, many)
+    with choosing(attention="sdpa"):
+        ref_one, ref_one_calls = mla_forward_calls(layer, x, one)
+        ref_many, ref_many_calls = mla_forward_calls(layer, x, many)
+    assert (flex_one - ref_one).abs().max() < 1e-5 and (flex_many - ref_many).abs().max() < 1e-5
+    assert flex_one_calls == flex_many_calls
+    assert ref_many_calls >= ref_one_calls + 30  # one SDPA (and a slice of each input) per extra document
