@@ -148,9 +148,16 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup
     _into(all_gather_single, out, x, group, "all_gather_into")
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """out [n, ...] <- this rank's slice of the sum over the group of x [size * n, ...] (in place; no grad)."""
-    _into(reduce_scatter_single, out, x, group, "reduce_scatter_into")
+def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
+                              ) -> dist.Work | None:
+    """out [n, ...] <- this rank's slice of the sum over the group of x [size * n, ...] (in place; no grad),
+    started and not waited for: the caller waits the returned work before reading out (None: a group of
+    one, out already holds x)."""
+    check_devices(group, [out, x], "reduce_scatter_into_async")
+    if group_size(group) == 1:
+        out.copy_(x)
+        return None
+    return reduce_scatter_single(out, x, group=group, async_op=True)
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:

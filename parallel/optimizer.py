@@ -11,6 +11,16 @@ parallel, expert parameters over expert-data parallel), so each rank receives th
 back into the parameter buffer. With a group of one (a single process) the collectives vanish and this is
 AdamW on the parameters themselves.
 
+The reduce-scatters overlap the backward (megatron-core's overlap_grad_reduce): zero_grad(backwards=M) arms
+each bucket with the number of gradient accumulations the step will make into it (M micro-batches times
+its parameters; post-accumulate-grad hooks count them down), and a bucket whose count reaches zero starts
+its reduce-scatter asynchronously while the backward goes on to earlier layers. Buckets start strictly in
+one fixed order (the order the backward completes them: the bucket of the latest parameters first), the
+same on every rank, so every group's collectives match across its ranks even if a bucket is not complete
+when a later one is (one waits for the other). reduce_gradients() starts whatever has not started (a
+bucket with a parameter that received no gradient this step) and waits for all. A parameter accumulating
+after its bucket started is an error, not a silent wrong sum.
+
 Gradients are summed, not averaged: the trainer already divides every loss by the global token count.
 The global norm counts every element once: within a group the slices are disjoint, dense parameters
 are sliced over all ranks, and each expert's parameters over the ranks that hold that expert.
@@ -23,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import all_gather_into, all_reduce_sum, group_size, reduce_scatter_into
+from parallel.collectives import all_gather_into, all_reduce_sum, group_size, reduce_scatter_into_async
 
 
 @dataclass
@@ -59,6 +69,11 @@ class _Bucket:
                 self.offsets.append(offset)
                 offset += p.numel()
         self.shard = nn.Parameter(self.data[self.start:self.start + self.shard_numel])
+        self.remaining: int | None = None
+        """Gradient accumulations still to come this step before the reduce-scatter may start (None: not
+        armed, so it starts in reduce_gradients)."""
+        self.work: dist.Work | None = None
+        self.started = False
 
     def attach_gradients(self) -> None:
         """Point every parameter's .grad at its view of the zeroed gradient buffer (autograd accumulates
@@ -69,16 +84,28 @@ class _Bucket:
         for p, offset in zip(self.params, self.offsets):
             p.grad = self.grad_data[offset:offset + p.numel()].view_as(p)
 
-    def reduce_scatter_gradient(self) -> None:
+    @property
+    def ready(self) -> bool:
+        return self.remaining == 0
+
+    def start_reduce_scatter(self) -> None:
+        """Start the gradient's reduce-scatter (asynchronously; finish_reduce_scatter waits)."""
         if self.grad_data is None:
             raise RuntimeError("ShardedAdamW.step before any zero_grad(): call zero_grad() before the first "
                                "backward, so gradients accumulate into the optimizer's buffers")
+        self.started = True
         if self.size == 1:
             self.shard.grad = self.grad_data
             return
-        shard = self.grad_data.new_empty(self.shard_numel)
-        reduce_scatter_into(shard, self.grad_data, self.group)
-        self.shard.grad = shard
+        self.shard.grad = self.grad_data.new_empty(self.shard_numel)
+        self.work = reduce_scatter_into_async(self.shard.grad, self.grad_data, self.group)
+
+    def finish_reduce_scatter(self) -> None:
+        if not self.started:
+            self.start_reduce_scatter()
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.started, self.remaining = None, False, None
 
     @torch.no_grad()
     def all_gather_parameters(self) -> None:
@@ -99,7 +126,10 @@ class _Bucket:
 
 class ShardedAdamW:
     def __init__(self, specs: list[ParamGroupSpec], *, lr: float, betas: tuple[float, float], eps: float,
-                 bucket_bytes: int, norm_group: dist.ProcessGroup | None):
+                 bucket_bytes: int, norm_group: dist.ProcessGroup | None,
+                 param_order: list[nn.Parameter] | None = None):
+        """param_order: every parameter in model order (forward order), which sets the order the buckets'
+        reduce-scatters start in (reverse); default: the specs' order."""
         self.norm_group = norm_group
         self.buckets: list[_Bucket] = []
         adam_groups = []
@@ -109,6 +139,13 @@ class ShardedAdamW:
             if spec_buckets:
                 adam_groups.append({"params": [b.shard for b in spec_buckets], "weight_decay": spec.weight_decay})
         self.adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=True)
+        # The backward completes the buckets of the model's later parameters first: start those first.
+        position = {id(p): i for i, p in enumerate(param_order or [p for b in self.buckets for p in b.params])}
+        self.start_order = sorted(self.buckets, key=lambda b: -min(position[id(p)] for p in b.params))
+        self._next_to_start = 0
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.register_post_accumulate_grad_hook(lambda _, bucket=bucket: self._accumulated(bucket))
         for bucket in self.buckets:
             # Created now (AdamW would at its first step) so a checkpoint can load into them in place.
             self.adamw.state[bucket.shard] = {
@@ -133,15 +170,36 @@ class ShardedAdamW:
     def param_groups(self) -> list[dict]:
         return self.adamw.param_groups
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, backwards: int | None = None) -> None:
+        """Zero the gradient buffers. backwards: the backward passes this step makes (its micro-batches),
+        each accumulating once into every parameter: the buckets then start their reduce-scatters during
+        the last one. None: they all start in reduce_gradients (a caller that counts nothing)."""
         for bucket in self.buckets:
+            if bucket.work is not None:  # a step abandoned mid-way: nothing may still read the buffer
+                bucket.work.wait()
+            bucket.work, bucket.started = None, False
             bucket.attach_gradients()
+            bucket.remaining = None if backwards is None else backwards * len(bucket.params)
+        self._next_to_start = 0
+
+    def _accumulated(self, bucket: _Bucket) -> None:
+        """A parameter's gradient of one backward has been accumulated into the bucket (autograd's hook)."""
+        if bucket.remaining is None:
+            return
+        if bucket.started:
+            raise RuntimeError("a gradient was accumulated into a bucket whose reduce-scatter had started: "
+                               "zero_grad(backwards=) was given fewer backward passes than the step made")
+        bucket.remaining -= 1
+        while self._next_to_start < len(self.start_order) and self.start_order[self._next_to_start].ready:
+            self.start_order[self._next_to_start].start_reduce_scatter()
+            self._next_to_start += 1
 
     def reduce_gradients(self) -> torch.Tensor:
-        """Reduce-scatter every bucket's gradient; returns the global gradient norm, still on the device (the
-        caller reads it with the step's other scalars, once)."""
-        for bucket in self.buckets:
-            bucket.reduce_scatter_gradient()
+        """Finish every bucket's reduce-scatter (starting those the backward did not); returns the global
+        gradient norm, still on the device (the caller reads it with the step's other scalars, once)."""
+        for bucket in self.start_order:
+            bucket.finish_reduce_scatter()
+        self._next_to_start = 0
         grads = [b.shard.grad for b in self.buckets]
         local = torch.stack(torch._foreach_norm(grads, 2)).pow(2).sum()  # no squared copy of any gradient
         return all_reduce_sum(local, self.norm_group).sqrt()

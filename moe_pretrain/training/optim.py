@@ -28,7 +28,8 @@ def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: S
     o = cfg.optim
     return ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                         bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),
-                        norm_group=dist.group.WORLD if ctx.distributed else None)
+                        norm_group=dist.group.WORLD if ctx.distributed else None,
+                        param_order=[p for p in model.parameters() if p.requires_grad])
 
 
 def learning_rate(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -220,7 +220,7 @@ class Trainer:
         lr = plan.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
         ce_sum = self.runner.forward_backward(plan, batches, loss_tokens)
         if self.pipeline is None:
             loss = all_reduce_sum(ce_sum, ctx.dp_group) / loss_tokens
