@@ -41,20 +41,22 @@ def config(layers: int, micro_batches: int, run_dir: str, *overrides: str):
     return load_config("configs/smoke.yaml", [
         f"model.num_layers={layers}", f"model.layer_pattern={pattern}", f"data.micro_batches={micro_batches}",
         "train.steps=2", "train.dtype=float32", "eval.tokens=0", "eval.every=0", "logging.progress=false",
-        f"train.run_dir={run_dir}", *overrides])
+        # Gradient buckets of 100 KiB: the smoke model's parameters fill one 25 MiB bucket per group, leaving
+        # its reduce-scatter nothing to overlap; at full size a stage has thousands of 25 MiB buckets.
+        "parallel.bucket_mb=0.1", f"train.run_dir={run_dir}", *overrides])
 
 
 def _purpose() -> str:
     """The innermost frame in moe_pretrain/ or parallel/ other than the collectives' own modules, marked
-    'bwd' when the call comes from an autograd backward (whose caller is the engine, not the layer)."""
-    frame, backward = sys._getframe(2), False
+    'bwd' when the call is made while a backward runs (a backward function's, or a gradient hook's)."""
+    frame, purpose, backward = sys._getframe(2), "?", False
     while frame is not None:
         path, name = frame.f_code.co_filename, frame.f_code.co_name
         backward |= name in ("backward", "bwd")
-        if path.startswith(_PACKAGES) and not path.endswith(_PLUMBING):
-            return path[len(_ROOT):].removeprefix("moe_pretrain/").removesuffix(".py") + (" bwd" if backward else "")
+        if purpose == "?" and path.startswith(_PACKAGES) and not path.endswith(_PLUMBING):
+            purpose = path[len(_ROOT):].removeprefix("moe_pretrain/").removesuffix(".py")
         frame = frame.f_back
-    return "?"
+    return purpose + (" bwd" if backward else "")
 
 
 def _bytes(value) -> int:

@@ -39,8 +39,10 @@ def layouts(n: int) -> list[tuple[str, list[str]]]:
 
 
 class Smoke:
-    def __init__(self, procs: int, out: Path, gpus: bool):
+    def __init__(self, procs: int, out: Path, gpus: bool, overrides: list[str] | None = None):
         self.procs, self.out, self.gpus = procs, out, gpus
+        self.overrides = overrides or []
+        """Config overrides every run takes (before each run's own)."""
         self.rows: list[tuple[str, bool, float, str]] = []
         self.losses: dict[str, list[float]] = {}
         self.run_dirs: dict[str, Path] = {}
@@ -50,7 +52,7 @@ class Smoke:
         # No evaluation (make smoke has it): these check layouts, resume and reshard, each in a few steps.
         base = ["-m", "launch.train", "--config", "configs/smoke.yaml", f"train.steps={STEPS}", "eval.tokens=0",
                 "eval.every=0", "logging.progress=false", f"train.run_dir={run_dir}",
-                *([] if self.gpus else ["parallel.backend=gloo"])]
+                *([] if self.gpus else ["parallel.backend=gloo"]), *self.overrides]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
                if procs > 1 else [sys.executable])
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs on this node to use (NCCL)")
     parser.add_argument("--procs", type=int, default=2, help="CPU processes when --gpus is 0 (gloo)")
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value), e.g. a smaller "
+                        "model; the layouts' own come after them")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="moe-smoke-"))
     if args.out and out.exists() and any(out.iterdir()):
         print(f"launch.smoke: --out {out} is not empty; give a new folder", file=sys.stderr)
         return 2
-    smoke = Smoke(args.gpus or args.procs, out, gpus=args.gpus > 0)
+    smoke = Smoke(args.gpus or args.procs, out, gpus=args.gpus > 0, overrides=args.overrides)
     passed = smoke.run()
     print(f"\n{smoke.table()}\n\nsmoke test {'PASSED' if passed else 'FAILED'}; runs and logs in {out}")
     return 0 if passed else 1
