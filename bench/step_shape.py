@@ -1,5 +1,6 @@
 """The shape of one training step: host reads of tensor values, and collectives by purpose (calls and bytes),
-per step as depth and micro-batches grow (issue 25's before / after table).
+per step as depth and micro-batches grow, and an MLA layer's ops as documents per row grow (issue 25's
+before / after table).
 
 Run: .venv/bin/python bench/step_shape.py [--layers 2 8] [--micro-batches 1 4] [--world 2]
 The smoke model (layer pattern cut to the depth, 3 KDA : 1 MLA), fp32, one warm-up step, then one counted
@@ -22,9 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels.selection import choosing
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.planning.host_reads import HostReads
+from moe_pretrain.planning.torch_calls import TorchCalls
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 
@@ -117,6 +122,24 @@ def collectives_worker(rank: int, world_size: int, layers: int, micro_batches: i
         destroy_parallel()
 
 
+@torch.no_grad()
+def mla_calls(documents_per_row: int, attention: str, rows: int = 2, seq_len: int = 256) -> int:
+    """Torch calls of one MLA layer's forward (the smoke model's) over rows of `documents_per_row` documents,
+    with the layout (bounds, block mask) built beforehand, once per forward in the model."""
+    cfg = config(2, 1, "unused")
+    torch.manual_seed(0)
+    layer = GatedMLA(cfg.model.hidden_size, cfg.model.mla, init_std=0.02, out_std=0.02).eval()
+    doc_ids = torch.arange(seq_len).div(seq_len // documents_per_row, rounding_mode="floor").expand(rows, seq_len)
+    layout = DocumentLayout.from_doc_ids(doc_ids)
+    layout.document_bounds  # noqa: B018
+    if attention == "flex":
+        layout.attention_mask  # noqa: B018
+    x = torch.randn(rows, seq_len, cfg.model.hidden_size)
+    with choosing(attention=attention), TorchCalls() as calls:
+        layer(x, layout)
+    return calls.calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8])
@@ -155,6 +178,11 @@ def main() -> None:
             cells = [f"{counts.get(p, [0, 0])[0]:d} ({counts.get(p, [0, 0])[1] / 1e6:.2f})".rjust(len(p))
                      for p in purposes]
             print(f"{layers:6d} {micro:5d} {total:6d} {total / base:6.2f}  " + "  ".join(cells))
+    print("\ntorch calls of one MLA layer's forward (smoke model, 2 rows x 256 positions), ratio against 1 document "
+          "per row\n  attention             1 doc/row  32 docs/row  ratio")
+    for attention, what in (("sdpa", "SDPA per document"), ("flex", "FlexAttention")):
+        one, many = mla_calls(1, attention), mla_calls(32, attention)
+        print(f"  {what:20s} {one:10d} {many:12d} {many / one:6.2f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ CPU (FlexAttention compiles its forward here; its backward is CUDA-only, tests/g
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from kernels.flex_attention import document_block_mask, flex_document_attention
 from kernels.selection import choosing
@@ -11,6 +10,7 @@ from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.document_attention import document_causal_attention
 from moe_pretrain.planning.host_reads import HostReads
+from moe_pretrain.planning.torch_calls import TorchCalls
 from tests.models import tiny_config
 
 ROWS, T = 2, 160
@@ -20,18 +20,6 @@ LAYOUTS = {
     "documents crossing blocks, single tokens, a block-aligned start": [0, 1, 2, 100, 128, 160, 161, 300, 320],
     "many short documents": list(range(0, 321, 10)),
 }
-
-
-class TorchCalls(TorchFunctionMode):
-    """Counts the torch functions called (the ops a forward issues), whatever they are."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def mla_forward_calls(layer: GatedMLA, x: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
