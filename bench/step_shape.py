@@ -26,6 +26,7 @@ import torch.distributed as dist
 from kernels.selection import choosing
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.planning.host_reads import HostReads
@@ -127,8 +128,7 @@ def mla_calls(documents_per_row: int, attention: str, rows: int = 2, seq_len: in
     """Torch calls of one MLA layer's forward (the smoke model's) over rows of `documents_per_row` documents,
     with the layout (bounds, block mask) built beforehand, once per forward in the model."""
     cfg = config(2, 1, "unused")
-    torch.manual_seed(0)
-    layer = GatedMLA(cfg.model.hidden_size, cfg.model.mla, init_std=0.02, out_std=0.02).eval()
+    layer = initialize(GatedMLA(cfg.model.hidden_size, cfg.model.mla, init_std=0.02, out_std=0.02), 0).eval()
     doc_ids = torch.arange(seq_len).div(seq_len // documents_per_row, rounding_mode="floor").expand(rows, seq_len)
     layout = DocumentLayout.from_doc_ids(doc_ids)
     layout.document_bounds  # noqa: B018

@@ -6,6 +6,7 @@ import torch
 
 from kernels.flex_attention import document_block_mask, flex_document_attention
 from kernels.selection import choosing
+from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.ops.document_attention import document_causal_attention
@@ -52,8 +53,7 @@ def test_flex_attention_matches_the_reference_and_an_mla_layer_issues_the_same_o
         want = document_causal_attention(q, k, v, bounds, 0.3)
         assert (got - want).abs().max() < 1e-5, name
 
-    torch.manual_seed(0)
-    layer = GatedMLA(32, cfg, init_std=0.02, out_std=0.02).eval()
+    layer = initialize(GatedMLA(32, cfg, init_std=0.02, out_std=0.02), 0).eval()
     x = torch.randn(ROWS, T, 32, generator=gen)
     one = torch.arange(ROWS).unsqueeze(1).expand(ROWS, T)
     many = torch.arange(T).div(T // 32, rounding_mode="floor").expand(ROWS, T)  # 32 documents per row
