@@ -143,9 +143,16 @@ def _into(collective, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGro
         collective(out, x, group=group)
 
 
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """out [size * n, ...] <- every rank's x [n, ...] in rank order (in place; no grad)."""
-    _into(all_gather_single, out, x, group, "all_gather_into")
+def all_gather_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
+                          ) -> dist.Work | None:
+    """out [size * n, ...] <- every rank's x [n, ...] in rank order (in place; no grad), started and not
+    waited for: the caller waits the returned work before reading out (None: a group of one, out already
+    holds x)."""
+    check_devices(group, [out, x], "all_gather_into_async")
+    if group_size(group) == 1:
+        out.copy_(x)
+        return None
+    return all_gather_single(out, x, group=group, async_op=True)
 
 
 def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None

@@ -21,6 +21,13 @@ when a later one is (one waits for the other). reduce_gradients() starts whateve
 bucket with a parameter that received no gradient this step) and waits for all. A parameter accumulating
 after its bucket started is an error, not a silent wrong sum.
 
+The all-gathers overlap the next forward (megatron-core's overlap_param_gather): update() starts every
+bucket's all-gather in model order and returns; gate_parameter_use(units) makes each unit (a decoder layer,
+the embeddings, the head: modules whose forward is the only reader of their parameters) wait, in a forward
+pre-hook, for the buckets holding its parameters, so the first layers compute while the later layers'
+parameters arrive. Anything else that reads parameters must call finish_parameter_gathers() first; the
+model's state_dict (saves, exports) does so by a hook.
+
 Gradients are summed, not averaged: the trainer already divides every loss by the global token count.
 The global norm counts every element once: within a group the slices are disjoint, dense parameters
 are sliced over all ranks, and each expert's parameters over the ranks that hold that expert.
@@ -33,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import all_gather_into, all_reduce_sum, group_size, reduce_scatter_into_async
+from parallel.collectives import all_gather_into_async, all_reduce_sum, group_size, reduce_scatter_into_async
 
 
 @dataclass
@@ -74,6 +81,8 @@ class _Bucket:
         armed, so it starts in reduce_gradients)."""
         self.work: dist.Work | None = None
         self.started = False
+        self.gathering: tuple[dist.Work, torch.Tensor] | None = None
+        """The parameters' all-gather under way, and the shard copy it sends."""
 
     def attach_gradients(self) -> None:
         """Point every parameter's .grad at its view of the zeroed gradient buffer (autograd accumulates
@@ -108,9 +117,16 @@ class _Bucket:
         self.work, self.started, self.remaining = None, False, None
 
     @torch.no_grad()
-    def all_gather_parameters(self) -> None:
+    def start_all_gather(self) -> None:
+        """Start gathering every rank's updated shard into the parameter buffer (finish_all_gather waits)."""
         if self.size > 1:
-            all_gather_into(self.data, self.shard.detach().clone(), self.group)
+            source = self.shard.detach().clone()
+            self.gathering = (all_gather_into_async(self.data, source, self.group), source)
+
+    def finish_all_gather(self) -> None:
+        if self.gathering is not None:
+            self.gathering[0].wait()
+            self.gathering = None
 
     def pieces(self) -> list[tuple[nn.Parameter, int, int, int]]:
         """(parameter, its first and end element in this rank's range, where that part starts in the range)
@@ -143,6 +159,7 @@ class ShardedAdamW:
         position = {id(p): i for i, p in enumerate(param_order or [p for b in self.buckets for p in b.params])}
         self.start_order = sorted(self.buckets, key=lambda b: -min(position[id(p)] for p in b.params))
         self._next_to_start = 0
+        self._gated = False
         for bucket in self.buckets:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(lambda _, bucket=bucket: self._accumulated(bucket))
@@ -206,7 +223,8 @@ class ShardedAdamW:
 
     def update(self, max_norm: float, total_norm: float) -> None:
         """Clip the reduced gradients to max_norm (<= 0: no clipping) by their global norm (every rank has
-        the same), run AdamW on this rank's slices, gather the parameters. A caller that skips a step
+        the same), run AdamW on this rank's slices, start gathering the parameters (finished here unless
+        gate_parameter_use made the next forward wait for them). A caller that skips a step
         (non-finite loss or norm) does not call this: parameters and Adam state stay untouched."""
         if not math.isfinite(total_norm):
             raise ValueError(f"ShardedAdamW.update with a non-finite gradient norm {total_norm}: skip the step")
@@ -215,8 +233,31 @@ class ShardedAdamW:
             if coef < 1.0:
                 torch._foreach_mul_([b.shard.grad for b in self.buckets], coef)
         self.adamw.step()
+        for bucket in reversed(self.start_order):  # model order: the first layers' parameters first
+            bucket.start_all_gather()
+        if not self._gated:
+            self.finish_parameter_gathers()
+
+    def finish_parameter_gathers(self) -> None:
+        """Wait until every parameter holds its updated value on this rank."""
         for bucket in self.buckets:
-            bucket.all_gather_parameters()
+            bucket.finish_all_gather()
+
+    def gate_parameter_use(self, root: nn.Module, units: list[nn.Module]) -> None:
+        """Let the parameter all-gathers run into the next forward: each unit waits, before its forward, for
+        the buckets holding its parameters; root's state_dict waits for all. Every parameter must be in some
+        unit, and a unit's forward must be the only reader of its parameters (module docstring)."""
+        bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        covered = set()
+        for unit in units:
+            buckets = list({id(bucket_of[id(p)]): bucket_of[id(p)] for p in unit.parameters()
+                            if id(p) in bucket_of}.values())
+            covered.update(id(p) for p in unit.parameters())
+            unit.register_forward_pre_hook(_waiting_for(buckets))
+        if missing := [name for name, p in root.named_parameters() if id(p) in bucket_of and id(p) not in covered]:
+            raise ValueError(f"gate_parameter_use: parameters in no unit would be read before they arrive: {missing}")
+        root.register_state_dict_pre_hook(lambda *_: self.finish_parameter_gathers())
+        self._gated = True
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: the Adam moments of its slices (the master slice is a
@@ -233,3 +274,11 @@ class ShardedAdamW:
         """The Adam step count (bias correction) after loading a checkpoint of `step` optimizer steps."""
         for state in self.adamw.state.values():
             state["step"].fill_(step)
+
+
+def _waiting_for(buckets: list[_Bucket]):
+    """A forward pre-hook that waits for these buckets' all-gathers."""
+    def hook(_module: nn.Module, _args: tuple) -> None:
+        for bucket in buckets:
+            bucket.finish_all_gather()
+    return hook

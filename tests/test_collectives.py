@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from launch.local import run_distributed
 from parallel.collectives import (
     CollectiveDeviceError,
-    all_gather_into,
+    all_gather_into_async,
     all_reduce_max,
     all_reduce_sum,
     all_to_all_counts,
@@ -124,7 +124,7 @@ def test_collectives_refuse_tensors_their_backend_does_not_carry(backend):
         "all_reduce_max": lambda x: all_reduce_max(x, group),
         "all_to_all_rows": lambda x: all_to_all_rows(x, [4], [4], group),
         "all_to_all_counts": lambda x: all_to_all_counts(x, group),
-        "all_gather_into": lambda x: all_gather_into(x, x, group),
+        "all_gather_into_async": lambda x: all_gather_into_async(x, x, group),
         "reduce_scatter_into_async": lambda x: reduce_scatter_into_async(x, x, group),
         "gather_from_sequence_parallel": lambda x: gather_from_sequence_parallel(x.view(1, 4), group),
         "reduce_scatter_to_sequence_parallel": lambda x: reduce_scatter_to_sequence_parallel(x.view(1, 4), group),

@@ -42,6 +42,9 @@ class ParallelConfig:
     nccl -> CUDA (local rank's GPU), gloo -> CPU; so gloo forces a CPU run on a GPU machine."""
     bucket_mb: float = 25.0
     """Gradient reduce-scatter bucket size in MiB."""
+    overlap_param_gather: bool = True
+    """Let each step's parameter all-gathers run into the next forward, each layer waiting for its own
+    parameters (parallel/optimizer.py); false: the optimizer step waits for them all."""
     timeout_s: float = 600.0
     """Process-group timeout: a collective waiting longer fails instead of hanging (gloo's default is
     30 minutes); keep it above the longest checkpoint save."""

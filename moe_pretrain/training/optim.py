@@ -26,10 +26,22 @@ def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: S
                       if p.requires_grad and reduce_group[name] == group_name and (p.dim() >= 2) == decay]
             specs.append(ParamGroupSpec(params, getattr(ctx, group_name), cfg.optim.weight_decay if decay else 0.0))
     o = cfg.optim
-    return ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                        bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),
-                        norm_group=dist.group.WORLD if ctx.distributed else None,
-                        param_order=[p for p in model.parameters() if p.requires_grad])
+    optimizer = ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),
+                             norm_group=dist.group.WORLD if ctx.distributed else None,
+                             param_order=[p for p in model.parameters() if p.requires_grad])
+    if cfg.parallel.overlap_param_gather:
+        optimizer.gate_parameter_use(model, parameter_units(model))
+    return optimizer
+
+
+def parameter_units(model: nn.Module) -> list[nn.Module]:
+    """The modules whose forward alone reads their parameters, for the all-gather's waits: the model's
+    children (embeddings, final mix, norm, head), the layers inside its layer container one by one."""
+    units = []
+    for child in model.children():
+        units.extend(child.values() if isinstance(child, nn.ModuleDict) else [child])
+    return units
 
 
 def learning_rate(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -404,6 +404,7 @@ class Trainer:
             self._wait_for_async_save()
             checkpoint.wait_for_deletions()  # a finished run leaves no pruned checkpoint half deleted
         finally:
+            self.optimizer.finish_parameter_gathers()  # the caller may read the parameters
             self.batches.close()
             watchdog.close()
             signals.close()

@@ -1,6 +1,7 @@
-"""parallel/optimizer.ShardedAdamW starts each bucket's gradient reduce-scatter during the step's last
-backward (2 processes, gloo): every bucket has started before reduce_gradients, in the fixed order on
-both ranks, and the reduced gradients are bitwise those of reducing after the backward."""
+"""parallel/optimizer.ShardedAdamW overlaps its collectives with compute (2 processes, gloo): each bucket's
+gradient reduce-scatter starts during the step's last backward (every bucket before reduce_gradients, in
+the fixed order on both ranks; bitwise the sums of reducing after the backward), and the parameters'
+all-gathers run into the next forward, each layer waiting for its own (bitwise the same forward)."""
 
 import pytest
 import torch
@@ -70,3 +71,38 @@ def test_a_bucket_without_a_gradient_holds_back_only_the_buckets_after_it():
     (layers 1 and 0) start in reduce_gradients; the sums are the same."""
     started, same, _ = run_distributed(overlap_worker, 2, True)
     assert started == [True, True, False, False, False] and same
+
+
+def gather_worker(rank: int, world_size: int) -> tuple:
+    dist.init_process_group("gloo")
+    try:
+        outputs, pending_after_update = [], None
+        for gated in (True, False):
+            model, optimizer = model_and_optimizer()
+            if gated:
+                optimizer.gate_parameter_use(model, list(model))
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+            optimizer.zero_grad(backwards=1)
+            forward(model, x, False).square().sum().backward()
+            optimizer.update(1.0, float(optimizer.reduce_gradients()))
+            if gated:  # still under way: the forward's layers wait for them one by one
+                pending_after_update = [bucket.gathering is not None for bucket in optimizer.buckets]
+            outputs.append(forward(model, x, False).detach())
+            if gated:
+                assert all(bucket.gathering is None for bucket in optimizer.buckets)
+        model, optimizer = model_and_optimizer()
+        optimizer.gate_parameter_use(model, list(model))
+        optimizer.zero_grad(backwards=1)
+        forward(model, torch.randn(8, 16), False).sum().backward()
+        optimizer.update(1.0, float(optimizer.reduce_gradients()))
+        model.state_dict()  # what saves and exports read: it waits for every gather
+        finished_by_state_dict = all(bucket.gathering is None for bucket in optimizer.buckets)
+        return pending_after_update, torch.equal(*outputs), finished_by_state_dict
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_parameter_gathers_run_into_the_next_forward():
+    pending, same, finished_by_state_dict = run_distributed(gather_worker, 2)
+    assert pending == [True] * 5 and same and finished_by_state_dict
