@@ -38,7 +38,10 @@ class Quantized:
 
 
 def _per_element(scale_inv: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """Block scales [ceil(M/br), ceil(K/bc)] spread to every element of an [M, K] operand."""
+    """Block scales [ceil(M/br), ceil(K/bc)] spread to every element of an [M, K] operand; one scale stays
+    [1, 1] and broadcasts (tensorwise and delayed scaling: no [M, K] copy of a scalar)."""
+    if scale_inv.numel() == 1:
+        return scale_inv.reshape(1, 1)
     rows, cols = shape
     return scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
