@@ -16,8 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.selection import choosing, triton_unavailable_reason
-from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm
+from kernels.choice import Kernels
+from kernels.triton_support import triton_unavailable_reason
+from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm, fp8_unavailable_reason
+from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
+from moe_pretrain.fp8.settings import Engine, Fp8Settings
+from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
+from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.ops import grouped_mm, situ_glu
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
 from parallel.dispatch import LocalTokenDispatcher
@@ -51,10 +56,22 @@ def forward_backward(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> 
     return step
 
 
+ENGINES: tuple[Engine, ...] = ("torch", "scaled_grouped_mm", "transformer_engine")
+
+
+def engine_reason(recipe: str, engine: Engine, device: torch.device) -> str | None:
+    """Why this FP8 engine cannot run `recipe` here (the torch loop: blocked recipes only on CPU)."""
+    if engine == "transformer_engine":
+        return te_unavailable_reason(RECIPES[recipe], device)
+    if engine == "scaled_grouped_mm":
+        return scaled_grouped_mm_unavailable_reason(RECIPES[recipe], device)
+    return fp8_unavailable_reason(recipe, device)
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=7, help="local experts (7: 896 experts over ep 128)")
     parser.add_argument("--rows", type=int, default=2048 if cuda else 256, help="routed rows per expert")
     parser.add_argument("--latent", type=int, default=3584 if cuda else 256)
     parser.add_argument("--intermediate", type=int, default=3072 if cuda else 256)
@@ -81,30 +98,28 @@ def main() -> None:
     else:
         gate, up = torch.randn(R, F, device=device, dtype=dtype), torch.randn(R, F, device=device, dtype=dtype)
 
-        def situ(backend):
+        def situ(fused):
             def run(g, u):
-                with choosing(triton=backend):
-                    return situ_glu(g, u)
+                return situ_glu(g, u, fused=fused)
             return forward_backward(run, gate, up)
-        timed("fused SiTU-GLU fwd+bwd", situ("triton"), situ("torch"), "eager")
+        timed("fused SiTU-GLU fwd+bwd", situ(True), situ(False), "eager")
         tokens = R // args.top_k
         topk = torch.rand(tokens, E, device=device).topk(args.top_k, dim=1).indices
         hidden = torch.randn(tokens, L, device=device, dtype=dtype)
         weights = torch.rand(tokens, args.top_k, device=device)
-        dispatcher = LocalTokenDispatcher(E)
 
-        def moved(backend):
+        def moved(fused):
+            dispatcher = LocalTokenDispatcher(E, fused=fused)
+
             def run(h, wt):
-                with choosing(triton=backend):
-                    rows, _, meta = dispatcher.dispatch(h, topk, wt)
-                    return dispatcher.combine(rows, meta)
+                rows, _, meta = dispatcher.dispatch(h, topk, wt)
+                return dispatcher.combine(rows, meta)
             return forward_backward(run, hidden, weights)
-        timed("dispatch + combine fwd+bwd (permute kernels)", moved("triton"), moved("torch"), "eager")
+        timed("dispatch + combine fwd+bwd (permute kernels)", moved(True), moved(False), "eager")
 
     def gemm(choice):
         def run(a, b):
-            with choosing(grouped_gemm=choice):
-                return grouped_mm(a, b, counts)
+            return grouped_mm(a, b, counts, choice)
         return run
 
     grouped_reason = grouped_kernel_unavailable_reason(device, dtype, L, F)
@@ -115,19 +130,33 @@ def main() -> None:
         timed("grouped GEMM fwd+bwd", forward_backward(gemm("grouped"), x, w), forward_backward(gemm("loop"), x, w),
               "per-expert loop")
         bf16_choice = "grouped"
-    fp8 = Fp8Experts(RECIPES["tensorwise"], amax_history=1)
+    def fp8_gemm(recipe: str, engine: Engine):
+        settings = Fp8Settings(RECIPES[recipe], 16, engine)
+        owner = GroupedExperts(E, L, F, beta=4.0, linear_beta=25.0, init_std=0.02, out_std=0.02,
+                               kernels=Kernels(fp8=settings)).to(device)
 
-    def fp8_gemm(a, b):
-        return fp8_grouped_mm(a, b, counts, fp8, "bench")
-    timed("FP8 tensorwise expert GEMM fwd+bwd", forward_backward(fp8_gemm, x, w),
-          forward_backward(gemm(bf16_choice), x, w), f"bf16 {bf16_choice}")
+        def run(a, b):
+            return fp8_grouped_mm(a, b, counts, Fp8Experts(settings, owner), "gate")
+        return run
+
+    fp8_runs = {}
+    for recipe in RECIPES:
+        for engine in ENGINES:
+            if reason := engine_reason(recipe, engine, device):
+                rows.append((f"FP8 {recipe} via {engine}", "skipped", reason))
+                continue
+            fp8_runs[recipe, engine] = fp8_gemm(recipe, engine)
+            timed(f"FP8 {recipe} via {engine} expert GEMM fwd+bwd", forward_backward(fp8_runs[recipe, engine], x, w),
+                  forward_backward(gemm(bf16_choice), x, w), f"bf16 {bf16_choice}")
 
     flops = 2 * R * L * F
     plain_w = w[0].T.contiguous()
     plain_s = median_time(lambda: x @ plain_w, device, args.repeats)
+    forwards = {f"bf16 {bf16_choice} expert GEMM fwd": lambda: gemm(bf16_choice)(x, w)}
+    for (recipe, engine), run in fp8_runs.items():
+        forwards[f"FP8 {recipe} via {engine} expert GEMM fwd"] = lambda run=run: run(x, w)
     with torch.no_grad():
-        for name, fn in ((f"bf16 {bf16_choice} expert GEMM fwd", lambda: gemm(bf16_choice)(x, w)),
-                         ("FP8 tensorwise expert GEMM fwd", lambda: fp8_gemm(x, w))):
+        for name, fn in forwards.items():
             seconds = median_time(fn, device, args.repeats)
             rows.append((name, f"{flops / seconds / 1e12:.1f} TFLOP/s",
                          f"{plain_s / seconds:.2f}x of plain bf16 matmul ({flops / plain_s / 1e12:.1f} TFLOP/s)"))
@@ -138,10 +167,10 @@ def main() -> None:
         return ((y.double() - reference).norm() / reference.norm()).item()
     with torch.no_grad():
         bf16_error = error(grouped_mm(x, w, counts))
-        for name, recipe in RECIPES.items():
-            y = fp8_grouped_mm(x, w, counts, Fp8Experts(recipe, amax_history=1), "error")
-            rows.append((f"FP8 {name} forward error", f"{error(y):.4f}", f"{error(y) / bf16_error:.1f}x bf16's "
-                                                                          f"{bf16_error:.4f} (vs float64)"))
+        for (recipe, engine), run in fp8_runs.items():
+            y = run(x, w)
+            rows.append((f"FP8 {recipe} via {engine} forward error", f"{error(y):.4f}",
+                         f"{error(y) / bf16_error:.1f}x bf16's {bf16_error:.4f} (vs float64)"))
 
     print(f"\nexpert fast paths on {torch.cuda.get_device_name() if cuda else 'CPU'}: {E} experts x {args.rows} rows, "
           f"latent {L}, intermediate {F}, bf16, median of {args.repeats}")

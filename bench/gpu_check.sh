@@ -2,12 +2,15 @@
 # The GPU check of the fast paths (issue 13), one call of at most 10 minutes on one CUDA GPU:
 #   1. the Triton kernel tests natively on the GPU (tests/test_kernels.py) and tests/gpu/: fla chunk_kda
 #      against the CPU reference in fp32, grouped GEMM (bf16) against the loop, cuBLAS FP8 against the CPU's
-#      FP8 GEMM, the recipe rules, a 20-step training with FP8 (tensorwise, delayed) against bf16, and bf16
-#      against float32 (the routed experts' compute copies follow the masters);
+#      FP8 GEMM, the recipe rules, each FP8 engine (torch._scaled_grouped_mm; Transformer Engine's grouped
+#      GEMM for every recipe TE runs here) against the CPU emulation, forward and both gradients, a 20-step
+#      training per FP8 engine and recipe against bf16, and bf16 against float32;
 #   2. tests/test_fp8.py (each recipe's relative error against fp32, on the CPU numerics);
 #   3. a 20-step smoke training (launch.train, configs/smoke.yaml, bf16) with precision.fp8=tensorwise;
 #   4. bench/fast_paths.py: fused SiTU-GLU vs eager, permute kernels vs eager, grouped GEMM vs the loop,
-#      FP8 vs bf16 expert GEMM, expert-GEMM TFLOP/s vs a plain bf16 matmul, each recipe's error vs bf16.
+#      FP8 (each recipe x engine) vs bf16 expert GEMM at 7 local experts of 3072 x 3584, TFLOP/s vs a plain
+#      bf16 matmul, each recipe's error vs bf16.
+# Transformer Engine comes from the image (NGC PyTorch); without it the TE rows and tests say so and skip.
 # It prints one table last: each step's result and seconds, then the bench's rows. Logs: $LOGS (default
 # runs/gpu_check/, or $OUT where the device tool sets it).
 #
@@ -36,6 +39,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.__version__, torch.cuda.get_device_name())" \
     || exit 1
+"$PY" -c "import transformer_engine as te; print('transformer_engine', te.__version__)" 2>/dev/null \
+    || echo "transformer_engine: not importable (its rows and tests skip)"
 
 results=()
 step() {  # step NAME SECONDS_LIMIT COMMAND...: run with a time limit, log to $LOGS/NAME.log, record the outcome

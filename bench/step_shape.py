@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.selection import choosing
+from kernels.choice import Kernels
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
 from moe_pretrain.model.init import initialize
@@ -128,14 +128,16 @@ def mla_calls(documents_per_row: int, attention: str, rows: int = 2, seq_len: in
     """Torch calls of one MLA layer's forward (the smoke model's) over rows of `documents_per_row` documents,
     with the layout (bounds, block mask) built beforehand, once per forward in the model."""
     cfg = config(2, 1, "unused")
-    layer = initialize(GatedMLA(cfg.model.hidden_size, cfg.model.mla, init_std=0.02, out_std=0.02), 0).eval()
+    layer = GatedMLA(cfg.model.hidden_size, cfg.model.mla, init_std=0.02, out_std=0.02,
+                     kernels=Kernels(attention=attention))
+    initialize(layer, 0).eval()
     doc_ids = torch.arange(seq_len).div(seq_len // documents_per_row, rounding_mode="floor").expand(rows, seq_len)
     layout = DocumentLayout.from_doc_ids(doc_ids)
     layout.document_bounds  # noqa: B018
     if attention == "flex":
         layout.attention_mask  # noqa: B018
     x = torch.randn(rows, seq_len, cfg.model.hidden_size)
-    with choosing(attention=attention), TorchCalls() as calls:
+    with TorchCalls() as calls:
         layer(x, layout)
     return calls.calls
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from kernels.fast_paths import state_kernels
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import read_trainer_state
 from moe_pretrain.config import load_config
@@ -51,7 +52,7 @@ def _worker(rank: int, world_size: int, source: str, target: str, overrides: lis
             before = resident_bytes()
             reset_peak()
             with LiveTensorBytes() as live:
-                state = TrainingState(cfg, ctx, draw_values=False)
+                state = TrainingState(cfg, ctx, draw_values=False, kernels=state_kernels(cfg))
                 state.load(Path(source))
                 path = state.save(Path(target))
             held = sum(p.numel() * p.element_size() for p in state.model.parameters())

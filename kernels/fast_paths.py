@@ -1,19 +1,29 @@
-"""Which fast paths a run uses on its device: checked and set once at start-up, then reported.
+"""Which fast paths a run's model is built with, and what they are: resolved once, then read from the model.
 
-configure() turns the kernels and precision sections into the process's choices and refuses, naming the
-key, any forced fast path or FP8 recipe this machine cannot run (never a silent fallback). fast_paths()
-says, in words, what each hot path runs on, so a user reading a job log knows whether the expensive parts
-ran on fla / Triton / grouped-GEMM / FP8 kernels or on the PyTorch references.
+resolve() turns the kernels and precision sections into a Kernels value (kernels/choice.py) for the run's
+device and compute dtype: auto picks the fast path where it runs, and a forced fast path or an FP8 recipe
+this machine cannot run is a ConfigError naming its key (never a silent fallback). The model is built with
+it (training/parallelize.build_model), and fast_paths() reads the choices back from the built modules, so
+a job log says what the expensive parts actually run on: fla / Triton / grouped-GEMM / FP8 kernels or the
+PyTorch references.
 """
 
 import torch
+from torch import nn
 
-from kernels import selection
+from kernels.choice import Kernels
 from kernels.flex_attention import flex_unavailable_reason
 from kernels.kda import fla_unavailable_reason
+from kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.config import Config, ConfigError
-from moe_pretrain.fp8 import fp8_unavailable_reason
-from moe_pretrain.fp8.recipes import describe as describe_fp8
+from moe_pretrain.fp8 import RECIPES, fp8_unavailable_reason
+from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
+from moe_pretrain.fp8.settings import Engine, Fp8Settings
+from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
+from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.model.kda import KimiDeltaAttention
+from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
 
 
@@ -29,48 +39,112 @@ def kda_gate_floor(cfg: Config) -> float | None:
     return cfg.model.kda.lower_bound if cfg.model.kda.gate == "lower_bound" else None
 
 
-def configure(cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
-    """Validate the forced choices for this device and compute dtype (train.dtype's) and make them the
-    process's (kernels.selection)."""
-    if cfg.kernels.grouped_gemm == "grouped" and (reason := grouped_gemm_reason(cfg, device, dtype)):
-        raise ConfigError(f"kernels.grouped_gemm=grouped cannot run here: {reason}; use kernels.grouped_gemm=auto")
-    if cfg.kernels.attention == "flex" and (reason := flex_unavailable_reason(device, training=True)):
-        raise ConfigError(f"kernels.attention=flex cannot run here: {reason}; use kernels.attention=auto")
-    if cfg.kernels.kda == "fla" and (reason := fla_unavailable_reason(device, kda_gate_floor(cfg))):
-        raise ConfigError(f"kernels.kda=fla cannot run here: {reason}; use kernels.kda=auto")
-    if cfg.precision.fp8 != "off" and (reason := fp8_unavailable_reason(cfg.precision.fp8, device)):
-        raise ConfigError(f"precision.fp8={cfg.precision.fp8} cannot run on {device}: {reason}")
-    selection.configure(cfg.kernels, device)
+def _choose(key: str, choice: str, forced: str, reason: str | None, auto: bool) -> bool:
+    """Whether the fast path `forced` of kernels.<key> is taken: forced and able, or auto and able (auto:
+    whether auto takes it on this device at all). A forced path that cannot run is a ConfigError."""
+    if choice == forced and reason:
+        raise ConfigError(f"kernels.{key}={forced} cannot run here: {reason}; use kernels.{key}=auto")
+    return reason is None and (choice == forced or (choice == "auto" and auto))
 
 
-def fast_paths(cfg: Config, device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """Each fast path's state for this run on this device, in words."""
-    kda_reason = ("kernels.kda=torch" if cfg.kernels.kda == "torch"
-                  else fla_unavailable_reason(device, kda_gate_floor(cfg)))
-    triton_reason = selection.triton_unavailable_reason(device)
-    if cfg.kernels.triton == "torch":
-        triton = "off (kernels.triton=torch): PyTorch references"
-    elif triton_reason is None and (cfg.kernels.triton == "triton" or device.type == "cuda"):
-        triton = "on"
-    else:
-        triton = f"off ({triton_reason or 'auto takes them on CUDA only'}): PyTorch references"
-    grouped_reason = grouped_gemm_reason(cfg, device, dtype)
-    grouped = ("off (kernels.grouped_gemm=loop): one matmul per expert" if cfg.kernels.grouped_gemm == "loop"
-               else f"off ({grouped_reason}): one matmul per expert" if grouped_reason
-               else "torch._grouped_mm, forward and backward")
-    if cfg.precision.fp8 != "off":
-        grouped = f"{grouped} (unused by the FP8 expert GEMMs, which loop over experts)"
-    flex_reason = ("kernels.attention=sdpa" if cfg.kernels.attention == "sdpa"
-                   else flex_unavailable_reason(device, training=True))
-    return {
-        "KDA": f"PyTorch chunk form ({kda_reason})" if kda_reason else "fla chunk_kda (Triton)",
-        "MLA attention": (f"one SDPA per document ({flex_reason})" if flex_reason
-                          else "FlexAttention, one call per layer"),
-        "FP8": describe_fp8(cfg.precision.fp8, device),
-        "grouped GEMM": grouped,
-        "Triton kernels (SiTU-GLU, MoE permute)": triton,
+def fp8_engine(cfg: Config, device: torch.device) -> Engine:
+    """The FP8 expert GEMMs' engine for precision.fp8's recipe on this device (kernels.fp8_gemm)."""
+    name, choice = cfg.precision.fp8, cfg.kernels.fp8_gemm
+    recipe = RECIPES[name]
+    te_reason = te_unavailable_reason(recipe, device)
+    if choice == "transformer_engine" and te_reason:
+        raise ConfigError(f"kernels.fp8_gemm=transformer_engine cannot run precision.fp8={name} here: {te_reason}")
+    if choice != "torch" and te_reason is None:
+        return "transformer_engine"
+    if reason := fp8_unavailable_reason(name, device):
+        te_note = f" (Transformer Engine: {te_reason})" if choice == "auto" and device.type == "cuda" else ""
+        raise ConfigError(f"precision.fp8={name} cannot run on {device}: {reason}{te_note}")
+    return "scaled_grouped_mm" if scaled_grouped_mm_unavailable_reason(recipe, device) is None else "torch"
+
+
+def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:
+    """The kernels a model for this run is built with, on this device and compute dtype (train.dtype's)."""
+    k = cfg.kernels
+    cuda = device.type == "cuda"
+    reasons = {
+        "triton": triton_unavailable_reason(device),
+        "grouped_gemm": grouped_gemm_reason(cfg, device, dtype),
+        "attention": flex_unavailable_reason(device, training=True),
+        "kda": fla_unavailable_reason(device, kda_gate_floor(cfg)),
     }
+    triton = _choose("triton", k.triton, "triton", reasons["triton"], cuda)
+    grouped = _choose("grouped_gemm", k.grouped_gemm, "grouped", reasons["grouped_gemm"], True)
+    flex = _choose("attention", k.attention, "flex", reasons["attention"], cuda)
+    fla = _choose("kda", k.kda, "fla", reasons["kda"], cuda)
+    fp8 = None
+    if cfg.precision.fp8 != "off":
+        fp8 = Fp8Settings(RECIPES[cfg.precision.fp8], cfg.precision.fp8_amax_history, fp8_engine(cfg, device))
+    chosen = {key: getattr(k, key) for key in reasons}
+    why_not = {key: (f"kernels.{key}={chosen[key]}" if chosen[key] != "auto"
+                     else reason or "auto takes it on CUDA only") for key, reason in reasons.items()}
+    return Kernels(triton=triton, grouped_gemm="grouped" if grouped else "loop", kda="fla" if fla else "torch",
+                   attention="flex" if flex else "sdpa", fp8=fp8, why_not=tuple(why_not.items()))
 
 
-def describe(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
-    return "fast paths: " + "; ".join(f"{name}: {state}" for name, state in fast_paths(cfg, device, dtype).items())
+def state_kernels(cfg: Config) -> Kernels:
+    """The references, with the run's FP8 state (delayed scaling's histories): for tools that build a model to
+    move its state (resharding), not to run it, on a machine that may not run the run's fast paths."""
+    if cfg.precision.fp8 == "off":
+        return Kernels()
+    return Kernels(fp8=Fp8Settings(RECIPES[cfg.precision.fp8], cfg.precision.fp8_amax_history))
+
+
+_ENGINES = {"transformer_engine": "Transformer Engine's grouped GEMM (general_grouped_gemm) and quantizers",
+            "scaled_grouped_mm": "torch._scaled_grouped_mm forward (one call), torch._scaled_mm backward per expert",
+            "torch": "torch._scaled_mm per expert"}
+
+
+def _fp8(settings: Fp8Settings | None) -> str:
+    if settings is None:
+        return "off (precision.fp8)"
+    engine = _ENGINES[settings.engine]
+    if settings.engine == "torch" and not settings.recipe.tensorwise:
+        engine = "exact CPU emulation (quantize to FP8, fp32-accumulated GEMM)"
+    return f"{settings.recipe.name} on the routed experts' GEMMs via {engine}"
+
+
+def _module_states(model: nn.Module) -> dict[str, set[str]]:
+    """Each fast path's state in words, as every module that runs it was built."""
+    notes = dict(model.kernels.why_not) if isinstance(getattr(model, "kernels", None), Kernels) else {}
+
+    def off(key: str, reference: str) -> str:
+        return f"{reference} ({notes[key]})" if key in notes else reference
+
+    states: dict[str, set[str]] = {}
+    for module in model.modules():
+        found: dict[str, str] = {}
+        if isinstance(module, KimiDeltaAttention):
+            found["KDA"] = "fla chunk_kda (Triton)" if module.fla else off("kda", "PyTorch chunk form")
+        elif isinstance(module, GatedMLA):
+            found["MLA attention"] = ("FlexAttention, one call per layer" if module.attention == "flex"
+                                      else off("attention", "one SDPA per document"))
+        elif isinstance(module, GroupedExperts):
+            found["FP8"] = _fp8(module.fp8_settings)
+            gemm = {"grouped": "torch._grouped_mm, forward and backward",
+                    "loop": off("grouped_gemm", "one matmul per expert"),
+                    "auto": "torch._grouped_mm where the operands allow, else one matmul per expert",
+                    }[module.grouped_gemm]
+            if module.fp8_settings is not None:
+                gemm += " (unused: the FP8 engine runs the expert GEMMs)"
+            found["grouped GEMM"] = gemm
+        if isinstance(module, (GroupedExperts, SiTUGLUMLP)):  # built with the MoE dispatcher's choice
+            found["Triton kernels (SiTU-GLU, MoE permute)"] = ("on" if module.fused
+                                                               else off("triton", "off: PyTorch references"))
+        for path, state in found.items():
+            states.setdefault(path, set()).add(state)
+    return states
+
+
+def fast_paths(model: nn.Module) -> dict[str, str]:
+    """Each fast path's state for this model, in words, read from its modules (a path whose modules were
+    built differently lists each way)."""
+    return {path: "; ".join(sorted(states)) for path, states in _module_states(model).items()}
+
+
+def describe(model: nn.Module) -> str:
+    return "fast paths: " + "; ".join(f"{name}: {state}" for name, state in fast_paths(model).items())

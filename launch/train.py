@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg, ctx)
         log.info(start_line(cfg, trainer))
-        log.info(describe_fast_paths(cfg, ctx.device, trainer.dtype))
+        log.info(describe_fast_paths(trainer.model))
         history = trainer.run()
     except Preempted as stop:
         log.info(f"{stop}; exiting with {stop.exit_code}" + ("" if stop.interrupted else " (requeue)"))

@@ -46,8 +46,8 @@ def _block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
-    def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int):
-        super().__init__(num_experts)
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int, *, fused: bool = False):
+        super().__init__(num_experts, fused=fused)
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = rank

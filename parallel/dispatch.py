@@ -27,8 +27,10 @@ class DispatchMetadata:
 class LocalTokenDispatcher:
     """All experts live on this process: dispatch is a stable sort by expert id."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, *, fused: bool = False):
         self.num_experts = num_experts
+        self.fused = fused
+        """permute / unpermute through our Triton kernels (Kernels.triton)."""
         self.num_local_experts = num_experts
         self.first_local_expert = 0
 
@@ -43,8 +45,8 @@ class LocalTokenDispatcher:
         positions[order] = torch.arange(order.numel(), device=order.device)
         positions = positions.reshape(num_tokens, k)
         counts = expert_load(flat_expert, self.num_experts)
-        return permute(x_TL, order // k, positions), counts, DispatchMetadata(positions, topk_weight)
+        return permute(x_TL, order // k, positions, fused=self.fused), counts, DispatchMetadata(positions, topk_weight)
 
     def combine(self, y_grouped: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
         """Weighted sum of each token's expert outputs -> [T, L] in y's dtype."""
-        return unpermute(y_grouped, meta.positions, meta.weights)
+        return unpermute(y_grouped, meta.positions, meta.weights, fused=self.fused)

@@ -1,14 +1,21 @@
-"""Start-up checks and report of the fast paths (kernels/fast_paths.py): forced choices this machine cannot run
-are refused naming their key; the report says what each hot path runs on."""
+"""The kernel seam (kernels/choice.py, kernels/fast_paths.py): a run's kernels are resolved once, forced choices
+this machine cannot run are refused naming their key, the model's modules are built with the choices (no process
+state: two models with different choices run side by side), and the report reads them from the built model."""
 
 import pytest
 import torch
 
-from kernels import selection
-from kernels.fast_paths import configure, describe
+from kernels.choice import Kernels
+from kernels.fast_paths import describe, resolve
 from kernels.kda import fla_backend
 from kernels.kda.fla_backend import fla_unavailable_reason, safe_gate_reason
 from moe_pretrain.config import ConfigError
+from moe_pretrain.fp8 import RECIPES
+from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
+from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.model.init import initialize
+from moe_pretrain.planning.host_reads import HostReads
+from moe_pretrain.training.parallelize import build_model
 from tests.models import tiny_config
 
 CPU = torch.device("cpu")
@@ -16,26 +23,62 @@ CPU = torch.device("cpu")
 
 def test_forced_fast_paths_that_cannot_run_are_refused_naming_the_key(monkeypatch):
     with pytest.raises(ConfigError, match=r"kernels\.grouped_gemm=grouped cannot run here: .*float64"):
-        configure(tiny_config("kernels.grouped_gemm=grouped", "train.dtype=float64"), CPU, torch.float64)
+        resolve(tiny_config("kernels.grouped_gemm=grouped", "train.dtype=float64"), CPU, torch.float64)
     with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's Triton kernels need CUDA"):
-        configure(tiny_config("kernels.kda=fla"), CPU, torch.float32)
+        resolve(tiny_config("kernels.kda=fla"), CPU, torch.float32)
+    with pytest.raises(ConfigError, match=r"kernels\.attention=flex cannot run here: FlexAttention has no backward"):
+        resolve(tiny_config("kernels.attention=flex"), CPU, torch.float32)
+    with pytest.raises(ConfigError, match=r"kernels\.fp8_gemm=transformer_engine cannot run precision\.fp8="
+                                          r"tensorwise here: Transformer Engine needs CUDA"):
+        resolve(tiny_config("precision.fp8=tensorwise", "kernels.fp8_gemm=transformer_engine"), CPU, torch.float32)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match=r"kernels\.triton=triton cannot run here: device cpu needs TRITON_INTERPRET"):
-        configure(tiny_config("kernels.triton=triton"), CPU, torch.float32)
+        resolve(tiny_config("kernels.triton=triton"), CPU, torch.float32)
 
 
-def test_the_report_names_each_fast_path_and_why_it_is_off():
+def test_the_fp8_engines_take_the_recipes_and_machines_they_run():
+    """Without TE, torch's grouped FP8 GEMM takes the single-scale recipes on compute capability 9.0 / 10.0 only;
+    on CPU every recipe resolves to torch's loop / the exact emulation."""
+    cuda = torch.device("cuda")
+    for name in ("tensorwise", "delayed"):
+        assert scaled_grouped_mm_unavailable_reason(RECIPES[name], cuda, capability=(9, 0)) is None
+        assert scaled_grouped_mm_unavailable_reason(RECIPES[name], cuda, capability=(10, 0)) is None
+        assert "9.0 / 10.0" in scaled_grouped_mm_unavailable_reason(RECIPES[name], cuda, capability=(8, 9))
+    assert "block scales" in scaled_grouped_mm_unavailable_reason(RECIPES["blockwise"], cuda, capability=(9, 0))
+    for name in RECIPES:
+        kernels = resolve(tiny_config(f"precision.fp8={name}"), CPU, torch.float32)
+        assert kernels.fp8.recipe is RECIPES[name] and kernels.fp8.engine == "torch"
+
+
+def test_the_report_reads_each_fast_path_from_the_built_model_and_says_why_it_is_off():
     cfg = tiny_config("precision.fp8=blockwise", "kernels.triton=torch", "kernels.kda=torch")
-    with selection.choosing():
-        configure(cfg, CPU, torch.float32)
-        text = describe(cfg, CPU, torch.float32)
+    text = describe(build_model(cfg))
     assert "KDA: PyTorch chunk form (kernels.kda=torch)" in text
     assert "FP8: blockwise on the routed experts' GEMMs via exact CPU emulation" in text
-    assert "grouped GEMM: torch._grouped_mm, forward and backward (unused by the FP8 expert GEMMs" in text
-    assert "Triton kernels (SiTU-GLU, MoE permute): off (kernels.triton=torch)" in text
-    loop = tiny_config("kernels.grouped_gemm=loop")
-    assert "grouped GEMM: off (kernels.grouped_gemm=loop): one matmul per expert" in describe(loop, CPU, torch.float32)
-    assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in describe(loop, CPU, torch.float32)
+    assert "grouped GEMM: torch._grouped_mm, forward and backward (unused: the FP8 engine" in text
+    assert "Triton kernels (SiTU-GLU, MoE permute): off: PyTorch references (kernels.triton=torch)" in text
+    loop = describe(build_model(tiny_config("kernels.grouped_gemm=loop")))
+    assert "grouped GEMM: one matmul per expert (kernels.grouped_gemm=loop)" in loop
+    assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in loop
+    assert "MLA attention: one SDPA per document (FlexAttention has no backward on cpu)" in loop
+
+
+def test_two_models_with_different_kernels_run_side_by_side_in_one_process():
+    """The choice lives in the modules: the loop reads the counts on the host, the grouped kernel does not,
+    whichever ran last; both agree to fp32 accumulation order."""
+    experts = {}
+    for kernel in ("loop", "grouped"):
+        module = GroupedExperts(4, 16, 32, beta=4.0, linear_beta=25.0, init_std=0.02, out_std=0.02,
+                                kernels=Kernels(grouped_gemm=kernel))
+        experts[kernel] = initialize(module, 0)
+    x, counts = torch.randn(11, 16, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 0, 6, 2])
+    outputs, reads = {}, {}
+    for kernel in ("loop", "grouped", "loop"):
+        with HostReads() as host:
+            outputs[kernel] = experts[kernel](x, counts)
+        reads[kernel] = host.total
+    assert reads == {"loop": 3, "grouped": 0}  # the loop reads them for each of its three GEMMs
+    torch.testing.assert_close(outputs["loop"], outputs["grouped"], rtol=1e-5, atol=1e-6)
 
 
 def test_fla_takes_only_the_gate_floors_its_safe_gate_is_exact_for(monkeypatch):
@@ -50,6 +93,6 @@ def test_fla_takes_only_the_gate_floors_its_safe_gate_is_exact_for(monkeypatch):
         assert fla_unavailable_reason(cuda, None) is None  # the softplus gate: no safe gate, no floor
     with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's safe gate takes "
                                           r"model\.kda\.lower_bound in \[-5, 0\), not -6"):
-        configure(tiny_config("kernels.kda=fla", "model.kda.lower_bound=-6"), CPU, torch.float32)
+        resolve(tiny_config("kernels.kda=fla", "model.kda.lower_bound=-6"), CPU, torch.float32)
     assert "KDA: PyTorch chunk form (fla's safe gate takes model.kda.lower_bound" in describe(
-        tiny_config("model.kda.lower_bound=-6"), CPU, torch.float32)
+        build_model(tiny_config("model.kda.lower_bound=-6")))

@@ -4,8 +4,8 @@ CPU (FlexAttention compiles its forward here; its backward is CUDA-only, tests/g
 import pytest
 import torch
 
+from kernels.choice import Kernels
 from kernels.flex_attention import document_block_mask, flex_document_attention
-from kernels.selection import choosing
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA
@@ -53,16 +53,16 @@ def test_flex_attention_matches_the_reference_and_an_mla_layer_issues_the_same_o
         want = document_causal_attention(q, k, v, bounds, 0.3)
         assert (got - want).abs().max() < 1e-5, name
 
-    layer = initialize(GatedMLA(32, cfg, init_std=0.02, out_std=0.02), 0).eval()
+    flex_layer = initialize(GatedMLA(32, cfg, init_std=0.02, out_std=0.02, kernels=Kernels(attention="flex")), 0)
+    layer = initialize(GatedMLA(32, cfg, init_std=0.02, out_std=0.02), 0).eval()  # the same values, sdpa
+    flex_layer.eval()
     x = torch.randn(ROWS, T, 32, generator=gen)
     one = torch.arange(ROWS).unsqueeze(1).expand(ROWS, T)
     many = torch.arange(T).div(T // 32, rounding_mode="floor").expand(ROWS, T)  # 32 documents per row
-    with choosing(attention="flex"):
-        flex_one, flex_one_calls = mla_forward_calls(layer, x, one)
-        flex_many, flex_many_calls = mla_forward_calls(layer, x, many)
-    with choosing(attention="sdpa"):
-        ref_one, ref_one_calls = mla_forward_calls(layer, x, one)
-        ref_many, ref_many_calls = mla_forward_calls(layer, x, many)
+    flex_one, flex_one_calls = mla_forward_calls(flex_layer, x, one)
+    flex_many, flex_many_calls = mla_forward_calls(flex_layer, x, many)
+    ref_one, ref_one_calls = mla_forward_calls(layer, x, one)
+    ref_many, ref_many_calls = mla_forward_calls(layer, x, many)
     assert (flex_one - ref_one).abs().max() < 1e-5 and (flex_many - ref_many).abs().max() < 1e-5
     assert flex_one_calls == flex_many_calls
     assert ref_many_calls >= ref_one_calls + 30  # one SDPA (and a slice of each input) per extra document

@@ -6,13 +6,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from kernels.choice import Kernels
+from launch.local import run_distributed
+from moe_pretrain.checkpoint import committed_checkpoints
 from moe_pretrain.config import ConfigError
-from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm, fp8_unavailable_reason
-from moe_pretrain.fp8.experts import AmaxHistory
+from moe_pretrain.fp8 import RECIPES, Fp8Experts, advance_amax_histories, fp8_grouped_mm, fp8_unavailable_reason
+from moe_pretrain.fp8.experts import FP8_HISTORY
 from moe_pretrain.fp8.quantize import quantize, scaled_matmul
+from moe_pretrain.fp8.settings import Fp8Settings
+from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training import Trainer
-from parallel.state import ParallelContext
+from moe_pretrain.training.state import TrainingState
+from parallel.collectives import all_gather_stacked
+from parallel.state import ParallelContext, destroy_parallel, init_parallel
 from tests.models import tiny_config
 
 COUNTS = [300, 0, 500, 200]
@@ -29,6 +38,17 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return ((actual.double() - reference).norm() / reference.norm()).item()
 
 
+def experts_module(recipe: str, num_experts: int = len(COUNTS), history: int = 4) -> GroupedExperts:
+    """An experts module built with FP8 (its delayed-scaling buffers, where the recipe keeps them)."""
+    return GroupedExperts(num_experts, 8, 8, beta=4.0, linear_beta=25.0, init_std=0.02, out_std=0.02,
+                          kernels=Kernels(fp8=Fp8Settings(RECIPES[recipe], history)))
+
+
+def fp8_of(recipe: str, **kwargs) -> Fp8Experts:
+    module = experts_module(recipe, **kwargs)
+    return Fp8Experts(module.fp8_settings, module)
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_recipe_expert_gemm_forward_and_gradients_against_fp32(name):
     gen = torch.Generator().manual_seed(0)
@@ -37,7 +57,7 @@ def test_each_recipe_expert_gemm_forward_and_gradients_against_fp32(name):
     w64 = torch.randn(len(COUNTS), 384, 256, generator=gen, dtype=torch.float64) * 0.05
     grad64 = torch.randn(sum(COUNTS), 384, generator=gen, dtype=torch.float64)
     x, w = x64.float().requires_grad_(), w64.float().requires_grad_()
-    y = fp8_grouped_mm(x, w, torch.tensor(COUNTS), Fp8Experts(RECIPES[name], amax_history=4), "gate")
+    y = fp8_grouped_mm(x, w, torch.tensor(COUNTS), fp8_of(name), "gate")
     y.backward(grad64.float())
     x64.requires_grad_()
     w64.requires_grad_()
@@ -83,21 +103,23 @@ def test_block_scales_isolate_an_outlier():
 
 
 def test_delayed_scaling_follows_the_history_of_steps():
-    history = AmaxHistory(length=2)
-    assert history.scaling_amax("x", 0, torch.tensor(1.0)) == 1.0  # before any step: current scaling
-    assert history.scaling_amax("x", 0, torch.tensor(8.0)) == 8.0  # still the first step
-    history.advance()  # step 1's largest amax, 8, joins the history
+    fp8 = fp8_of("delayed", history=2)
+    assert fp8.scaling_amax("up.x", 0, torch.tensor(1.0)) == 1.0  # before any step: current scaling
+    assert fp8.scaling_amax("up.x", 0, torch.tensor(8.0)) == 8.0  # still the first step
+    advance_amax_histories(fp8.owner)  # step 1's largest amax, 8, joins the history
     for current, expected in [(2.0, 8.0), (3.0, 8.0), (4.0, 3.0)]:
-        assert history.scaling_amax("x", 0, torch.tensor(current)) == expected
-        history.advance()  # the spike leaves after two steps
-    assert history.scaling_amax("x", 1, torch.tensor(5.0)) == 5.0  # experts keep their own histories
+        assert fp8.scaling_amax("up.x", 0, torch.tensor(current)) == expected
+        advance_amax_histories(fp8.owner)  # the spike leaves after two steps
+    assert fp8.scaling_amax("up.x", 1, torch.tensor(5.0)) == 5.0  # experts keep their own histories
+    assert fp8.scaling_amax("down.x", 0, torch.tensor(0.5)) == 0.5  # and each operand its own
+    assert experts_module("tensorwise").state_dict().keys() == {"w_gate", "w_up", "w_down"}  # no history kept
 
 
 def test_recipes_this_machine_cannot_run_are_refused_at_start_up():
     cuda = torch.device("cuda")
     assert fp8_unavailable_reason("tensorwise", cuda, capability=(9, 0)) is None
     assert "8.9+" in fp8_unavailable_reason("delayed", cuda, capability=(8, 0))
-    assert "no GPU GEMM" in fp8_unavailable_reason("blockwise", cuda, capability=(9, 0))
+    assert "no torch GPU GEMM (Transformer Engine" in fp8_unavailable_reason("blockwise", cuda, capability=(9, 0))
     assert all(fp8_unavailable_reason(name, torch.device("cpu")) is None for name in RECIPES)
     with pytest.raises(ConfigError, match=r"precision\.fp8=mxfp8 needs train.dtype float32 or bfloat16"):
         tiny_config("precision.fp8=mxfp8", "train.dtype=float64")
@@ -109,13 +131,13 @@ delayed 0.0007, blockwise 0.0014, mxfp8 0.0010 (bf16 4.434 from 5.6 at step 1; b
 train, tests/test_bf16_training.py); the test runs two of them."""
 
 
-def losses_with_fp8(tmp_path: Path, recipes: tuple[str, ...], ctx: ParallelContext | None = None
-                    ) -> tuple[dict[str, float], float]:
+def losses_with_fp8(tmp_path: Path, recipes: tuple[str, ...], ctx: ParallelContext | None = None,
+                    extra: tuple[str, ...] = ()) -> tuple[dict[str, float], float]:
     """20 bf16 steps of the tiny model per recipe ('off' = bf16 GEMMs): ({recipe: mean loss of the last 5
     steps}, the first step's loss). Each run's weights stay fp32 and its losses finite."""
     losses, first = {}, math.nan
     for fp8 in recipes:
-        cfg = tiny_config("train.steps=20", "train.dtype=bfloat16", f"precision.fp8={fp8}")
+        cfg = tiny_config("train.steps=20", "train.dtype=bfloat16", f"precision.fp8={fp8}", *extra)
         cfg.train.run_dir, cfg.logging.progress = str(tmp_path / fp8), False
         trainer = Trainer(cfg, ctx)
         history = trainer.run()
@@ -136,3 +158,99 @@ def test_fp8_training_stays_within_a_small_loss_gap_of_bf16(tmp_path):
     assert losses["off"] < first - 0.5, losses
     gaps = loss_gaps(losses)
     assert all(gap <= LOSS_GAP for gap in gaps.values()), f"gaps to bf16 {gaps}, losses {losses}"
+
+
+@pytest.mark.parametrize("name, per_gemm", [("tensorwise", 1), ("mxfp8", 2)])
+def test_expert_weights_are_quantized_once_per_step(monkeypatch, name, per_gemm):
+    """Two micro-batches' forward and backward inside one step's region quantize each expert's weights once per
+    GEMM (mxfp8's 1x32 blocks twice: the dx GEMM needs them along the other dimension), with the same results
+    as quantizing afresh every time; outside a region every use (forward, dx) quantizes again."""
+    module = experts_module(name, history=4)
+    for p in module.parameters():
+        p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(sum(COUNTS), 8, generator=torch.Generator().manual_seed(4))
+    weight_quantizations = []
+    original = Fp8Experts.quantize
+
+    def counting(self, t, op, expert, **kwargs):
+        weight_quantizations.append(op) if op.endswith(".w") else None
+        return original(self, t, op, expert, **kwargs)
+
+    monkeypatch.setattr(Fp8Experts, "quantize", counting)
+
+    def two_micro_batches():
+        outs = []
+        for _ in range(2):
+            y = module(x, torch.tensor(COUNTS))
+            y.square().sum().backward()
+            outs.append(y.detach())
+        return outs
+
+    with reused_in_step():
+        reused = two_micro_batches()
+    assert len(weight_quantizations) == 3 * 3 * per_gemm  # 3 GEMMs x 3 experts with rows
+    weight_quantizations.clear()
+    fresh = two_micro_batches()
+    assert len(weight_quantizations) == 2 * 3 * 3 * 2  # every forward and every dx GEMM
+    assert all(torch.equal(a, b) for a, b in zip(reused + reused, fresh + fresh))
+
+
+def test_scaled_grouped_mm_operands_are_the_loops_quantization_and_pass_torchs_checks():
+    """The one-call engine's row-wise e4m3 operands (each expert's rows under its own scale) dequantize to exactly
+    what the loop's per-expert tensorwise quantization gives; its call satisfies torch._scaled_grouped_mm's own
+    shape, stride and dtype rules (its meta function: the kernel itself runs on CUDA only)."""
+    from moe_pretrain.fp8.scaled_grouped_mm import grouped_call, quantize_rows, stacked_weights
+
+    for name in ("tensorwise", "delayed"):
+        fp8 = fp8_of(name)
+        x = torch.randn(sum(COUNTS), 32, generator=torch.Generator().manual_seed(5)) * 3
+        counts = torch.tensor(COUNTS)
+        data, scale = quantize_rows(x, counts, fp8, "gate")
+        parts = enumerate(torch.split(x, COUNTS))
+        loop = [fp8.quantize(part, "gate.x", e).dequantize() for e, part in parts if len(part)]
+        assert torch.equal(data.float() * scale.unsqueeze(1), torch.cat(loop))
+        w = torch.randn(len(COUNTS), 48, 32, generator=torch.Generator().manual_seed(6))
+        w_data, w_scale = stacked_weights(w, fp8, "gate")
+        for e in range(len(COUNTS)):
+            expected = fp8.weight(w, "gate", e).dequantize()
+            assert torch.equal(w_data[e].float() * w_scale[e].unsqueeze(1), expected)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        meta = [t.to("meta") for t in (data, scale, w_data, w_scale, offsets)]
+        out = grouped_call(*meta)
+        assert out.shape == (sum(COUNTS), 48) and out.dtype == torch.bfloat16
+
+
+def delayed_worker(rank, world_size, run_dir):
+    """2 data-parallel ranks, each its own micro-batches, 3 steps of delayed FP8 and a checkpoint: every rank's
+    histories (gathered to rank 0)."""
+    cfg = tiny_config("train.steps=3", "train.dtype=float32", "precision.fp8=delayed", "logging.progress=false",
+                      f"train.run_dir={run_dir}")
+    ctx = init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        trainer.run()
+        histories = {k: v for k, v in trainer.model.state_dict().items() if k.endswith(FP8_HISTORY)}
+        return {k: all_gather_stacked(v.contiguous(), dist.group.WORLD) for k, v in histories.items()}
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.timeout(240)
+def test_delayed_histories_agree_over_data_parallel_ranks_and_are_checkpointed(tmp_path):
+    gathered = run_distributed(delayed_worker, 2, str(tmp_path))
+    assert gathered  # one history per MoE layer
+    for key, per_rank in gathered.items():
+        assert torch.equal(per_rank[0], per_rank[1]), key  # one all-reduced amax per step on both ranks
+        assert (per_rank[0][:, -3:] > 0).all() and (per_rank[0][:, :-3] == 0).all(), key  # 3 steps recorded
+    (_, checkpoint), *_ = committed_checkpoints(tmp_path / "checkpoints")
+    cfg = tiny_config("precision.fp8=delayed", "train.dtype=float32")
+    state = TrainingState(cfg, ParallelContext.single(), draw_values=False)
+    state.load(checkpoint)
+    for key, per_rank in gathered.items():
+        assert torch.equal(state.model.state_dict()[key], per_rank[0]), key  # resumed as saved
+    off = TrainingState(tiny_config("train.dtype=float32"), ParallelContext.single(), draw_values=False)
+    off.load(checkpoint)  # a run without FP8 ignores the histories
+    fresh = TrainingState(cfg, ParallelContext.single(), draw_values=False)
+    off.save(tmp_path / "off")
+    fresh.load(committed_checkpoints(tmp_path / "off")[0][1])  # ...and one written without them loads with empty ones
+    assert all((fresh.model.state_dict()[key] == 0).all() for key in gathered)

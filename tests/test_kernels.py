@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.selection import choosing, triton_unavailable_reason
+from kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.ops import situ_glu
 from moe_pretrain.ops.permute import permute, unpermute
 from parallel.dispatch import LocalTokenDispatcher
@@ -28,10 +28,9 @@ def close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> 
     assert err <= TOLERANCE[dtype], f"{dtype}: max error {err:.3g} of the largest value (bound {TOLERANCE[dtype]})"
 
 
-def run(fn, *inputs, backend: str):
+def run(fn, *inputs, fused: bool):
     leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
-    with choosing(triton=backend):
-        out = fn(*leaves)
+    out = fn(*leaves, fused=fused)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
     out.backward(grad_out)
     return out, [x.grad for x in leaves if x.requires_grad]
@@ -44,12 +43,12 @@ def test_fused_situ_glu_matches_reference(dtype, shape):
     gate = (torch.randn(shape, generator=gen, dtype=torch.float64) * 6).to(DEVICE, dtype)
     up = (torch.randn(shape, generator=gen, dtype=torch.float64) * 40).to(DEVICE, dtype)
     for beta, linear_beta in [(4.0, 25.0), (2.0, 7.0)]:
-        def fn(g, u, beta=beta, linear_beta=linear_beta):
-            return situ_glu(g, u, beta, linear_beta)
+        def fn(g, u, beta=beta, linear_beta=linear_beta, *, fused):
+            return situ_glu(g, u, beta, linear_beta, fused=fused)
 
-        out, grads = run(fn, gate, up, backend="triton")
+        out, grads = run(fn, gate, up, fused=True)
         reference_inputs = (gate.double(), up.double()) if dtype == torch.float32 else (gate, up)
-        ref_out, ref_grads = run(fn, *reference_inputs, backend="torch")
+        ref_out, ref_grads = run(fn, *reference_inputs, fused=False)
         assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
         close(out, ref_out, dtype)
         for grad, ref in zip(grads, ref_grads):
@@ -70,25 +69,24 @@ def test_permute_kernels_match_reference(dtype):
     topk_idx, weights = routing(num_tokens, k, num_experts=8, seed=2)
     dispatcher = LocalTokenDispatcher(8)
     x = torch.randn(num_tokens, width, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    with choosing(triton="torch"):
-        _rows, counts, meta = dispatcher.dispatch(x, topk_idx, weights)
+    _rows, counts, meta = dispatcher.dispatch(x, topk_idx, weights)
     assert counts[-2:].sum() == 0
     token_index = meta.positions.reshape(-1).argsort() // k
 
-    def permuted(x_TL):
-        return permute(x_TL, token_index, meta.positions)
+    def permuted(x_TL, *, fused):
+        return permute(x_TL, token_index, meta.positions, fused=fused)
 
-    def unpermuted(rows, w):
-        return unpermute(rows, meta.positions, w)
+    def unpermuted(rows, w, *, fused):
+        return unpermute(rows, meta.positions, w, fused=fused)
 
-    rows, (grad_x,) = run(permuted, x, backend="triton")
-    ref_rows, (ref_grad_x,) = run(permuted, x, backend="torch")
+    rows, (grad_x,) = run(permuted, x, fused=True)
+    ref_rows, (ref_grad_x,) = run(permuted, x, fused=False)
     assert torch.equal(rows, ref_rows)
     close(grad_x, ref_grad_x, dtype)
 
-    out, (grad_rows, grad_w) = run(unpermuted, rows, weights, backend="triton")
+    out, (grad_rows, grad_w) = run(unpermuted, rows, weights, fused=True)
     ref_inputs = (rows.double(), weights.double()) if dtype == torch.float32 else (rows, weights)
-    ref_out, (ref_grad_rows, ref_grad_w) = run(unpermuted, *ref_inputs, backend="torch")
+    ref_out, (ref_grad_rows, ref_grad_w) = run(unpermuted, *ref_inputs, fused=False)
     assert out.dtype == dtype and grad_w.dtype == torch.float32
     close(out, ref_out, dtype)
     close(grad_rows, ref_grad_rows, dtype)
@@ -99,11 +97,10 @@ def test_dispatch_round_trip_through_the_kernels():
     """dispatch -> scale each expert's rows -> combine, kernels on, equals the reference path."""
     topk_idx, weights = routing(29, 2, num_experts=6, seed=4)
     x = torch.randn(29, 24, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    dispatcher = LocalTokenDispatcher(6)
     outs = {}
-    for backend in ("triton", "torch"):
-        with choosing(triton=backend):
-            rows, counts, meta = dispatcher.dispatch(x, topk_idx, weights)
-            scale = torch.repeat_interleave(torch.arange(1.0, 7.0, device=DEVICE), counts)
-            outs[backend] = dispatcher.combine(rows * scale[:, None], meta)
-    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-6, atol=1e-6)
+    for fused in (True, False):  # each dispatcher built with its choice, as a model's are
+        dispatcher = LocalTokenDispatcher(6, fused=fused)
+        rows, counts, meta = dispatcher.dispatch(x, topk_idx, weights)
+        scale = torch.repeat_interleave(torch.arange(1.0, 7.0, device=DEVICE), counts)
+        outs[fused] = dispatcher.combine(rows * scale[:, None], meta)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-6, atol=1e-6)

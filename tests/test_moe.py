@@ -6,9 +6,9 @@ import torch
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.moe import LatentMoE
-from moe_pretrain.model.weight_casts import casts_reused
 from moe_pretrain.ops import situ_glu
 from moe_pretrain.planning.host_reads import HostReads
+from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from parallel.dispatch import LocalTokenDispatcher
 from tests.helpers import rel_rms
@@ -94,14 +94,14 @@ def test_aux_loss_balancing_returns_a_loss():
 
 
 def test_expert_weights_are_cast_once_per_step_under_autocast():
-    """bf16 autocast: inside one casts_reused region (a step's micro-batches) two micro-batches reuse one compute
+    """bf16 autocast: inside one reused_in_step region (a step's micro-batches) two micro-batches reuse one compute
     copy of the stacked expert weights, and their gradients equal those of a fresh cast per micro-batch
     (exactly: the same bf16 values). A write the parameter's version counter never sees (the sharded
     optimizer's, through its flat buffer) is cast afresh by the next region; outside a region every use casts."""
     moe = make_moe()[0].float()
     experts = moe.experts
     x = [torch.randn(2, 7, 12) for _ in range(2)]
-    with torch.autocast("cpu", dtype=torch.bfloat16), casts_reused():
+    with torch.autocast("cpu", dtype=torch.bfloat16), reused_in_step():
         first = experts.compute_weights("cpu")
         for xb in x:
             moe(xb)[0].float().pow(2).sum().backward()
@@ -119,7 +119,7 @@ def test_expert_weights_are_cast_once_per_step_under_autocast():
     version = experts.w_up._version
     flat.add_(1.0)  # the update lands on the buffer: the parameter's version counter does not move
     assert experts.w_up._version == version
-    with torch.autocast("cpu", dtype=torch.bfloat16), casts_reused():
+    with torch.autocast("cpu", dtype=torch.bfloat16), reused_in_step():
         assert torch.equal(experts.compute_weights("cpu")[1], experts.w_up.detach().to(torch.bfloat16))
     assert experts.compute_weights("cpu")[0] is experts.w_gate  # no autocast: the parameters themselves
 

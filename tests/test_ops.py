@@ -174,7 +174,6 @@ def test_grouped_mm_matches_per_expert_matmuls_forward_and_backward(implementati
     """Both implementations (per-expert loop; torch._grouped_mm) against x_e @ W_e^T per expert in float64, on
     ragged groups with empty experts (and no rows at all): relative RMS within 1e-12 (float64 loop) and 1e-6
     (fp32 grouped kernel); an expert with no rows gets an exactly zero weight gradient."""
-    from kernels.selection import choosing
     from moe_pretrain.ops import grouped_mm
 
     torch.manual_seed(0)
@@ -182,8 +181,7 @@ def test_grouped_mm_matches_per_expert_matmuls_forward_and_backward(implementati
     w64 = torch.randn(4, 12, 8, dtype=torch.float64)
     x = x64.to(dtype).requires_grad_()
     w = w64.to(dtype).requires_grad_()
-    with choosing(grouped_gemm=implementation):
-        y = grouped_mm(x, w, torch.tensor(counts))
+    y = grouped_mm(x, w, torch.tensor(counts), implementation)
     x64.requires_grad_()
     w64.requires_grad_()
     reference = torch.cat([part @ w64[e].T for e, part in enumerate(torch.split(x64, counts))])
@@ -199,12 +197,10 @@ def test_grouped_mm_matches_per_expert_matmuls_forward_and_backward(implementati
 
 
 def test_grouped_mm_rejects_bad_counts_and_an_impossible_forced_kernel():
-    from kernels.selection import choosing
     from moe_pretrain.ops import grouped_mm
 
     x, w = torch.randn(4, 6), torch.randn(2, 8, 6)
-    with pytest.raises(ValueError, match="sum to"), choosing(grouped_gemm="loop"):
-        grouped_mm(x, w, torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match=r"kernels\.grouped_gemm=grouped cannot run: in width 6"), \
-            choosing(grouped_gemm="grouped"):
-        grouped_mm(x, w, torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="sum to"):
+        grouped_mm(x, w, torch.tensor([1, 1]), "loop")
+    with pytest.raises(ValueError, match=r"kernels\.grouped_gemm=grouped cannot run: in width 6"):
+        grouped_mm(x, w, torch.tensor([1, 3]), "grouped")

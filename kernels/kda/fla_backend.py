@@ -1,4 +1,4 @@
-"""Bridge to fla (flash-linear-attention) chunk_kda, imported lazily and used only on CUDA.
+"""Bridge to fla (flash-linear-attention) chunk_kda, imported lazily; a model takes it where Kernels.kda says fla.
 
 fla's Triton kernels do not run on CPU (not even under TRITON_INTERPRET), so the PyTorch chunk form
 in moe_pretrain.ops.kda is the reference and the only path exercised on CPU machines. tests/gpu/test_fla_kda.py
@@ -10,8 +10,6 @@ import functools
 import importlib.util
 
 import torch
-
-from kernels.selection import active
 
 
 @functools.cache
@@ -42,12 +40,6 @@ def fla_unavailable_reason(device: torch.device, lower_bound: float | None = Non
     if not _fla_installed():
         return "fla is not installed: pip install 'moe-pretrain[gpu]'"
     return None
-
-
-def fla_chunk_kda_supported(q: torch.Tensor, lower_bound: float | None) -> bool:
-    """Whether ops.kda runs fla for q: it can (CUDA, fla importable, a gate floor its safe gate takes) and
-    kernels.kda does not force the reference."""
-    return active().kda != "torch" and fla_unavailable_reason(q.device, lower_bound) is None
 
 
 def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state, lower_bound=None):

@@ -61,8 +61,8 @@ class GlobalState:
     def state_dict(self) -> dict[str, torch.Tensor | BoxedTensor]:
         """Tensors to save (or to load into, in place: same keys and global shapes for every layout)."""
         state = {}
-        for name, tensor in self.model.state_dict().items():
-            state[f"model.{name}"] = tensor
+        for name, tensor in self.model.state_dict().items():  # buffers; per-expert ones sharded like the experts
+            state[f"model.{name}"] = self._wrap(name, tensor)
         params = dict(self.model.named_parameters())
         for name, param in params.items():
             state[f"model.{name}"] = self._wrap(name, param.detach())

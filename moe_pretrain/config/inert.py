@@ -38,6 +38,8 @@ DEPENDENTS = (
               "the decay has no floor with model.kda.gate=softplus"),
     Dependent("precision", ("fp8_amax_history",), lambda c: c.precision.fp8 == "delayed",
               "only precision.fp8=delayed keeps amax histories"),
+    Dependent("kernels", ("fp8_gemm",), lambda c: c.precision.fp8 != "off",
+              "it is the engine of the FP8 expert GEMMs (set precision.fp8)"),
     Dependent("model.moe", ("qb_rate",), lambda c: c.model.moe.balancing == "qb",
               "it is quantile balancing's rate (model.moe.balancing=qb)"),
     Dependent("model.moe", ("qb_quantile",), lambda c: c.model.moe.balancing == "qb",

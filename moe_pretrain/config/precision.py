@@ -39,6 +39,12 @@ class KernelsConfig:
     """MLA's document-causal attention. auto: FlexAttention on CUDA (one call per layer over every document,
     kernels/flex_attention.py), else one SDPA per document (the reference, moe_pretrain/ops/document_attention.py);
     flex: required (a start-up error where its backward cannot run: CPU); sdpa: the reference everywhere."""
+    fp8_gemm: Literal["auto", "transformer_engine", "torch"] = "auto"
+    """The engine of the FP8 expert GEMMs (precision.fp8). auto: Transformer Engine's grouped GEMM where TE
+    imports and runs the recipe on this GPU, else torch's; transformer_engine: required (start-up error
+    otherwise); torch: ours (tensorwise / delayed forward as one torch._scaled_grouped_mm on compute
+    capability 9.0 / 10.0, else one torch._scaled_mm per expert; blockwise / mxfp8 through the exact CPU
+    emulation, refused on a GPU)."""
     kda: Literal["auto", "fla", "torch"] = "auto"
     """KDA's chunked kernel. auto: fla's Triton chunk_kda on CUDA when fla is installed, else the PyTorch chunk
     form (moe_pretrain/ops/kda.py, the reference); fla: required (start-up error otherwise); torch: the

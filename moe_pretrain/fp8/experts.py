@@ -4,59 +4,50 @@ Shape legend: R rows grouped by expert (counts[e] of expert e), I in features, O
 y_e = x_e W_e^T; dx_e = dy_e W_e; dW_e = dy_e^T x_e. Every operand is quantized for the GEMM it enters,
 along that GEMM's contracted dimension (recipes.py), from the high-precision tensors the forward saved:
 weights stay high precision in the model and in checkpoints, and only the GEMM inputs are FP8. Each expert
-has its own scales (as Transformer Engine's grouped linear gives each GEMM its own). Where the recipe's
-weight blocks are symmetric (tensorwise, delayed, blockwise's 128x128) the backward reuses the forward's
-FP8 weights, transposed, instead of quantizing every expert's weights a second time. The loop reads the
-counts on the host, as TE's grouped linear does with its m_splits.
+has its own scales (as Transformer Engine's grouped linear gives each GEMM its own). An expert's FP8
+weights are made once per optimizer step and reused by every micro-batch and by backward (step_reuse.py;
+the weights do not change within a step, so this is exact); where the recipe's weight blocks are symmetric
+(tensorwise, delayed, blockwise's 128x128) the backward's dx = dy W takes them transposed instead of a
+second quantization. The loop reads the counts on the host, as TE's grouped linear does with its m_splits.
 
-Delayed scaling keeps, per expert and per tensor (x, w, dy of each of the three expert GEMMs), the largest
-amax of each of its last amax_history optimizer steps; the scale comes from their maximum (the tensor's own
-amax until a first step has ended). The scale is fixed within a step, so a recomputed forward
-(train.recompute) quantizes exactly as the original did, whatever the micro-batch order. The histories
-are not checkpointed: a resumed run uses current scaling for one step and rebuilds them within
-amax_history steps.
+Delayed scaling keeps, per expert and per operand (x, w, dy of each of the three expert GEMMs), the largest
+amax of each of its last amax_history optimizer steps in the experts module's `fp8_amax_history` buffer
+[E, amax_history, 9]: checkpointed with the model (sharded over experts like the weights) and, after each
+step's amaxes are reduced over the expert-data-parallel group (advance_amax_histories), identical on every
+rank that holds those experts. The scale comes from the history's maximum, or from the tensor's own amax
+where the history holds nothing yet (a fresh run, an expert that got no rows). The scale is fixed within a
+step, so a recomputed forward (train.recompute) quantizes exactly as the original did.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.fp8.quantize import Quantized, quantize, scaled_matmul
-from moe_pretrain.fp8.recipes import Recipe
+from moe_pretrain.fp8.settings import Fp8Settings
+from moe_pretrain.step_reuse import reused
+from parallel.collectives import all_reduce_max
+
+FP8_HISTORY = "fp8_amax_history"
+"""The experts module's persistent delayed-scaling buffer (a checkpoint written without it loads: empty)."""
+OPERANDS = tuple(f"{gemm}.{operand}" for gemm in ("gate", "up", "down") for operand in ("x", "w", "dy"))
+"""The delayed-scaling history's last dimension: each expert GEMM's three quantized operands."""
 
 
-class AmaxHistory:
-    """Per (tensor name, expert): the largest amax of each of the last `length` optimizer steps, and the
-    running maximum of the step in progress. The scale source for delayed scaling."""
-
-    def __init__(self, length: int):
-        self.length = length
-        self._steps: dict[tuple[str, int], torch.Tensor] = {}
-        self._pending: dict[tuple[str, int], torch.Tensor] = {}
-
-    def scaling_amax(self, name: str, expert: int, current: torch.Tensor) -> torch.Tensor:
-        """The amax to scale this use with (the history's largest; `current` before any step has ended), and
-        record `current` into the step in progress."""
-        key = (name, expert)
-        pending = self._pending.get(key)
-        self._pending[key] = current if pending is None else torch.maximum(pending, current)
-        past = self._steps.get(key)
-        return current if past is None else past.max()
-
-    def advance(self) -> None:
-        """End of an optimizer step: its amaxes join the history, the oldest beyond `length` leave."""
-        for key, amax in self._pending.items():
-            past = self._steps.get(key)
-            entry = amax.reshape(1).float()
-            self._steps[key] = entry if past is None else torch.cat([past, entry])[-self.length:]
-        self._pending.clear()
+def amax_buffers(num_experts: int, settings: Fp8Settings | None) -> dict[str, torch.Tensor]:
+    """The experts module's delayed-scaling buffers (none for the other recipes): the history (persistent)
+    and the running maximum of the step in progress (not saved: a step ends before every save)."""
+    if settings is None or not settings.recipe.delayed:
+        return {}
+    return {FP8_HISTORY: torch.zeros(num_experts, settings.amax_history, len(OPERANDS)),
+            "fp8_amax_pending": torch.zeros(num_experts, len(OPERANDS))}
 
 
 class Fp8Experts:
-    """One experts module's FP8 settings: the recipe, and the amax histories under delayed scaling."""
+    """One experts module's FP8 GEMMs for one forward: the settings, and the module's amax buffers."""
 
-    def __init__(self, recipe: Recipe, amax_history: int):
-        self.recipe = recipe
-        self.history = AmaxHistory(amax_history) if recipe.delayed else None
+    def __init__(self, settings: Fp8Settings, owner: nn.Module):
+        self.settings, self.recipe, self.owner = settings, settings.recipe, owner
 
     def quantize(self, t: torch.Tensor, name: str, expert: int, *, weight: bool = False,
                  grad: bool = False) -> Quantized:
@@ -64,67 +55,119 @@ class Fp8Experts:
         dtype = recipe.grad_dtype if grad else recipe.forward_dtype
         block = recipe.weight_block if weight else recipe.activation_block
         amax = None
-        if self.history is not None:
-            amax = self.history.scaling_amax(name, expert, t.detach().abs().amax().float())
+        if recipe.delayed:
+            amax = self.scaling_amax(name, expert, t.detach().abs().amax().float())
         return quantize(t, block, dtype, power_of_two=recipe.power_of_two, amax=amax)
+
+    def scaling_amax(self, name: str, expert: int, current: torch.Tensor) -> torch.Tensor:
+        """The amax to scale this use with (the history's largest; `current` where it holds nothing yet),
+        recording `current` into the step in progress. Device operations only: no host read."""
+        operand = OPERANDS.index(name)
+        pending = self.owner.fp8_amax_pending
+        pending[expert, operand] = torch.maximum(pending[expert, operand], current)
+        past = self.owner.fp8_amax_history[expert, :, operand].amax()
+        return torch.where(past > 0, past, current)
+
+    def scaling_amaxes(self, name: str, current_E: torch.Tensor) -> torch.Tensor:
+        """scaling_amax for every expert at once: current_E [E] fp32 -> [E] (the other recipes: current_E)."""
+        if not self.recipe.delayed:
+            return current_E
+        operand = OPERANDS.index(name)
+        pending = self.owner.fp8_amax_pending
+        pending[:, operand] = torch.maximum(pending[:, operand], current_E)
+        past = self.owner.fp8_amax_history[:, :, operand].amax(dim=1)
+        return torch.where(past > 0, past, current_E)
+
+    def weight(self, w_EOI: torch.Tensor, name: str, expert: int, *, transposed: bool = False) -> Quantized:
+        """Expert `expert`'s weight quantized for the forward (transposed: for dx = dy W), made once per step."""
+        def make() -> Quantized:
+            if transposed and self.recipe.weight_transposable:
+                return self.weight(w_EOI, name, expert).transposed()
+            return self.quantize(w_EOI[expert].T if transposed else w_EOI[expert], f"{name}.w", expert, weight=True)
+        return reused(("fp8-weight", self.owner, name, expert, transposed, w_EOI.dtype), make)
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI, w_EOI, counts, fp8, name):
         out = x_RI.new_empty(x_RI.shape[0], w_EOI.shape[1])
-        weights: dict[int, Quantized] = {}
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = slice(start, start + n)
-                weights[e] = fp8.quantize(w_EOI[e], f"{name}.w", e, weight=True)
-                out[rows] = scaled_matmul(fp8.quantize(x_RI[rows], f"{name}.x", e), weights[e], x_RI.dtype)
+                out[rows] = scaled_matmul(fp8.quantize(x_RI[rows], f"{name}.x", e), fp8.weight(w_EOI, name, e),
+                                          x_RI.dtype)
             start += n
         ctx.save_for_backward(x_RI, w_EOI)
         ctx.counts, ctx.fp8, ctx.name = counts, fp8, name
-        # Kept for dx = dy W where transposing them is exact (FP8 bytes: a quarter of the fp32 weights).
-        ctx.weights = weights if fp8.recipe.weight_transposable else None
         return out
 
     @staticmethod
     def backward(ctx, grad_RO):
         x_RI, w_EOI = ctx.saved_tensors
-        fp8, name = ctx.fp8, ctx.name
-        grad_x, grad_w = torch.zeros_like(x_RI), torch.zeros_like(w_EOI)
-        start = 0
-        for e, n in enumerate(ctx.counts):
-            if n:
-                rows = slice(start, start + n)
-                dy = grad_RO[rows]
-                # dx = dy W: contracted over O. dW = dy^T x: contracted over the expert's rows.
-                w_T = (ctx.weights[e].transposed() if ctx.weights is not None
-                       else fp8.quantize(w_EOI[e].T, f"{name}.w", e, weight=True))
-                grad_x[rows] = scaled_matmul(fp8.quantize(dy, f"{name}.dy", e, grad=True), w_T, x_RI.dtype)
-                grad_w[e] = scaled_matmul(fp8.quantize(dy.T, f"{name}.dy", e, grad=True),
-                                          fp8.quantize(x_RI[rows].T, f"{name}.x", e), w_EOI.dtype)
-            start += n
+        grad_x, grad_w = fp8_backward_loop(ctx.fp8, ctx.name, x_RI, w_EOI, grad_RO, ctx.counts)
         return grad_x, grad_w, None, None, None
+
+
+def fp8_backward_loop(fp8: Fp8Experts, name: str, x_RI: torch.Tensor, w_EOI: torch.Tensor, grad_RO: torch.Tensor,
+                      counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dW) of the FP8 grouped GEMM, one expert at a time: dx = dy W contracted over O, dW = dy^T x over
+    the expert's rows (an expert with no rows gets a zero gradient)."""
+    grad_x, grad_w = torch.zeros_like(x_RI), torch.zeros_like(w_EOI)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = slice(start, start + n)
+            dy = grad_RO[rows]
+            grad_x[rows] = scaled_matmul(fp8.quantize(dy, f"{name}.dy", e, grad=True),
+                                         fp8.weight(w_EOI, name, e, transposed=True), x_RI.dtype)
+            grad_w[e] = scaled_matmul(fp8.quantize(dy.T, f"{name}.dy", e, grad=True),
+                                      fp8.quantize(x_RI[rows].T, f"{name}.x", e), w_EOI.dtype)
+        start += n
+    return grad_x, grad_w
 
 
 def fp8_grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, fp8: Fp8Experts,
                    name: str) -> torch.Tensor:
     """ops.grouped_mm's contract with FP8 GEMMs: [R, I] rows grouped by expert -> [R, O] in x's dtype.
-    name keys this GEMM's delayed-scaling histories (gate, up, down)."""
+    name keys this GEMM's delayed-scaling histories (gate, up, down); the engine is fp8.settings'."""
     if x_RI.dtype != w_EOI.dtype:
         raise ValueError(f"fp8_grouped_mm: rows are {x_RI.dtype} but weights are {w_EOI.dtype}")
-    split = counts.tolist()
-    if len(split) != w_EOI.shape[0] or sum(split) != x_RI.shape[0]:
-        raise ValueError(f"fp8_grouped_mm: counts {split} must give {w_EOI.shape[0]} experts' rows summing to "
-                         f"{x_RI.shape[0]}")
+    if counts.shape != (w_EOI.shape[0],):
+        raise ValueError(f"fp8_grouped_mm: counts {tuple(counts.shape)} must give one count per expert "
+                         f"({w_EOI.shape[0]})")
     with torch.autocast(x_RI.device.type, enabled=False):
+        engine = fp8.settings.engine
+        if engine == "scaled_grouped_mm":
+            from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm
+
+            return scaled_grouped_mm(x_RI, w_EOI, counts, fp8, name)
+        if engine == "transformer_engine":
+            from moe_pretrain.fp8.transformer_engine import te_grouped_mm
+
+            return te_grouped_mm(x_RI, w_EOI, counts, fp8, name)
+        split = counts.tolist()
+        if sum(split) != x_RI.shape[0]:
+            raise ValueError(f"fp8_grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
         return _Fp8GroupedMM.apply(x_RI, w_EOI, split, fp8, name)
 
 
-def advance_amax_histories(model: nn.Module) -> None:
-    """Close an optimizer step for every delayed-scaling history in the model (the trainer calls this)."""
-    for module in model.modules():
-        fp8 = getattr(module, "fp8", None)
-        if fp8 is not None and fp8.history is not None:
-            fp8.history.advance()
-
+@torch.no_grad()
+def advance_amax_histories(model: nn.Module, group: dist.ProcessGroup | None = None, *,
+                           discard: bool = False) -> int:
+    """Close an optimizer step for every delayed-scaling history of the model (the trainer calls this): the
+    step's amaxes, reduced (max) over `group` (the expert-data-parallel ranks, which hold the same experts) in
+    ONE all-reduce for every module, join the histories and the oldest step leaves. discard: a skipped step
+    (non-finite loss or gradient) records nothing, so no inf reaches a scale. Returns the modules."""
+    modules = [m for m in model.modules() if getattr(m, "fp8_amax_pending", None) is not None]
+    if discard:
+        for module in modules:
+            module.fp8_amax_pending.zero_()
+    if discard or not modules:
+        return len(modules)
+    pending = all_reduce_max(torch.cat([m.fp8_amax_pending.reshape(-1) for m in modules]), group)
+    for module, step in zip(modules, pending.split([m.fp8_amax_pending.numel() for m in modules])):
+        history = module.fp8_amax_history
+        history.copy_(torch.cat([history[:, 1:], step.view(-1, 1, history.shape[2])], dim=1))
+        module.fp8_amax_pending.zero_()
+    return len(modules)

@@ -54,6 +54,12 @@ def block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return padded.unflatten(0, (-1, br)).unflatten(2, (-1, bc)).amax(dim=(1, 3))
 
 
+def scale_inv_of(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False) -> torch.Tensor:
+    """The fp32 inverse scale that maps `amax` (any shape: one per block) to the format's largest value."""
+    scale_inv = amax.float().clamp_min(_TINY) / fp8_max(dtype)
+    return torch.exp2(torch.ceil(torch.log2(scale_inv))) if power_of_two else scale_inv
+
+
 def quantize(t: torch.Tensor, block: Block, dtype: torch.dtype, *, power_of_two: bool = False,
              amax: torch.Tensor | None = None) -> Quantized:
     """t [M, K] -> FP8 with one scale per block (None: one for the whole tensor). amax overrides the
@@ -62,25 +68,25 @@ def quantize(t: torch.Tensor, block: Block, dtype: torch.dtype, *, power_of_two:
     block = block or (max(rows, 1), max(cols, 1))
     if amax is None:
         amax = block_amax(t, block)
-    scale_inv = amax.float().reshape(-1, 1) if amax.dim() == 0 else amax.float()
-    scale_inv = scale_inv.clamp_min(_TINY) / fp8_max(dtype)
-    if power_of_two:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
+    scale_inv = scale_inv_of(amax.float().reshape(-1, 1) if amax.dim() == 0 else amax, dtype, power_of_two)
     limit = fp8_max(dtype)
     data = (t.float() / _per_element(scale_inv, block, t.shape)).clamp(-limit, limit).to(dtype)
     return Quantized(data, scale_inv, block)
 
 
 _GEMM_MULTIPLE = 16
-"""cuBLAS FP8 GEMMs need every dimension a multiple of 16; zero padding (sliced off after) changes nothing."""
+"""cuBLAS FP8 GEMMs need the contracted and the output-column dimensions multiples of 16 (the rows of the
+left operand may be anything); zero padding, sliced off after, changes nothing."""
 
 
-def _pad_to_multiple(t: torch.Tensor) -> torch.Tensor:
-    rows, cols = t.shape
-    if rows % _GEMM_MULTIPLE == 0 and cols % _GEMM_MULTIPLE == 0:
+def _pad(t: torch.Tensor, rows: bool) -> torch.Tensor:
+    """t padded with zeros to a multiple of 16 columns (and rows, when `rows`); a copy only where it must."""
+    extra_rows = -t.shape[0] % _GEMM_MULTIPLE if rows else 0
+    extra_cols = -t.shape[1] % _GEMM_MULTIPLE
+    if not extra_rows and not extra_cols:
         return t.contiguous()
-    padded = torch.zeros(rows + -rows % _GEMM_MULTIPLE, cols + -cols % _GEMM_MULTIPLE, dtype=t.dtype, device=t.device)
-    padded[:rows, :cols] = t
+    padded = t.new_zeros(t.shape[0] + extra_rows, t.shape[1] + extra_cols)
+    padded[:t.shape[0], :t.shape[1]] = t
     return padded
 
 
@@ -92,7 +98,7 @@ def scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.T
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
-        out = torch._scaled_mm(_pad_to_multiple(a.data), _pad_to_multiple(b.data).T, scale_a=a.scale_inv.reshape(()),
+        out = torch._scaled_mm(_pad(a.data, rows=False), _pad(b.data, rows=True).T, scale_a=a.scale_inv.reshape(()),
                                scale_b=b.scale_inv.reshape(()), out_dtype=out_dtype)
         return out[:m, :n]
     return (a.dequantize() @ b.dequantize().T).to(out_dtype)

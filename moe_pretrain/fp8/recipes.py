@@ -12,11 +12,13 @@ forward (y = x W^T) and both backward GEMMs (dx = dy W, dW = dy^T x), which cont
 - mxfp8: 1x32 blocks along K for every operand with power-of-two (E8M0) scales (the OCP MX format, TE's
   MXFP8BlockScaling); e4m3 throughout.
 
-Where the GEMMs run: tensorwise and delayed through torch's FP8 GEMM (torch._scaled_mm, on
-CPU and on CUDA GPUs of compute capability 8.9+). blockwise and mxfp8 on CPU through the exact emulation
+Where the GEMMs run (the engine, kernels.fp8_gemm; fp8/settings.py): on a GPU every recipe through
+Transformer Engine where it runs it (fp8/transformer_engine.py). Without TE: tensorwise and delayed
+through torch's FP8 GEMMs (torch._scaled_grouped_mm for the forward on compute capability 9.0 / 10.0,
+torch._scaled_mm per expert otherwise, and on CPU); blockwise and mxfp8 on CPU through the exact emulation
 (each operand quantized to its FP8 format with the recipe's scales, then dequantized and multiplied with
 fp32 accumulation: FP8 products are exact in fp32, so this is the FP8 GEMM's arithmetic without its
-speed); there is no GPU kernel for them here yet, so asking for one on a GPU is a start-up error.
+speed), and refused on a GPU without TE (a start-up error naming the key).
 """
 
 from dataclasses import dataclass
@@ -60,27 +62,17 @@ _SCALED_MM_CAPABILITY = (8, 9)
 
 
 def fp8_unavailable_reason(name: str, device: torch.device, capability: tuple[int, int] | None = None) -> str | None:
-    """Why precision.fp8=<name> cannot run its GEMMs on this device; None when it can. capability: the
-    CUDA compute capability (read from the device when None)."""
+    """Why precision.fp8=<name> cannot run its GEMMs on this device through torch (without Transformer
+    Engine); None when it can. capability: the CUDA compute capability (read from the device when None)."""
     recipe = RECIPES[name]
     if device.type == "cpu":
         return None
     if device.type != "cuda":
         return f"no FP8 GEMM for device {device.type}"
     if not recipe.tensorwise:
-        return (f"{name} has no GPU GEMM here yet (its numerics run on CPU only); use precision.fp8=tensorwise "
-                "or delayed")
+        return (f"{name} has no torch GPU GEMM (Transformer Engine runs it: kernels.fp8_gemm=auto or "
+                "transformer_engine with TE installed); or use precision.fp8=tensorwise or delayed")
     capability = capability or torch.cuda.get_device_capability(device)
     if capability < _SCALED_MM_CAPABILITY:
         return f"FP8 GEMMs need compute capability 8.9+ (Ada, Hopper, Blackwell); this GPU has {capability}"
     return None
-
-
-def describe(name: str, device: torch.device) -> str:
-    """How the active recipe's GEMMs run on this device, for the start-up report."""
-    if name == "off":
-        return "off (precision.fp8)"
-    recipe = RECIPES[name]
-    engine = ("torch._scaled_mm (tensorwise FP8 GEMM)" if recipe.tensorwise
-              else "exact CPU emulation (quantize to FP8, fp32-accumulated GEMM)")
-    return f"{name} on the routed experts' GEMMs via {engine}"

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import KDAConfig
 from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, LogUniform
 from moe_pretrain.model.layout import DocumentLayout
@@ -41,9 +42,12 @@ def a_log_init(gate: str) -> Constant | LogUniform:
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, dim: int, cfg: KDAConfig, *, norm_eps: float, init_std: float, out_std: float):
+    def __init__(self, dim: int, cfg: KDAConfig, *, norm_eps: float, init_std: float, out_std: float,
+                 kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
+        self.fla = kernels.kda == "fla"
+        """The chunked recurrence through fla's chunk_kda (Kernels.kda); else ops.kda's PyTorch chunk form."""
         self.norm_eps = norm_eps
         H, K = cfg.num_heads, cfg.head_dim
         inner = H * K
@@ -109,7 +113,7 @@ class KimiDeltaAttention(nn.Module):
         flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
         return kda(*flat, cu_seqlens=layout.cu_seqlens, document_bounds=layout.document_bounds,
                    chunk_size=self.cfg.chunk_size,
-                   lower_bound=self.gate_floor)[0]
+                   lower_bound=self.gate_floor, fla=self.fla)[0]
 
     @property
     def gate_floor(self) -> float | None:

@@ -17,8 +17,8 @@ _attend by the latent exchange (parallel.cp_mla).
 import torch
 from torch import nn
 
+from kernels.choice import REFERENCES, Kernels
 from kernels.flex_attention import flex_document_attention
-from kernels.selection import use_flex_attention
 from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
@@ -40,9 +40,11 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 class GatedMLA(nn.Module):
-    def __init__(self, dim: int, cfg: MLAConfig, *, init_std: float, out_std: float):
+    def __init__(self, dim: int, cfg: MLAConfig, *, init_std: float, out_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
+        self.attention = kernels.attention
+        """flex: one FlexAttention call per layer; sdpa: one SDPA per document (Kernels.attention)."""
         self.rope_theta = cfg.rope_theta
         """RoPE base in use (position = rope); a context-extension stage may change it."""
         H = cfg.num_heads
@@ -86,10 +88,10 @@ class GatedMLA(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """Causal attention within each document: [B, T, H, D] -> [B, T, H, Dv]; one FlexAttention call on the
-        GPU (kernels.attention), one SDPA per document otherwise (the reference)."""
+        GPU (Kernels.attention), one SDPA per document otherwise (the reference)."""
         rows, positions, heads = q.shape[:3]
         flat = [t.reshape(rows * positions, heads, -1) for t in (q, k, v)]
-        if use_flex_attention(q):
+        if self.attention == "flex":
             out = flex_document_attention(*flat, layout.attention_mask, self.scale)
         else:
             out = document_causal_attention(*flat, layout.document_bounds, self.scale)

@@ -8,19 +8,22 @@ is their concatenation, so the shared experts are built as one MLP of num_shared
 import torch
 from torch import nn
 
+from kernels.choice import REFERENCES, Kernels
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.ops import situ_glu
 
 
 class SiTUGLUMLP(nn.Module):
     def __init__(self, dim: int, intermediate: int, *, beta: float, linear_beta: float,
-                 init_std: float, out_std: float):
+                 init_std: float, out_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
         self.beta, self.linear_beta = beta, linear_beta
+        self.fused = kernels.triton
+        """SiTU-GLU through our Triton kernel (Kernels.triton)."""
         self.gate_proj = make_linear(dim, intermediate, init_std=init_std)
         self.up_proj = make_linear(dim, intermediate, init_std=init_std)
         self.down_proj = make_linear(intermediate, dim, init_std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta)
+        h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta, fused=self.fused)
         return self.down_proj(h)

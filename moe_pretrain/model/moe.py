@@ -8,6 +8,7 @@ Expert parallelism therefore moves l-dim rows, half the bytes of d-dim ones at f
 import torch
 from torch import nn
 
+from kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.linear import make_linear
@@ -19,14 +20,15 @@ from parallel.dispatch import LocalTokenDispatcher
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, dim: int, cfg: MoEConfig, *, norm_eps: float, init_std: float, out_std: float):
+    def __init__(self, dim: int, cfg: MoEConfig, *, norm_eps: float, init_std: float, out_std: float,
+                 kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
         self.router = Router(dim, cfg, init_std)
         self.latent_down = make_linear(dim, cfg.latent_size, init_std=init_std)
         self.experts = GroupedExperts(
             cfg.num_experts, cfg.latent_size, cfg.expert_intermediate, beta=cfg.situ_beta,
-            linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std,
+            linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std, kernels=kernels,
         )
         self.latent_norm = RMSNorm(cfg.latent_size, norm_eps)
         self.latent_up = make_linear(cfg.latent_size, dim, init_std=out_std)
@@ -34,9 +36,9 @@ class LatentMoE(nn.Module):
         if cfg.num_shared_experts > 0:
             self.shared = SiTUGLUMLP(
                 dim, cfg.num_shared_experts * cfg.shared_intermediate, beta=cfg.situ_beta,
-                linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std,
+                linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std, kernels=kernels,
             )
-        self.dispatcher = LocalTokenDispatcher(cfg.num_experts)
+        self.dispatcher = LocalTokenDispatcher(cfg.num_experts, fused=kernels.triton)
         self.recompute_experts = False
         """Recompute the routed experts' MLP in backward (train.recompute=selective)."""
 

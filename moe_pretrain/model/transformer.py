@@ -12,6 +12,7 @@ index, so a pipeline stage can keep a subset and keep the global parameter names
 import torch
 from torch import nn
 
+from kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
@@ -32,24 +33,25 @@ from parallel.sequence import NoSequenceParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, kernels: Kernels = REFERENCES):
         super().__init__()
         d, std = cfg.hidden_size, cfg.init_std
         out_std = std / (2 * cfg.num_layers) ** 0.5
         self.attn_mix = AttnResMix(d, cfg.norm_eps)
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
         if cfg.layer_kind(index) == "kda":
-            self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std)
+            self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std,
+                                            kernels=kernels)
         else:
-            self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std)
+            self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std, kernels=kernels)
         self.mlp_mix = AttnResMix(d, cfg.norm_eps)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps)
         moe = cfg.moe
         if cfg.is_moe_layer(index):
-            self.mlp = LatentMoE(d, moe, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std)
+            self.mlp = LatentMoE(d, moe, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std, kernels=kernels)
         else:
             self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate, beta=moe.situ_beta,
-                                  linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std)
+                                  linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std, kernels=kernels)
         self.index = index
         self.recompute = False
         """Recompute the whole layer in backward (train.recompute=full)."""
@@ -79,14 +81,17 @@ class DecoderLayer(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = REFERENCES):
+        """kernels: the implementations every module runs (kernels/choice.py; the references by default)."""
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
+        """What the modules were built with; its why_not notes feed the start-up report (kernels/fast_paths.py)."""
         d = cfg.hidden_size
         self.embedding = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
         self.embedding.param_init = {"weight": Normal(cfg.init_std)}
         self.patch_embedding = PatchEmbedding(cfg.vision.patch_dim, d, cfg.init_std)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers)})
         self.final_mix = AttnResMix(d, cfg.norm_eps)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
@@ -158,7 +163,7 @@ class MoETransformer(nn.Module):
         first, the final mix, norm and head when last. Modules are shared with `full`, not copied."""
         stage = cls.__new__(cls)
         nn.Module.__init__(stage)
-        stage.cfg = full.cfg
+        stage.cfg, stage.kernels = full.cfg, full.kernels
         stage.sequence = full.sequence
         stage.context = full.context
         stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})

@@ -3,7 +3,7 @@
 Shape legend: R rows grouped by expert (counts[e] rows of expert e, in order), I in features, O out
 features, E experts. w_EOI is the experts' stacked weight, as the model stores it.
 
-Two implementations with one contract (kernels.selection chooses; kernels.grouped_gemm forces either):
+Two implementations with one contract (the caller's `kernel`, fixed when the model is built: kernels/choice.py):
 - the grouped kernel, torch._grouped_mm, forward and backward (three grouped GEMMs; the weight gradient
   is the 2-D x 2-D form, one [O, I] block per expert, zeros for an expert with no rows). The group offsets
   stay on the device: no host sync on the token counts. torch's own autograd for it fails on CPU, hence
@@ -16,8 +16,6 @@ Two implementations with one contract (kernels.selection chooses; kernels.groupe
 import functools
 
 import torch
-
-from kernels.selection import active
 
 _ALIGNMENT_BYTES = 16
 
@@ -56,9 +54,8 @@ def grouped_kernel_unavailable_reason(device: torch.device, dtype: torch.dtype, 
     return _kernel_fails(device, dtype)
 
 
-def uses_grouped_kernel(x_RI: torch.Tensor, w_EOI: torch.Tensor) -> bool:
+def uses_grouped_kernel(x_RI: torch.Tensor, w_EOI: torch.Tensor, choice: str) -> bool:
     """The kernels.grouped_gemm rule for these operands (grouped: required; auto: where it runs)."""
-    choice = active().grouped_gemm
     if choice == "loop":
         return False
     reason = grouped_kernel_unavailable_reason(x_RI.device, x_RI.dtype, w_EOI.shape[2], w_EOI.shape[1])
@@ -119,15 +116,16 @@ class _LoopMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
     """[R, I] rows grouped by expert (counts [E] tensor, counts[e] rows of expert e, summing to R) -> [R, O],
-    in x's dtype, which must be w's (no autocast inside: the caller chooses the compute dtype)."""
+    in x's dtype, which must be w's (no autocast inside: the caller chooses the compute dtype). kernel:
+    grouped / loop / auto (Kernels.grouped_gemm)."""
     if x_RI.dtype != w_EOI.dtype:
         raise ValueError(f"grouped_mm: rows are {x_RI.dtype} but weights are {w_EOI.dtype}")
     if counts.shape != (w_EOI.shape[0],):
         raise ValueError(f"grouped_mm: counts {tuple(counts.shape)} must give one count per expert ({w_EOI.shape[0]})")
     with torch.autocast(x_RI.device.type, enabled=False):
-        if uses_grouped_kernel(x_RI, w_EOI):
+        if uses_grouped_kernel(x_RI, w_EOI, kernel):
             return _GroupedKernelMM.apply(x_RI.contiguous(), w_EOI, torch.cumsum(counts, 0, dtype=torch.int32))
         split = counts.tolist()
         if sum(split) != x_RI.shape[0]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.kda import fla_chunk_kda, fla_chunk_kda_supported
+from kernels.kda import fla_chunk_kda
 from moe_pretrain.ops.norms import compute_dtype
 
 
@@ -66,11 +66,12 @@ def kda(
     output_final_state: bool = False,
     chunk_size: int = 64,
     lower_bound: float | None = None,
+    fla: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA -> (o [B, T, H, V] in q's dtype, final_state [B or N, H, K, V] fp32+ or None).
 
-    On CUDA with fla installed this calls fla's Triton chunk_kda; elsewhere it runs the vectorised
-    PyTorch chunk algorithm of this module (autograd-differentiable), which is the reference.
+    fla=True (Kernels.kda, resolved where fla runs: CUDA) calls fla's Triton chunk_kda; otherwise this runs the
+    vectorised PyTorch chunk algorithm of this module (autograd-differentiable), which is the reference.
     lower_bound: the bounded gate's floor when g comes from it (g >= lower_bound); fla then takes its
     safe-gate path (safe_gate=True, lower_bound), which the bound makes exact; the reference then sizes its
     sub-blocks from the bound alone, reading nothing of g on the host (_sub_block_size).
@@ -83,7 +84,7 @@ def kda(
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, document_bounds)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if fla_chunk_kda_supported(q, lower_bound):
+    if fla:
         return fla_chunk_kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             cu_seqlens=cu_seqlens, output_final_state=output_final_state, lower_bound=lower_bound,

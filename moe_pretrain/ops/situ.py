@@ -7,7 +7,6 @@ b = 4, b_lin = 25: no expert can emit an activation spike, whatever its weights 
 
 import torch
 
-from kernels.selection import use_triton
 from moe_pretrain.ops.norms import compute_dtype
 
 
@@ -46,19 +45,20 @@ class _SiTUGLU(torch.autograd.Function):
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""What the fused kernel (kernels/situ_glu.py, chosen on CUDA by kernels.selection) takes; float64 stays here."""
+"""What the fused kernel (kernels/situ_glu.py, Kernels.triton) takes; float64 stays here."""
 
 
 def situ_glu(
-    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0, *, fused: bool = False
 ) -> torch.Tensor:
-    """h = SiTU_beta(gate) * linear_beta * tanh(up / linear_beta); computed in >= fp32, returned in gate's dtype."""
+    """h = SiTU_beta(gate) * linear_beta * tanh(up / linear_beta); computed in >= fp32, returned in gate's dtype.
+    fused: our Triton kernel (Kernels.triton) for the dtypes it takes."""
     if gate.shape != up.shape:
         raise ValueError(f"situ_glu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
     if beta <= 0 or linear_beta <= 0:
         raise ValueError(f"situ_glu: beta ({beta}) and linear_beta ({linear_beta}) must be positive")
-    if use_triton(gate) and gate.dtype in _KERNEL_DTYPES:
-        from kernels.situ_glu import situ_glu as fused
+    if fused and gate.dtype in _KERNEL_DTYPES:
+        from kernels.situ_glu import situ_glu as kernel
 
-        return fused(gate, up, beta, linear_beta)
+        return kernel(gate, up, beta, linear_beta)
     return _SiTUGLU.apply(gate, up, beta, linear_beta)

@@ -26,7 +26,7 @@ from moe_pretrain.data.long_context_eval import (
 )
 from moe_pretrain.data.packing import RowPlan
 from moe_pretrain.data.validation import ValidationData
-from moe_pretrain.model.weight_casts import casts_reused
+from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.step_runner import Scorer, StepPlan, StepRunner
 from parallel.collectives import all_reduce_sum
 from parallel.vocab_parallel_loss import vocab_parallel_top1
@@ -59,7 +59,7 @@ class _Sums:
         scorer = runner.cross_entropy_sum if score == "loss" else _top1_count(runner)
         # On the device until the one host read at the end (sums and counts of every set together).
         sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64, device=device)
-        with casts_reused():  # no weight changes while evaluating
+        with reused_in_step():  # no weight changes while evaluating
             for i, batches in enumerate(sets.values()):
                 for batch in batches:
                     batch = batch.to(device)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.choice import REFERENCES, Kernels
+from kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
@@ -57,10 +59,10 @@ def describe_parameters(model: nn.Module) -> dict[str, GlobalParameter]:
     return {name: GlobalParameter(tuple(p.shape), inits[name]) for name, p in model.named_parameters()}
 
 
-def meta_model(cfg: Config) -> tuple[MoETransformer, dict[str, GlobalParameter]]:
+def meta_model(cfg: Config, kernels: Kernels = REFERENCES) -> tuple[MoETransformer, dict[str, GlobalParameter]]:
     """The whole model on the meta device, and every parameter's global shape and initialisation."""
     with torch.device("meta"):
-        model = MoETransformer(cfg.model)
+        model = MoETransformer(cfg.model, kernels)
     return model, describe_parameters(model)
 
 
@@ -82,6 +84,11 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
         local = plan.placement(name).local_shape(shape, layout.tp, layout.ep)
         if local != shape:
             _set_parameter(model, name, torch.empty(local, device="meta"))
+    for name, buffer in list(model.named_buffers()):  # per-expert state (FP8 amax histories) goes with its experts
+        local = plan.placement(name).local_shape(tuple(buffer.shape), layout.tp, layout.ep)
+        if local != tuple(buffer.shape):
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[leaf] = torch.empty(local, dtype=buffer.dtype, device="meta")
     if layout.tp > 1:
         for path, module in list(model.named_modules()):
             style = plan.style(path)
@@ -94,7 +101,8 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
         apply_context_parallel(model, ContextParallel(ctx.context(layout.cp).group, mla))
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
-            module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank)
+            module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank,
+                                                        fused=module.dispatcher.fused)
     if ctx.distributed:
         for router in model.routers().values():
             router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
@@ -138,12 +146,16 @@ def materialize(model: nn.Module, parameters: dict[str, GlobalParameter], plan: 
 
 
 def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingPlan | None = None, *,
-                draw_values: bool = True) -> MoETransformer:
+                draw_values: bool = True, kernels: Kernels | None = None) -> MoETransformer:
     """This rank's part of the model, materialised: the whole model on one process, else its tensor /
-    expert shards of its pipeline stage's layers. Initial values never depend on the layout."""
+    expert shards of its pipeline stage's layers. Initial values never depend on the layout. kernels: what
+    the modules run (None: the config's kernels and precision sections resolved for ctx.device, a
+    ConfigError where a forced choice cannot run there)."""
     ctx = ctx or ParallelContext.single()
     plan = plan or ShardingPlan()
-    model, parameters = meta_model(cfg)
+    if kernels is None:
+        kernels = resolve_kernels(cfg, ctx.device, DTYPES[cfg.train.dtype])
+    model, parameters = meta_model(cfg, kernels)
     if unplanned := plan.unplanned(list(parameters)):
         raise RuntimeError(f"parameters the sharding plan neither places nor declares replicated "
                            f"(parallel/plan.py MODEL_PLAN / REPLICATED): {', '.join(unplanned[:8])}")

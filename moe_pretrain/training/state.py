@@ -9,20 +9,26 @@ this object; the training loop (trainer.py) advances it.
 
 import base64
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from kernels.choice import Kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.checkpoint import GlobalState
+from moe_pretrain.checkpoint.export import model_tensor_metadata
 from moe_pretrain.config import Config, config_to_dict
+from moe_pretrain.fp8.experts import FP8_HISTORY
 from moe_pretrain.training.optim import build_optimizer
 from moe_pretrain.training.parallelize import build_model
 from parallel.collectives import gather_objects
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
+
+log = logging.getLogger(__name__)
 
 
 def rng_states(ctx: ParallelContext) -> list[str]:
@@ -35,11 +41,12 @@ def rng_states(ctx: ParallelContext) -> list[str]:
 
 class TrainingState:
     def __init__(self, cfg: Config, ctx: ParallelContext, plan: ShardingPlan | None = None, *,
-                 draw_values: bool = True):
-        """draw_values=False leaves the parameters uninitialised: for a state about to be loaded."""
+                 draw_values: bool = True, kernels: Kernels | None = None):
+        """draw_values=False leaves the parameters uninitialised: for a state about to be loaded. kernels:
+        what the model is built with (None: resolved from the config for ctx.device, build_model)."""
         self.cfg, self.ctx = cfg, ctx
         self.plan = plan or ShardingPlan()
-        self.model = build_model(cfg, ctx, self.plan, draw_values=draw_values)
+        self.model = build_model(cfg, ctx, self.plan, draw_values=draw_values, kernels=kernels)
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
         self.optimizer = build_optimizer(self.model, cfg, ctx, self.plan)
         self.tensors = GlobalState(self.model, self.optimizer, ctx, self.plan)
@@ -80,6 +87,11 @@ class TrainingState:
         tensors = self.tensors.state_dict()
         if checkpoint.read_trainer_state(path).get("model_only"):
             tensors = {key: value for key, value in tensors.items() if key.startswith("model.")}
+        saved = model_tensor_metadata(path)
+        fresh = [key for key in tensors if key.endswith(FP8_HISTORY) and key not in saved]
+        if fresh:  # written without delayed FP8 scaling: the histories start empty (current scaling first)
+            log.info(f"{path} holds no FP8 amax histories ({len(fresh)} expert modules): they start empty")
+            tensors = {key: value for key, value in tensors.items() if key not in fresh}
         state = checkpoint.load(path, tensors, self.checkpoint_group)
         self.tensors.after_load(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]

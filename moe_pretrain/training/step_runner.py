@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from moe_pretrain.config import Config
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.model import MoETransformer
-from moe_pretrain.model.weight_casts import casts_reused
 from moe_pretrain.ops.norms import compute_dtype
+from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
 from moe_pretrain.training.pipeline import Pipeline, StepShape
 from parallel.state import ParallelContext
@@ -87,7 +87,7 @@ class StepRunner:
 
             return self._run_pipeline(plan, Batch.concatenate(batches), plan.rows, mean_share, train=True)
         ce_total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        with casts_reused():  # the parameters do not change before the optimizer step
+        with reused_in_step():  # the parameters do not change before the optimizer step
             for batch in batches:
                 with self.autocast():
                     logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
@@ -121,7 +121,7 @@ class StepRunner:
         schedule = pipeline.schedule(shape)
         self._pipeline_score = scorer
         try:
-            with self.autocast(), casts_reused():  # every stage takes its own rows' document ids
+            with self.autocast(), reused_in_step():  # every stage takes its own rows' document ids
                 (schedule.step if train else schedule.eval)(*args, target=target, losses=losses,
                                                             doc_ids=batch.doc_ids)
         finally:

@@ -19,14 +19,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from kernels.fast_paths import configure as configure_fast_paths
+from kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.fp8 import advance_amax_histories
-from moe_pretrain.model.experts import enable_fp8
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.planning.sizing import count
@@ -83,7 +82,7 @@ class Trainer:
         self.layout = resolve_layout(cfg, self.ctx.layout.world_size)
         """The checked layout with every step shape's micro-batch count (derived where the config leaves 0)."""
         self.dtype = DTYPES[cfg.train.dtype]
-        configure_fast_paths(cfg, self.ctx.device, self.dtype)
+        kernels = resolve_kernels(cfg, self.ctx.device, self.dtype)  # a forced kernel this machine lacks: fail now
         check_wandb(cfg)
         self.cfg = cfg
         self.data = PretrainingData(cfg)
@@ -92,8 +91,7 @@ class Trainer:
         self.validation = ValidationData(self.data) if cfg.eval.enabled else None
         self.device = self.ctx.device
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
-        self.state = TrainingState(cfg, self.ctx)
-        enable_fp8(self.state.model, cfg.precision.fp8, cfg.precision.fp8_amax_history)
+        self.state = TrainingState(cfg, self.ctx, kernels=kernels)
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
@@ -233,7 +231,7 @@ class Trainer:
             self.async_saver.before_update()  # a background save's copy of the state must be complete
         if not skipped:
             self.optimizer.update(cfg.optim.grad_clip, grad_norm)
-        advance_amax_histories(self.model)
+        advance_amax_histories(self.model, self.ctx.edp_group if self.ctx.distributed else None, discard=skipped)
         if skipped:
             self.model.discard_balancing()
             self._count_skip(loss_value, grad_norm)
