@@ -162,8 +162,12 @@ class AsyncSaver:
     update comes before the copy is done.
 
     start() returns at once; a thread of ours copies the tensors into host buffers (staging.py), then writes
-    them with DCP over `group` (a dedicated gloo group, so its collectives never interleave with training's),
-    hashing every file as it is written. The copy overlaps the next step's forward and backward, which only
+    them with DCP over `write_group`, hashing every file as it is written. Both groups are gloo groups of
+    their own: the training's collectives never interleave with the checkpoint's, and the background
+    write's (DCP's plan and result gathers, on that thread) never with poll's and the commit's on the
+    training thread. Over one group the two threads' collectives would pair up across ranks in whatever
+    order each rank's threads reached them: a rank whose write ended early (a failed disk) polled while
+    another was still gathering, and both hung. The copy overlaps the next step's forward and backward, which only
     read the parameters; before_update() is called before anything changes them (the optimizer step, the
     balancing biases) and waits for the copy, as torchtitan's async staging does. At most one save is in
     flight. poll() is called once per step on every rank: an all-reduce agrees on whether every rank has
@@ -171,8 +175,10 @@ class AsyncSaver:
     failure surfaces on every rank at the next step and the checkpoint is not committed.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, write_group: dist.ProcessGroup | None = None):
+        """group: poll and commit (the training thread); write_group: the background writes (one process:
+        both None)."""
+        self.group, self.write_group = group, write_group
         self.pending: tuple | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._stager = ReusedHostStager()
@@ -194,7 +200,7 @@ class AsyncSaver:
                 staged = self._stager.stage(tensors, after=ready)
             finally:
                 self._staged.set()
-            dcp.save(staged, storage_writer=writer, planner=BoxedSavePlanner(), process_group=self.group)
+            dcp.save(staged, storage_writer=writer, planner=BoxedSavePlanner(), process_group=self.write_group)
         hashed: Future = self._worker.submit(_written_and_hashed, tmp, write, writer)
         self.pending = (hashed, root, final, trainer_state, info, keep_last, keep_every)
 

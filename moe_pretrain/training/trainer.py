@@ -95,11 +95,16 @@ class Trainer:
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
+        writes = None
         if self.ctx.distributed:
-            # Checkpoint I/O gets its own gloo group (created collectively, here, on every rank): its collectives
-            # never interleave with training's, and its timeout grows with the largest rank's state.
-            self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=self._checkpoint_timeout())
-        self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group) if cfg.checkpoint.async_save else None
+            # Checkpoint I/O gets its own gloo groups (created collectively, here, on every rank): its collectives
+            # never interleave with training's, and their timeout grows with the largest rank's state. Background
+            # writes take a second one, apart from the training thread's polls and commits (AsyncSaver).
+            timeout = self._checkpoint_timeout()
+            self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+            writes = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
+        self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group, writes) if cfg.checkpoint.async_save \
+            else None
         self._recompute = ("none", "device")
         """The recomputation and saved-input policy the model's layers are set to (modules start with none)."""
         self.saved_inputs: SavedInputs | None = None
