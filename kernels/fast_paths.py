@@ -51,7 +51,8 @@ def fp8_engine(cfg: Config, device: torch.device) -> Engine:
     """The FP8 expert GEMMs' engine for precision.fp8's recipe on this device (kernels.fp8_gemm)."""
     name, choice = cfg.precision.fp8, cfg.kernels.fp8_gemm
     recipe = RECIPES[name]
-    te_reason = te_unavailable_reason(recipe, device)
+    widths = (cfg.model.moe.latent_size, cfg.model.moe.expert_intermediate)
+    te_reason = te_unavailable_reason(recipe, device, widths)
     if choice == "transformer_engine" and te_reason:
         raise ConfigError(f"kernels.fp8_gemm=transformer_engine cannot run precision.fp8={name} here: {te_reason}")
     if choice != "torch" and te_reason is None:
@@ -59,7 +60,8 @@ def fp8_engine(cfg: Config, device: torch.device) -> Engine:
     if reason := fp8_unavailable_reason(name, device):
         te_note = f" (Transformer Engine: {te_reason})" if choice == "auto" and device.type == "cuda" else ""
         raise ConfigError(f"precision.fp8={name} cannot run on {device}: {reason}{te_note}")
-    return "scaled_grouped_mm" if scaled_grouped_mm_unavailable_reason(recipe, device) is None else "torch"
+    return "scaled_grouped_mm" if scaled_grouped_mm_unavailable_reason(recipe, device, widths=widths) is None \
+        else "torch"
 
 
 def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:

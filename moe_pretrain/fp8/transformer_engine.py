@@ -7,8 +7,10 @@ autograd Function, with the GEMM layouts TE's GroupedLinear uses: forward TN (y 
 the recipe: tensorwise -> Float8CurrentScalingQuantizer, delayed -> Float8Quantizer with the scale of our
 own amax history (fp8/experts.py: checkpointed, reduced over the expert-data-parallel ranks),
 blockwise -> Float8BlockQuantizer (1x128 activations and gradients, 128x128 weights),
-mxfp8 -> MXFP8Quantizer. Activations are split by expert with tex.split_quantize (m_splits: the counts,
-read on the host once per forward, as TE's own grouped linear does); each expert's FP8 weight, rowwise for
+mxfp8 -> MXFP8Quantizer. Each expert's rows are padded with zero rows to a multiple of 16 (32 for mxfp8),
+as Megatron pads its routing for FP8 (the weight gradient contracts over the rows, which cuBLAS wants
+aligned), then split by expert with tex.split_quantize (m_splits: the padded counts, read on the host
+once per forward, as TE's own grouped linear does); each expert's FP8 weight, rowwise for
 the forward and columnwise for dgrad, is made once per optimizer step (step_reuse.py).
 
 general_grouped_gemm's signature moved between TE 2.9 (workspaces), 2.10 and 2.11+ (quantization_params):
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from moe_pretrain.fp8.expert_rows import expert_amax, expert_of_rows
+from moe_pretrain.fp8.expert_rows import expert_amax, expert_of_rows, padded_groups, scatter_rows
 from moe_pretrain.fp8.experts import Fp8Experts
 from moe_pretrain.fp8.quantize import scale_inv_of
 from moe_pretrain.fp8.recipes import Recipe
@@ -32,6 +34,8 @@ from moe_pretrain.step_reuse import reused
 _AVAILABILITY = {"tensorwise": "is_fp8_available", "delayed": "is_fp8_available",
                  "blockwise": "is_fp8_block_scaling_available", "mxfp8": "is_mxfp8_available"}
 """Which of TE's own checks says whether a recipe runs on this GPU."""
+_ALIGNMENT = {"tensorwise": 16, "delayed": 16, "blockwise": 16, "mxfp8": 32}
+"""Rows per expert group and widths in multiples of this (FP8 GEMM alignment; mxfp8's 32-element blocks)."""
 
 
 @functools.cache
@@ -39,8 +43,12 @@ def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def te_unavailable_reason(recipe: Recipe, device: torch.device) -> str | None:
-    """Why TE cannot run `recipe`'s expert GEMMs on `device`; None when it can (TE's own check says)."""
+def te_unavailable_reason(recipe: Recipe, device: torch.device, widths: tuple[int, ...] = ()) -> str | None:
+    """Why TE cannot run `recipe`'s expert GEMMs (of these in / out widths) on `device`; None when it can
+    (TE's own check says)."""
+    if bad := [w for w in widths if w % _ALIGNMENT[recipe.name]]:
+        return f"Transformer Engine's {recipe.name} GEMMs need widths in multiples of {_ALIGNMENT[recipe.name]}, " \
+            f"not {bad}"
     if device.type != "cuda":
         return f"Transformer Engine needs CUDA; device {device.type}"
     if not te_installed():
@@ -115,34 +123,37 @@ class _TEGroupedMM(torch.autograd.Function):
     def forward(ctx, x_RI, w_EOI, counts, fp8, name):
         import transformer_engine_torch as tex
 
-        m_splits = counts.tolist()
+        multiple = _ALIGNMENT[fp8.recipe.name]
+        index, ends, _ = padded_groups(counts, x_RI.shape[0], multiple)
+        ends_host = ends.tolist()  # the forward's one host read: TE takes m_splits on the host
+        m_splits = [b - a for a, b in zip([0, *ends_host[:-1]], ends_host)]
         x_quantizers = _quantizers(fp8, name, "x", x_RI, counts)
-        inputs = tex.split_quantize(x_RI, m_splits, x_quantizers)
+        inputs = tex.split_quantize(scatter_rows(x_RI, index, ends_host[-1]), m_splits, x_quantizers)
 
         def quantize_weights() -> list:
             quantizers = _quantizers(fp8, name, "w", w_EOI, counts)
             return [quantizer(w_EOI[e]) for e, quantizer in enumerate(quantizers)]
         weights = reused(("te-weights", fp8.owner, name, w_EOI.dtype), quantize_weights)
-        out = x_RI.new_empty(x_RI.shape[0], w_EOI.shape[1])
+        out = x_RI.new_empty(ends_host[-1], w_EOI.shape[1])
         _grouped_gemm(weights, inputs, [out], "TN", m_splits, grad=False, single_output=True)
-        ctx.save_for_backward(counts)
+        ctx.save_for_backward(counts, index)
         ctx.inputs, ctx.weights, ctx.m_splits, ctx.fp8, ctx.name = inputs, weights, m_splits, fp8, name
         ctx.shapes = (tuple(x_RI.shape), tuple(w_EOI.shape), x_RI.dtype, w_EOI.dtype)
-        return out
+        return out[index]
 
     @staticmethod
     def backward(ctx, grad_RO):
         import transformer_engine_torch as tex
 
-        (counts,) = ctx.saved_tensors
+        counts, index = ctx.saved_tensors
         x_shape, w_shape, x_dtype, w_dtype = ctx.shapes
-        grad_RO = grad_RO.contiguous()
-        grads = tex.split_quantize(grad_RO, ctx.m_splits, _quantizers(ctx.fp8, ctx.name, "dy", grad_RO, counts))
-        grad_x = grad_RO.new_empty(x_shape, dtype=x_dtype)
+        quantizers = _quantizers(ctx.fp8, ctx.name, "dy", grad_RO, counts)
+        grads = tex.split_quantize(scatter_rows(grad_RO, index, sum(ctx.m_splits)), ctx.m_splits, quantizers)
+        grad_x = grad_RO.new_empty((sum(ctx.m_splits), x_shape[1]), dtype=x_dtype)
         _grouped_gemm(ctx.weights, grads, [grad_x], "NN", ctx.m_splits, grad=True, single_output=True)
         grad_w = torch.zeros(w_shape, dtype=w_dtype, device=grad_RO.device)  # an expert with no rows: zero
         _grouped_gemm(ctx.inputs, grads, list(grad_w.unbind(0)), "NT", ctx.m_splits, grad=True, single_output=False)
-        return grad_x, grad_w, None, None, None
+        return grad_x[index], grad_w, None, None, None
 
 
 def te_grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, fp8: Fp8Experts,
