@@ -12,6 +12,7 @@ from moe_pretrain.config.model import (
     ModelConfig,
     MoEConfig,
     VisionConfig,
+    VisionEncoderConfig,
 )
 from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
 from moe_pretrain.config.run import (
@@ -48,6 +49,7 @@ __all__ = [
     "StageConfig",
     "TrainConfig",
     "VisionConfig",
+    "VisionEncoderConfig",
     "add_config_arguments",
     "config_to_dict",
     "load_config",

@@ -111,6 +111,44 @@ class AttnResConfig:
 
 
 @dataclass
+class VisionEncoderConfig:
+    """The MoonViT-style vision tower and projector of the model class (model/vision_tower.py). Defaults: the
+    released checkpoint's (401,214,464 tower + 46,144,512 projector parameters with hidden_size 7168). Not yet
+    a section of model.vision: the data path does not carry image grids yet (issue 27)."""
+
+    num_layers: int = 27
+    hidden_size: int = 1024
+    num_heads: int = 12
+    head_dim: int = 128
+    """q / k / v width per head: wqkv is hidden_size -> 3 * num_heads * head_dim (4608)."""
+    intermediate_size: int = 4096
+    pos_grid: int = 64
+    """The learned position table is pos_grid x pos_grid, resized to each image's patch grid."""
+    pos_interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+    max_frames: int = 4
+    """A clip holds at most this many frames (t); the sin/cos time embedding covers them."""
+    merge: int = 2
+    """merge x merge neighbouring patches become one language-model token (their features concatenated)."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        require_positive("model.vision.encoder", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         num_heads=self.num_heads, head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+                         pos_grid=self.pos_grid, max_frames=self.max_frames, merge=self.merge,
+                         rope_theta=self.rope_theta, norm_eps=self.norm_eps)
+        require(self.head_dim % 4 == 0, f"model.vision.encoder.head_dim={self.head_dim} must be a multiple of 4 "
+                                        "(2-D rotary: x and y frequencies interleaved)")
+        require(self.hidden_size % 2 == 0,
+                f"model.vision.encoder.hidden_size={self.hidden_size} must be even (sin/cos time embedding)")
+
+    @property
+    def merged_size(self) -> int:
+        """Width of one merged token: merge x merge patches' features concatenated."""
+        return self.merge * self.merge * self.hidden_size
+
+
+@dataclass
 class VisionConfig:
     """Native image input: square patches, linearly projected to visual tokens."""
 

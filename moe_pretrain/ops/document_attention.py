@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 
 def document_causal_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
-                              bounds: list[int], scale: float) -> torch.Tensor:
+                              bounds: list[int], scale: float, *, causal: bool = True) -> torch.Tensor:
     """Softmax attention of each position over the earlier positions of its document -> [N, H, Dv].
-    bounds: cu_seqlens as host integers, [0, ..., N]."""
+    bounds: cu_seqlens as host integers, [0, ..., N]. causal=False: over every position of its document
+    (the vision tower's images, attended bidirectionally)."""
     if not (q_NHD.shape[:2] == k_NHD.shape[:2] == v_NHD.shape[:2]):
         raise ValueError(f"document_causal_attention: q {tuple(q_NHD.shape)}, k {tuple(k_NHD.shape)} and "
                          f"v {tuple(v_NHD.shape)} must agree on [N, H]")
@@ -33,6 +34,6 @@ def document_causal_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: t
     q_NHD, k_NHD, v_NHD = (F.pad(t, (0, width - t.shape[-1])) for t in (q_NHD, k_NHD, v_NHD))
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, D]
     outputs = [F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                              is_causal=True, scale=scale)
+                                              is_causal=causal, scale=scale)
                for start, end in itertools.pairwise(bounds)]
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)[..., :Dv]

@@ -25,6 +25,7 @@ from moe_pretrain.config import (
     MLAConfig,
     ModelConfig,
     MoEConfig,
+    VisionEncoderConfig,
     add_config_arguments,
     load_config_or_exit,
 )
@@ -55,6 +56,19 @@ def mla_params(d: int, c: MLAConfig) -> int:
         + d * H * c.v_head_dim   # output gate
         + H * c.v_head_dim * d   # output projection
     )
+
+
+def vision_tower_params(c: VisionEncoderConfig, patch_size: int, channels: int) -> int:
+    """The vision tower (model/vision_tower.py): patch embedding, position table, blocks, final norm."""
+    width = c.num_heads * c.head_dim
+    block = 2 * c.hidden_size + 4 * c.hidden_size * width + 2 * c.hidden_size * c.intermediate_size
+    return (channels * patch_size * patch_size * c.hidden_size + c.pos_grid * c.pos_grid * c.hidden_size
+            + c.num_layers * block + c.hidden_size)
+
+
+def vision_projector_params(c: VisionEncoderConfig, d: int) -> int:
+    """The projector from merged vision tokens to the language model's width (Linear, Linear, RMSNorm)."""
+    return c.merged_size * c.merged_size + c.merged_size * d + d
 
 
 def situ_glu_params(d: int, intermediate: int) -> int:
