@@ -20,41 +20,64 @@ from parallel.statistics import LocalStatistics
 
 
 class Balancer:
-    """Collects the step's detached scores [m, n] and choices [m, k]; subclasses turn them into a bias."""
+    """What the router asks of a balancing strategy; the base observes nothing and keeps the bias."""
 
     def __init__(self, cfg: MoEConfig):
         self.cfg = cfg
         self.stats = LocalStatistics()
-        self._scores: list[torch.Tensor] = []
-        self._choices: list[torch.Tensor] = []
 
     def observe(self, scores: torch.Tensor, topk_idx: torch.Tensor, bias: torch.Tensor) -> None:
         """One forward's detached scores [m, n] and choices [m, k] under the step's bias [n]."""
-        self._scores.append(scores)
-        self._choices.append(topk_idx)
 
     def loss(self, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor | None:
         """A differentiable balancing loss for this forward, already weighted, or None."""
         return None
 
     def discard(self) -> None:
-        self._scores.clear()
-        self._choices.clear()
+        """Forget the step (a skipped step)."""
 
     def next_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """The bias for the next step from everything observed since the last call; then forget it."""
+        return bias
+
+    def unreduced_counts(self) -> torch.Tensor | None:
+        """This rank's step statistics still to be summed over the balancing group, where the strategy lets
+        reduce_pending sum them together with other layers' (one collective for all); None otherwise."""
+        return None
+
+    def take_reduced(self, counts: torch.Tensor) -> None:
+        """The group's sum of unreduced_counts(), from reduce_pending."""
+        raise NotImplementedError(f"{type(self).__name__} has no counts to reduce")
+
+
+class KeptScoresBalancer(Balancer):
+    """Keeps the step's detached scores [m, n] and choices [m, k]; subclasses turn them into a bias (rule)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__(cfg)
+        self._scores: list[torch.Tensor] = []
+        self._choices: list[torch.Tensor] = []
+
+    def observe(self, scores, topk_idx, bias):
+        self._scores.append(scores)
+        self._choices.append(topk_idx)
+
+    def discard(self):
+        self._scores.clear()
+        self._choices.clear()
+
+    def next_bias(self, bias):
         if not self._scores:
             return bias
         scores, choices = torch.cat(self._scores), torch.cat(self._choices)
-        self._scores.clear()
-        self._choices.clear()
+        self.discard()
         return self.rule(scores, choices, bias)
 
     def rule(self, scores: torch.Tensor, choices: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return bias
+        raise NotImplementedError
 
 
-class QuantileBalancer(Balancer):
+class QuantileBalancer(KeptScoresBalancer):
     """ops.quantile_balance_update, with m and the column quantiles taken over the global batch: exact, from
     every score of the step (kept until the step ends; bisection over ranks, parallel/statistics.py)."""
 
@@ -89,6 +112,12 @@ class HistogramQuantileBalancer(Balancer):
     def discard(self):
         self.counts, self.bins, self.reduced = None, None, False
 
+    def unreduced_counts(self):
+        return None if self.counts is None or self.reduced else self.counts
+
+    def take_reduced(self, counts):
+        self.counts, self.reduced = counts, True
+
     def next_bias(self, bias):
         if self.counts is None:
             return bias
@@ -100,18 +129,18 @@ class HistogramQuantileBalancer(Balancer):
 
 
 def reduce_pending(balancers: list[Balancer]) -> None:
-    """Sum the step's histograms of these balancers (a pipeline stage's, which share one balancing group:
-    training/parallelize.py) over the group in one collective, so next_bias needs none."""
-    pending = [b for b in balancers if isinstance(b, HistogramQuantileBalancer) and b.counts is not None
-               and not b.reduced]
+    """Sum the step's statistics of these balancers that let it (histogram quantile balancing: its counts) over
+    their group in one collective (a pipeline stage's balancers share one group: training/parallelize.py), so
+    next_bias needs none."""
+    pending = [(b, counts) for b in balancers if (counts := b.unreduced_counts()) is not None]
     if not pending:
         return
-    totals = pending[0].stats.total(torch.stack([b.counts for b in pending]))
-    for balancer, counts in zip(pending, totals.unbind(0), strict=True):
-        balancer.counts, balancer.reduced = counts, True
+    totals = pending[0][0].stats.total(torch.stack([counts for _, counts in pending]))
+    for (balancer, _), counts in zip(pending, totals.unbind(0), strict=True):
+        balancer.take_reduced(counts)
 
 
-class AuxFreeBalancer(Balancer):
+class AuxFreeBalancer(KeptScoresBalancer):
     """ops.aux_free_update on the global batch's expert loads."""
 
     def rule(self, scores, choices, bias):
@@ -120,8 +149,7 @@ class AuxFreeBalancer(Balancer):
 
 
 class AuxLossBalancer(Balancer):
-    def observe(self, scores, topk_idx, bias):
-        """Nothing to keep: the loss acts through the gradient, the bias stays at 0."""
+    """Observes nothing: the loss acts through the gradient, the bias stays at 0."""
 
     def loss(self, scores, topk_idx):
         return self.cfg.aux_loss_coef * load_balancing_loss(scores, topk_idx)
