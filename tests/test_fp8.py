@@ -220,11 +220,10 @@ def test_scaled_grouped_mm_operands_are_the_loops_quantization_and_pass_torchs_c
         assert out.shape == (sum(COUNTS), 48) and out.dtype == torch.bfloat16
 
 
-def delayed_worker(rank, world_size, run_dir):
-    """2 data-parallel ranks, each its own micro-batches, 3 steps of delayed FP8 and a checkpoint: every rank's
-    histories (gathered to rank 0)."""
+def delayed_worker(rank, world_size, run_dir, overrides):
+    """2 ranks, 3 steps of delayed FP8 and a checkpoint: every rank's histories (gathered to rank 0)."""
     cfg = tiny_config("train.steps=3", "train.dtype=float32", "precision.fp8=delayed", "logging.progress=false",
-                      f"train.run_dir={run_dir}")
+                      f"train.run_dir={run_dir}", *overrides)
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
@@ -237,17 +236,25 @@ def delayed_worker(rank, world_size, run_dir):
 
 @pytest.mark.timeout(240)
 def test_delayed_histories_agree_over_data_parallel_ranks_and_are_checkpointed(tmp_path):
-    gathered = run_distributed(delayed_worker, 2, str(tmp_path))
+    """dp2: both ranks hold every expert and end with equal histories; ep2: each holds its experts' histories,
+    sharded like the weights; either way one process resumes exactly what was saved."""
+    sharded = run_distributed(delayed_worker, 2, str(tmp_path / "ep2"), ["parallel.ep=2"])
+    (_, ep_checkpoint), *_ = committed_checkpoints(tmp_path / "ep2" / "checkpoints")
+    gathered = run_distributed(delayed_worker, 2, str(tmp_path), [])
     assert gathered  # one history per MoE layer
     for key, per_rank in gathered.items():
         assert torch.equal(per_rank[0], per_rank[1]), key  # one all-reduced amax per step on both ranks
         assert (per_rank[0][:, -3:] > 0).all() and (per_rank[0][:, :-3] == 0).all(), key  # 3 steps recorded
+        assert sharded[key].shape[1] == per_rank.shape[1] // 2, key  # ep2: half the experts on each rank
     (_, checkpoint), *_ = committed_checkpoints(tmp_path / "checkpoints")
     cfg = tiny_config("precision.fp8=delayed", "train.dtype=float32")
     state = TrainingState(cfg, ParallelContext.single(), draw_values=False)
     state.load(checkpoint)
     for key, per_rank in gathered.items():
         assert torch.equal(state.model.state_dict()[key], per_rank[0]), key  # resumed as saved
+    state.load(ep_checkpoint)
+    for key, per_rank in sharded.items():
+        assert torch.equal(state.model.state_dict()[key], torch.cat(list(per_rank))), key  # both ranks' experts
     off = TrainingState(tiny_config("train.dtype=float32"), ParallelContext.single(), draw_values=False)
     off.load(checkpoint)  # a run without FP8 ignores the histories
     fresh = TrainingState(cfg, ParallelContext.single(), draw_values=False)
