@@ -305,6 +305,9 @@ class Trainer:
             self.last_checkpoint = self.state.save(self.checkpoint_root)
             return self.last_checkpoint
         c = self.cfg.checkpoint
+        # The previous save, if still in flight, is committed (or its failure reported) on its own first: a
+        # failure found there must not also cost this step's save (on_async_failure=continue).
+        self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
         # Snapshots only: an async save writes this JSON at commit time, steps later.
         self._guard_async(self.async_saver.start, self.checkpoint_root, self.step, *self.state.snapshot(),
                           c.keep_last, c.keep_every)
