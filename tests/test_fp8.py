@@ -38,10 +38,11 @@ def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return ((actual.double() - reference).norm() / reference.norm()).item()
 
 
-def experts_module(recipe: str, num_experts: int = len(COUNTS), history: int = 4) -> GroupedExperts:
+def experts_module(recipe: str, num_experts: int = len(COUNTS), history: int = 4, engine: str = "torch"
+                   ) -> GroupedExperts:
     """An experts module built with FP8 (its delayed-scaling buffers, where the recipe keeps them)."""
     return GroupedExperts(num_experts, 8, 8, beta=4.0, linear_beta=25.0, init_std=0.02, out_std=0.02,
-                          kernels=Kernels(fp8=Fp8Settings(RECIPES[recipe], history)))
+                          kernels=Kernels(fp8=Fp8Settings(RECIPES[recipe], history, engine)))
 
 
 def fp8_of(recipe: str, **kwargs) -> Fp8Experts:
@@ -300,8 +301,7 @@ def test_scaled_grouped_mm_engine_around_the_kernel_equals_the_loop(monkeypatch)
     grad = torch.randn(sum(COUNTS), 48, generator=gen)
     results = {}
     for engine in ("scaled_grouped_mm", "torch"):
-        module = GroupedExperts(len(COUNTS), 32, 48, beta=4.0, linear_beta=25.0, init_std=0.02, out_std=0.02,
-                                kernels=Kernels(fp8=Fp8Settings(RECIPES["tensorwise"], 4, engine)))
+        module = experts_module("tensorwise", engine=engine)
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_grouped_mm(xi, wi, torch.tensor(COUNTS), Fp8Experts(module.fp8_settings, module), "gate")
         y.backward(grad)

@@ -54,29 +54,20 @@ class Fp8Experts:
         recipe = self.recipe
         dtype = recipe.grad_dtype if grad else recipe.forward_dtype
         block = recipe.weight_block if weight else recipe.activation_block
-        amax = None
-        if recipe.delayed:
-            amax = self.scaling_amax(name, expert, t.detach().abs().amax().float())
+        amax = self.scaling_amax(name, expert, t.detach().abs().amax().float()) if recipe.delayed else None
         return quantize(t, block, dtype, power_of_two=recipe.power_of_two, amax=amax)
 
-    def scaling_amax(self, name: str, expert: int, current: torch.Tensor) -> torch.Tensor:
-        """The amax to scale this use with (the history's largest; `current` where it holds nothing yet),
-        recording `current` into the step in progress. Device operations only: no host read."""
-        operand = OPERANDS.index(name)
-        pending = self.owner.fp8_amax_pending
-        pending[expert, operand] = torch.maximum(pending[expert, operand], current)
-        past = self.owner.fp8_amax_history[expert, :, operand].amax()
-        return torch.where(past > 0, past, current)
-
-    def scaling_amaxes(self, name: str, current_E: torch.Tensor) -> torch.Tensor:
-        """scaling_amax for every expert at once: current_E [E] fp32 -> [E] (the other recipes: current_E)."""
+    def scaling_amax(self, name: str, experts: int | slice, current: torch.Tensor) -> torch.Tensor:
+        """The amax to scale this use with under delayed scaling (the history's largest; `current` where it holds
+        nothing yet), recording `current` into the step in progress: for one expert (an int, current a scalar)
+        or several (slice(None): every expert, current [E]). Other recipes: `current`. Device operations only."""
         if not self.recipe.delayed:
-            return current_E
+            return current
         operand = OPERANDS.index(name)
         pending = self.owner.fp8_amax_pending
-        pending[:, operand] = torch.maximum(pending[:, operand], current_E)
-        past = self.owner.fp8_amax_history[:, :, operand].amax(dim=1)
-        return torch.where(past > 0, past, current_E)
+        pending[experts, operand] = torch.maximum(pending[experts, operand], current)
+        past = self.owner.fp8_amax_history[experts, :, operand].amax(dim=-1)
+        return torch.where(past > 0, past, current)
 
     def weight(self, w_EOI: torch.Tensor, name: str, expert: int, *, transposed: bool = False) -> Quantized:
         """Expert `expert`'s weight quantized for the forward (transposed: for dx = dy W), made once per step."""

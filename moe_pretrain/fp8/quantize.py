@@ -38,12 +38,15 @@ class Quantized:
 
 
 def _per_element(scale_inv: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """Block scales [ceil(M/br), ceil(K/bc)] spread to every element of an [M, K] operand; one scale stays
-    [1, 1] and broadcasts (tensorwise and delayed scaling: no [M, K] copy of a scalar)."""
-    if scale_inv.numel() == 1:
-        return scale_inv.reshape(1, 1)
+    """Block scales [ceil(M/br), ceil(K/bc)] spread over an [M, K] operand; a dimension holding one block stays
+    1 and broadcasts (one scale: [1, 1], tensorwise and delayed; one per row: [M, 1]), so no copy of a scale
+    is made along it."""
     rows, cols = shape
-    return scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    if scale_inv.shape[0] > 1:
+        scale_inv = scale_inv.repeat_interleave(block[0], 0)[:rows]
+    if scale_inv.shape[1] > 1:
+        scale_inv = scale_inv.repeat_interleave(block[1], 1)[:, :cols]
+    return scale_inv
 
 
 def block_amax(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -62,8 +65,8 @@ def scale_inv_of(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = Fa
 
 def quantize(t: torch.Tensor, block: Block, dtype: torch.dtype, *, power_of_two: bool = False,
              amax: torch.Tensor | None = None) -> Quantized:
-    """t [M, K] -> FP8 with one scale per block (None: one for the whole tensor). amax overrides the
-    tensor's own amax (delayed scaling; tensorwise only)."""
+    """t [M, K] -> FP8 with one scale per block (None: one for the whole tensor). amax, a scalar or one per
+    block, overrides the tensor's own (delayed scaling; the grouped engines' per-expert row scales)."""
     rows, cols = t.shape
     block = block or (max(rows, 1), max(cols, 1))
     if amax is None:

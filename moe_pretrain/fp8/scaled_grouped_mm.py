@@ -18,7 +18,7 @@ import torch
 
 from moe_pretrain.fp8.expert_rows import expert_amax, expert_of_rows, padded_groups, scatter_rows
 from moe_pretrain.fp8.experts import Fp8Experts, fp8_backward_loop
-from moe_pretrain.fp8.quantize import fp8_max, scale_inv_of
+from moe_pretrain.fp8.quantize import quantize
 from moe_pretrain.fp8.recipes import Recipe
 from moe_pretrain.step_reuse import reused
 
@@ -54,11 +54,10 @@ def quantize_rows(x_RI: torch.Tensor, counts: torch.Tensor, fp8: Fp8Experts, nam
     """x's rows in e4m3, each expert's rows under one scale (its amax, or its delayed history's) ->
     (data [R, I], scale_inv [R] fp32): what the loop's per-expert tensorwise quantize gives, row for row."""
     experts = expert_of_rows(counts, x_RI.shape[0])
-    amax = fp8.scaling_amaxes(f"{name}.x", expert_amax(x_RI, experts, counts.shape[0]))
-    scale_inv = scale_inv_of(amax, KERNEL_DTYPE, fp8.recipe.power_of_two)[experts]
-    limit = fp8_max(KERNEL_DTYPE)
-    data = (x_RI.float() / scale_inv.unsqueeze(1)).clamp(-limit, limit).to(KERNEL_DTYPE)
-    return data, scale_inv
+    amax = fp8.scaling_amax(f"{name}.x", slice(None), expert_amax(x_RI, experts, counts.shape[0]))
+    rows = quantize(x_RI, (1, max(x_RI.shape[1], 1)), KERNEL_DTYPE, power_of_two=fp8.recipe.power_of_two,
+                    amax=amax[experts].unsqueeze(1))
+    return rows.data, rows.scale_inv[:, 0]
 
 
 def stacked_weights(w_EOI: torch.Tensor, fp8: Fp8Experts, name: str) -> tuple[torch.Tensor, torch.Tensor]:

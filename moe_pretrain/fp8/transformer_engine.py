@@ -95,9 +95,9 @@ def _quantizers(fp8: Fp8Experts, name: str, role: str, t: torch.Tensor, counts: 
     if not fp8.recipe.delayed:
         return [_quantizer(fp8.recipe, role, t.device) for _ in range(E)]
     if role == "w":
-        amax = fp8.scaling_amaxes(f"{name}.w", t.detach().abs().amax(dim=(1, 2)).float())
+        amax = fp8.scaling_amax(f"{name}.w", slice(None), t.detach().abs().amax(dim=(1, 2)).float())
     else:
-        amax = fp8.scaling_amaxes(f"{name}.{role}", expert_amax(t, expert_of_rows(counts, t.shape[0]), E))
+        amax = fp8.scaling_amax(f"{name}.{role}", slice(None), expert_amax(t, expert_of_rows(counts, t.shape[0]), E))
     return [_quantizer(fp8.recipe, role, t.device, amax[e]) for e in range(E)]
 
 

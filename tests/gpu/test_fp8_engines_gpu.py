@@ -10,25 +10,20 @@ same recipe, rounded by other kernels (bf16 outputs, TE's power-of-two block sca
 import pytest
 import torch
 
-from kernels.choice import Kernels
 from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
-from moe_pretrain.fp8.settings import Fp8Settings
 from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
-from moe_pretrain.model.experts import GroupedExperts
-from tests.test_fp8 import COUNTS, FORWARD_BOUND, GRAD_BOUND, relative_error
+from tests.test_fp8 import COUNTS, FORWARD_BOUND, GRAD_BOUND, experts_module, relative_error
 
 CUDA = torch.device("cuda")
 TO_EMULATION = 0.03
 
 
 def run(recipe: str, engine: str, device: torch.device, x, w, grad):
-    settings = Fp8Settings(RECIPES[recipe], 4, engine)
-    owner = GroupedExperts(len(COUNTS), 8, 8, beta=4.0, linear_beta=25.0, init_std=0.02, out_std=0.02,
-                           kernels=Kernels(fp8=settings)).to(device)
+    owner = experts_module(recipe, engine=engine).to(device)
     xi = x.to(device).requires_grad_()
     wi = w.to(device).requires_grad_()
-    y = fp8_grouped_mm(xi, wi, torch.tensor(COUNTS, device=device), Fp8Experts(settings, owner), "gate")
+    y = fp8_grouped_mm(xi, wi, torch.tensor(COUNTS, device=device), Fp8Experts(owner.fp8_settings, owner), "gate")
     y.backward(grad.to(device, y.dtype))
     return [t.detach().cpu().double() for t in (y, xi.grad, wi.grad)]
 
