@@ -99,7 +99,8 @@ def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float =
 
 def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> bool:
     print(f"{'stage':8s} {'layout':29s} {'dp':>5s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'mixers':>7s} "
-          f"{'activ':>7s} {'a2a':>7s} {'qb':>7s} {'total':>7s} {'host':>7s} {'fits':>5s} | GB sent/step: "
+          f"{'activ':>7s} {'a2a':>7s} {'qb':>7s} {'vision':>7s} {'total':>7s} {'host':>7s} {'fits':>5s} | "
+          f"GB sent/step: "
           f"{'tp':>6s} {'ep':>6s} {'pp':>6s} {'cp':>6s} {'dp':>6s}")
     all_fit = True
     for stage, layout in zip(planner.cfg.stages, layouts, strict=True):
@@ -119,7 +120,7 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
         print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} {gigabytes(w['param_bytes'])} "
               f"{gigabytes(w['grad_bytes'])} {gigabytes(w['optimizer_bytes'])} {gigabytes(w['mixer_state_bytes'])} "
               f"{gigabytes(w['activation_bytes'])} {gigabytes(w['buffer_bytes'])} {gigabytes(w['balancing_bytes'])} "
-              f"{gigabytes(w['total_bytes'])} "
+              f"{gigabytes(result['first']['vision_bytes'])} {gigabytes(w['total_bytes'])} "
               f"{gigabytes(w['host_bytes'])} {'yes' if fits else 'NO':>5s} |               "
               + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
     return all_fit

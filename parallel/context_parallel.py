@@ -24,6 +24,7 @@ exchanges here:
 Gradients flow back through the same collectives (all-gather <-> reduce-scatter, all-to-all <-> itself).
 """
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -63,8 +64,10 @@ class NoContextParallel:
     def sequence_to_heads(self, x_BThD: torch.Tensor) -> torch.Tensor:
         return x_BThD
 
-    def local_patches(self, patches: torch.Tensor, image_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return patches, image_mask
+    def place(self, positions: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host positions in sequences of seq_len -> (the rank holding each, its index among the rank's
+        positions of the row)."""
+        return np.zeros_like(positions), positions
 
 
 class ContextParallel(NoContextParallel):
@@ -90,11 +93,11 @@ class ContextParallel(NoContextParallel):
         fragments = x_BT_.unflatten(1, (2 * self.size, T // (2 * self.size)))
         return fragments[:, list(self.fragments)].flatten(1, 2)
 
-    def local_patches(self, patches: torch.Tensor, image_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's image patches and image_mask [B, T / cp] (patches in row-major [B, T] order)."""
-        index = (torch.cumsum(image_mask.reshape(-1).long(), 0) - 1).reshape(image_mask.shape)
-        local_mask = self.local(image_mask)
-        return patches[self.local(index)[local_mask]], local_mask
+    def place(self, positions, seq_len):
+        F = seq_len // (2 * self.size)
+        fragment = positions // F
+        second = fragment >= self.size  # the rank's second fragment, 2 cp - 1 - rank
+        return np.where(second, 2 * self.size - 1 - fragment, fragment), np.where(second, F, 0) + positions % F
 
     def gather_sequence(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """Local [B, T / cp, ...] -> every position [B, T, ...] in sequence order (differentiable: the

@@ -65,7 +65,8 @@ MODEL_PLAN: tuple[tuple[str, Style], ...] = (
 stands for one path component. The first match wins."""
 
 REPLICATED: tuple[str, ...] = (
-    "patch_embedding.proj", "final_mix", "final_norm",
+    # The vision tower and projector: every tensor- and context-parallel rank encodes its rows' images whole.
+    "vision_tower", "mm_projector", "final_mix", "final_norm",
     "layers.*.attn_mix", "layers.*.mlp_mix", "layers.*.attn_norm", "layers.*.mlp_norm",
     # KDA's low-rank decay input and its output norm (one weight shared by every head).
     "layers.*.mixer.f_a_proj", "layers.*.mixer.o_norm_weight",
@@ -78,7 +79,7 @@ REPLICATED: tuple[str, ...] = (
 rank; the same pattern syntax."""
 
 TENSOR_DIM = {Style.COLUMN: 0, Style.ROW: 1, Style.VOCAB: 0, Style.HEADS: 0}
-FIRST_STAGE_MODULES = ("embedding", "patch_embedding")
+FIRST_STAGE_MODULES = ("embedding", "vision_tower", "mm_projector")
 LAST_STAGE_MODULES = ("final_mix", "final_norm", "head")
 
 

@@ -2,10 +2,11 @@
 
 Between the tensor-parallel regions, activations [B, T, D] are split along T over the tensor-parallel
 ranks. The model asks this object to scatter the embedded sequence, to gather a tensor it needs whole
-(MLA's shared rotary key), and which image patches fall in its shard. NoSequenceParallel is the
-single-process identity.
+(MLA's shared rotary key), and where a position lives (its shard of a mask; which rank holds an image
+token). NoSequenceParallel is the single-process identity.
 """
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,8 +23,13 @@ class NoSequenceParallel:
     def gather(self, x_BT_: torch.Tensor) -> torch.Tensor:
         return x_BT_
 
-    def local_patches(self, patches: torch.Tensor, image_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return patches, image_mask
+    def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> this rank's shard [B, T / size, ...] (no communication)."""
+        return x_BT_
+
+    def place(self, positions: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host positions in sequences of seq_len -> (the rank holding each, its index in that rank's shard)."""
+        return np.zeros_like(positions), positions
 
 
 class SequenceParallel(NoSequenceParallel):
@@ -38,11 +44,10 @@ class SequenceParallel(NoSequenceParallel):
     def gather(self, x_BT_):
         return gather_from_sequence_parallel(x_BT_, self.group)
 
-    def local_patches(self, patches, image_mask):
-        """This shard's image_mask [B, T/size] and its patches (patches are in row-major [B, T] order)."""
-        T = image_mask.shape[1]
-        chunk = T // self.size
-        index = (torch.cumsum(image_mask.reshape(-1).long(), 0) - 1).reshape(image_mask.shape)
-        local_mask = image_mask[:, self.rank * chunk:(self.rank + 1) * chunk]
-        local_index = index[:, self.rank * chunk:(self.rank + 1) * chunk][local_mask]
-        return patches[local_index], local_mask
+    def local(self, x_BT_):
+        chunk = x_BT_.shape[1] // self.size
+        return x_BT_[:, self.rank * chunk:(self.rank + 1) * chunk]
+
+    def place(self, positions, seq_len):
+        chunk = seq_len // self.size
+        return positions // chunk, positions % chunk

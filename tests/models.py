@@ -12,11 +12,14 @@ TINY = [
     "model.mla.kv_lora_rank=8", "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4",
     "model.mla.v_head_dim=8", "model.moe.num_experts=8", "model.moe.top_k=2",
     "model.moe.expert_intermediate=16", "model.moe.latent_size=16", "model.moe.shared_intermediate=16",
-    "model.attn_res.block_size=2", "model.vision.patch_size=4", "data.image_size=8",
+    "model.attn_res.block_size=2", "model.vision.patch_size=4", "data.image_size=16",
+    "model.vision.encoder.num_layers=1", "model.vision.encoder.hidden_size=16", "model.vision.encoder.num_heads=2",
+    "model.vision.encoder.head_dim=8", "model.vision.encoder.intermediate_size=32", "model.vision.encoder.pos_grid=4",
     "data.seq_len=96", "data.batch_size=4", *EVAL_OFF,
 ]
-"""configs/smoke.yaml shrunk further (command-line overrides): d=32, 6 layers KKMKKM, 8 experts top-2, block 2;
-no evaluation (tests that evaluate turn it on)."""
+"""configs/smoke.yaml shrunk further (command-line overrides): d=32, 6 layers KKMKKM, 8 experts top-2, block 2,
+a one-block vision tower of width 16 on 4 x 4 patches (images of 16 x 16, 16 x 8, 8 x 16, 8 x 8 pixels: 4, 2, 2
+and 1 tokens); no evaluation (tests that evaluate turn it on)."""
 
 
 def tiny_config(*overrides: str):

@@ -38,7 +38,8 @@ def test_overrides_are_typed():
     ("model.layer_pattern=KKKXKKKM", "model.layer_pattern may hold only K (KDA) and M (MLA)"),
     ("model.attn_res.block_size=0", "model.attn_res.block_size=0 must be >= 1"),
     ("data.batch_size=6", "data.batch_size=6 must be divisible by data.micro_batches=4"),
-    ("data.image_size=30", "data.image_size=30 must be a multiple of model.vision.patch_size=14"),
+    ("data.image_size=30", "data.image_size=30 must be a multiple of 2 x model.vision.patch_size x "
+                           "model.vision.encoder.merge = 56"),
     ("optim.min_lr=1.0", "optim.min_lr=1.0 must be in [0, optim.lr="),
     ("train", "override 'train' must look like section.key=value"),
     ("train.exit_at_step=999", "train.exit_at_step=999 must be in [0, train.steps=150]"),

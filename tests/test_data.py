@@ -11,9 +11,9 @@ from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data import tokenizer as tok
 from moe_pretrain.data.embedded import split_text
 from moe_pretrain.data.packing import DocumentRef, RowPlan, Segment, SequencePacker, assemble_row
-from moe_pretrain.data.patches import patchify
+from moe_pretrain.data.patches import image_grid, patchify
 from moe_pretrain.data.stdlib_corpus import stdlib_source_files
-from moe_pretrain.data.synthetic_images import make_image
+from moe_pretrain.data.synthetic_images import image_size, make_image
 from tests.models import tiny_config
 
 
@@ -40,16 +40,26 @@ def test_split_text_cuts_at_line_breaks():
     assert split_text(b"x" * 120, 50) == [b"x" * 50, b"x" * 50, b"x" * 20]
 
 
-def test_images_are_deterministic_and_captioned():
-    a, caption_a = make_image(3, 7, 28)
-    b, caption_b = make_image(3, 7, 28)
-    c, _ = make_image(3, 8, 28)
-    assert np.array_equal(a, b) and caption_a == caption_b and not np.array_equal(a, c)
-    assert a.shape == (3, 28, 28) and a.min() >= -1 and a.max() <= 1
+def test_images_are_deterministic_captioned_and_of_four_sizes():
+    a, caption_a = make_image(3, 7, 56)
+    b, caption_b = make_image(3, 7, 56)
+    c, _ = make_image(3, 8, 56)
+    assert np.array_equal(a, b) and caption_a == caption_b and not np.array_equal(a[:, :28, :28], c[:, :28, :28])
+    assert a.shape == (3, *image_size(3, 7, 56)) and a.min() >= -1 and a.max() <= 1
     assert caption_a.startswith("a ") and caption_a.endswith(".")
+    assert {image_size(3, i, 56) for i in range(40)} == {(56, 56), (56, 28), (28, 56), (28, 28)}
     patches = patchify(a, 14)
-    assert patches.shape == (4, 588)
-    assert np.array_equal(patches[1].reshape(3, 14, 14), a[:, :14, 14:])  # top-right patch
+    H, W = a.shape[1:]
+    assert patches.shape == (H // 14 * W // 14, 588)
+    assert np.array_equal(patches[1].reshape(3, 14, 14), a[:, :14, 14:28])  # first row, second patch
+
+
+def test_patchify_cuts_clips_frame_major_then_row_major():
+    clip = np.arange(2 * 3 * 8 * 12, dtype=np.float32).reshape(2, 3, 8, 12)
+    patches = patchify(clip, 4)
+    assert patches.shape == (2 * 2 * 3, 3 * 16) and image_grid(clip.shape, 4) == (2, 2, 3)
+    # Frame 1, patch row 1, column 2: rows 4:8, columns 8:12 of the second frame, channels outermost.
+    assert np.array_equal(patches[1 * 6 + 1 * 3 + 2].reshape(3, 4, 4), clip[1, :, 4:8, 8:12])
 
 
 def test_packer_keeps_boundaries_and_never_cuts_images():
@@ -67,12 +77,13 @@ def test_packer_keeps_boundaries_and_never_cuts_images():
     assert (packer.pending.origin, packer.pending.offset, packer.pending.length) == (("text", 5), 9, 1)
     assert packer.next_row().segments[0] == Segment(("text", 5), 9, 1, False)
 
-    documents = {("images", 0): (image_tokens, np.ones((1, 3), np.float32)), ("text", 5): (text_tokens, None)}
+    documents = {("images", 0): (image_tokens, np.ones((4, 3), np.float32), [(1, 2, 2)]),
+                 ("text", 5): (text_tokens, None, [])}
     row1, row2 = (assemble_row(plan, documents.__getitem__, tok.PAD) for plan in (plan1, plan2))
     assert row1.tokens.tolist() == [*text_tokens, *[tok.PAD] * 5]
-    assert row1.doc_ids.tolist() == [0] * 10 + [1] * 5 and row1.patches == []
+    assert row1.doc_ids.tolist() == [0] * 10 + [1] * 5 and row1.patches == [] and row1.grids == []
     assert row2.tokens.tolist() == [*image_tokens, *text_tokens[:9]]
-    assert row2.doc_ids.tolist() == [0] * 6 + [1] * 9 and len(row2.patches) == 1
+    assert row2.doc_ids.tolist() == [0] * 6 + [1] * 9 and len(row2.patches) == 1 and row2.grids == [(1, 2, 2)]
 
 
 def test_ranks_without_patches_read_the_same_tokens_and_no_pixels(monkeypatch):
@@ -86,6 +97,7 @@ def test_ranks_without_patches_read_the_same_tokens_and_no_pixels(monkeypatch):
     assert int(full.image_mask.sum()) > 0 and light.patches.shape == (0, 48)
     for name in ("tokens", "labels", "doc_ids", "image_mask"):
         assert torch.equal(getattr(full, name), getattr(light, name)), name
+    assert full.grids == light.grids
 
 
 def test_batches_mask_non_text_and_cross_document_targets():
@@ -93,8 +105,10 @@ def test_batches_mask_non_text_and_cross_document_targets():
     data = PretrainingData(cfg)
     batch = data.next_batch(8)
     assert batch.tokens.shape == batch.labels.shape == batch.doc_ids.shape == (8, 128)
-    assert batch.patches.shape == (int(batch.image_mask.sum()), 48)
-    assert int(batch.image_mask.sum()) > 0
+    grids = batch.image_grids
+    assert batch.patches.shape == (sum(t * h * w for t, h, w in grids), 48)
+    assert int(batch.image_mask.sum()) == sum(h // 2 * (w // 2) for _, h, w in grids) > 0
+    assert len({(h, w) for _, h, w in grids}) > 1  # images of several sizes in one batch
     kept = batch.labels[batch.labels != IGNORE_INDEX]
     assert ((kept < 256) | (kept == tok.EOS)).all()
     # A target is never taken across a document boundary.
@@ -108,11 +122,12 @@ def test_embedded_images_round_trip_through_the_dataset():
     cfg = tiny_config("data.image_fraction=1.0", "data.seq_len=128")
     data = PretrainingData(cfg)
     doc = data._next_document()
-    tokens, patches = data.read_document(doc.origin)
+    tokens, patches, grids = data.read_document(doc.origin)
     image, caption = make_image(cfg.data.seed, doc.origin[1], cfg.data.image_size)
     assert np.abs(patches - patchify(image, 4)).max() <= 1 / 127.5 + 1e-6
     assert tok.decode(tokens.tolist()).endswith(caption + "<eos>")
-    assert (tokens == tok.IMAGE_PATCH).sum() == len(patches) == 4 and len(tokens) == doc.length
+    assert grids == [image_grid(image.shape, 4)]
+    assert (tokens == tok.IMAGE_PATCH).sum() * 4 == len(patches) and len(tokens) == doc.length
 
 
 def test_image_token_share_follows_config():

@@ -16,8 +16,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from moe_pretrain.config import ConfigError, DataConfig
 from moe_pretrain.data import DataError, PretrainingData
 from moe_pretrain.data.embedded import synthetic_image_dataset
+from moe_pretrain.data.image_size import default_max_pixels, fitted_size
 from moe_pretrain.data.indexed import IndexedDocuments
-from moe_pretrain.data.preprocess import preprocess
+from moe_pretrain.data.preprocess import ImageRules, preprocess
 from moe_pretrain.data.tokenizers import load_tokenizer
 from tests.models import tiny_config
 
@@ -43,10 +44,10 @@ def test_byte_round_trip_with_interleaved_images(tmp_path):
     ])
     text_file = tmp_path / "notes.txt"
     text_file.write_text(TEXTS[1])
-    preprocess([source, text_file], tmp_path / "out" / "ds", progress=False)
+    preprocess([source, text_file], tmp_path / "out" / "ds", progress=False, rules=ImageRules(multiple=8))
     dataset = IndexedDocuments(tmp_path / "out" / "ds")
     vocab = dataset.vocabulary
-    assert len(dataset) == 4 and dataset.image_shape == (3, 8, 8)
+    assert len(dataset) == 4 and dataset.image_shapes.tolist() == [[1, 3, 8, 8]] * 3
     assert dataset.images_per_document.tolist() == [0, 2, 1, 0]
     doc = dataset.document(0)
     assert doc.tokens.tolist() == [vocab.bos, *TEXTS[0].encode(), vocab.eos] and doc.images == []
@@ -57,9 +58,43 @@ def test_byte_round_trip_with_interleaved_images(tmp_path):
     doc = dataset.document(2)  # no marker: the image comes first
     assert doc.tokens[1:3].tolist() == [vocab.image_start, vocab.image_end]
     assert bytes(dataset.document(3).tokens[1:-1].tolist()).decode() == TEXTS[1]
-    # Lengths as the packer sees them: 4 patches per 8x8 image at patch size 4.
+    # Lengths as the packer sees them: the given tokens of each image (here 4, 1, 3) after BOS, body and EOS.
     bodies = [len(TEXTS[0].encode()), 4 + 2 + 10 + 2 + 4, 2 + len("caption only"), len(TEXTS[1].encode())]
-    assert dataset.document_lengths(4).tolist() == [n + 2 + 4 * k for n, k in zip(bodies, [0, 2, 1, 0])]
+    assert dataset.document_lengths(np.array([4, 1, 3])).tolist() == [n + 2 + k for n, k in zip(bodies, [0, 5, 3, 0])]
+
+
+def test_images_keep_their_size_and_aspect_ratio_within_the_budget(tmp_path):
+    """Native resolution: each image is stored at its own size, sides rounded to multiples of patch x merge,
+    shrunk (aspect ratio kept) only past --max-image-pixels; the loader shrinks further to
+    data.max_image_pixels and counts each image's tokens from its grid."""
+    names = [save_image(tmp_path / "wide.npy", 9, (3, 56, 112)), save_image(tmp_path / "odd.npy", 5, (3, 30, 50)),
+             save_image(tmp_path / "huge.npy", 200, (3, 280, 140)),
+             save_image(tmp_path / "clip.npy", 80, (2, 3, 28, 28))]
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": "x", "images": [name]} for name in names])
+    preprocess([source], tmp_path / "ds", progress=False, rules=ImageRules(max_pixels=112 * 56))
+    dataset = IndexedDocuments(tmp_path / "ds")
+    assert dataset.image_shapes.tolist() == [[1, 3, 56, 112], [1, 3, 28, 56], [1, 3, 112, 56], [2, 3, 28, 28]]
+    assert int(dataset.document(2).images[0].mean()) == 200 and dataset.document(3).images[0].shape == (2, 3, 28, 28)
+    cfg = tiny_config(f"data.blend=[{{path: {tmp_path / 'ds'}}}]", "model.vision.patch_size=14",
+                      "data.image_size=56", "data.max_image_pixels=3136")
+    data = PretrainingData(cfg)  # 56 x 56 pixels at most: 4 x 4 patches, 2 x 2 tokens
+    assert data.grids[str(tmp_path / "ds")].tolist() == [[1, 2, 4], [1, 2, 4], [1, 4, 2], [2, 2, 2]]
+    tokens, patches, grids = data.read_document((str(tmp_path / "ds"), 0))
+    assert grids == [(1, 2, 4)] and patches.shape == (8, 588) and (tokens == data.vocabulary.image_patch).sum() == 2
+    # BOS, IMAGE_START, the image's tokens, IMAGE_END, "x", EOS
+    assert data.lengths[str(tmp_path / "ds")].tolist() == [1 + 1 + 2 + 1 + 1 + 1] * 3 + [1 + 1 + 1 + 1 + 1 + 1]
+
+
+def test_fitted_size_keeps_the_aspect_ratio_on_the_grid():
+    assert fitted_size(56, 112, 10**9, 28) == (56, 112)  # on the grid, within budget: unchanged
+    assert fitted_size(30, 50, 10**9, 28) == (28, 56)  # rounded to the grid
+    assert fitted_size(5, 5, 10**9, 28) == (28, 28)  # at least one block
+    assert fitted_size(7168, 3584, 3584 * 3584, 28) == (5068, 2520)  # shrunk by one factor, floored
+    assert fitted_size(100000, 30, 28 * 28 * 4, 28) == (112, 28)  # a side held at one block: the other gives
+    for H, W in [(1000, 3), (4000, 3000), (123, 4567)]:
+        h, w = fitted_size(H, W, 3584 * 3584, 28)
+        assert h % 28 == w % 28 == 0 and h * w <= 3584 * 3584
+    assert default_max_pixels(8192, 14, 2) == 4096 * 784 and default_max_pixels(65536, 14, 2) == 3584 * 3584
 
 
 def train_hf_tokenizer(path: Path) -> Path:
@@ -205,25 +240,45 @@ def test_token_ids_outside_the_vocabulary_name_the_record(dataset):
         reopened.document(4)
 
 
-def test_images_of_the_wrong_shape_are_refused(dataset, tmp_path):
-    sidecar = Path(f"{dataset}.json")
-    original = sidecar.read_text()
-    sidecar.write_text(json.dumps({**json.loads(original), "image_shape": [3, 4, 4]}))
-    with pytest.raises(DataError, match=r"ds\.images\.bin: record 0 has an image of 192 values, expected \[3, 4, 4\]"):
-        IndexedDocuments(dataset).document(0)
-    sidecar.write_text(original)
-    # At preprocess time: the record (file:line) that breaks the dataset's shape.
-    save_image(tmp_path / "big.npy", 1, shape=(3, 16, 16))
-    source = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "images": ["img.npy"]},
-                                                    {"text": "b", "images": ["big.npy"]}])
-    with pytest.raises(DataError, match=r"mixed\.jsonl:2: image of shape \[3, 16, 16\], but this dataset's images "
-                                        r"are \[3, 8, 8\]"):
-        preprocess([source], tmp_path / "mixed", progress=False)
-    assert not list(tmp_path.glob("mixed.*bin")) and not list(tmp_path.glob("mixed*.json"))  # nothing half-written
-    # In training: images the model cannot cut into patches.
-    with pytest.raises(ConfigError, match=r"holds 3x8x8 images, which model.vision \(channels=3, patch_size=3\)"):
-        PretrainingData(tiny_config(f"data.blend=[{{path: {dataset}}}]", "model.vision.patch_size=3",
-                                    "data.image_size=9"))
+def test_bad_images_stop_preprocess_naming_file_and_line(tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(tmp_path / "ok.png")
+    Image.fromarray(np.zeros((40, 60, 3), np.uint8)).save(tmp_path / "cut.png")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "cut.png").read_bytes()[:60])
+    Image.fromarray(np.zeros((40, 60), np.uint16)).save(tmp_path / "deep.png")
+    save_image(tmp_path / "empty.npy", 0, (3, 0, 8))
+    save_image(tmp_path / "long.npy", 0, (5, 3, 28, 28))
+    cases = [("cut.png", r"image .*cut\.png cannot be read"), ("deep.png", r"image .*deep\.png is in mode 'I;16'"),
+             ("empty.npy", r"image empty\.npy has no area"),
+             ("long.npy", r"clip \['long\.npy'\] has 5 frames, more than --max-frames=4"),
+             ("ok.png", r"image ok\.png becomes 2 tokens at 56 x 28 pixels, more than a row of --seq-len=2 holds"),
+             (["ok.png", "empty.npy"], "the frames of clip .* differ in size")]
+    for entry, message in cases:
+        source = write_jsonl(tmp_path / "in.jsonl", [{"text": "fine"}, {"text": "bad", "images": [entry]}])
+        with pytest.raises(DataError, match=r"in\.jsonl:2: " + message):
+            preprocess([source], tmp_path / "out", progress=False, rules=ImageRules(seq_len=2))
+        assert not list(tmp_path.glob("out*"))  # nothing half-written
+    rules = ImageRules(multiple=1)  # more pixels than a row of 1M tokens of 1 x 1 pixels holds
+    Image.fromarray(np.zeros((1025, 1024), np.uint8)).save(tmp_path / "vast.png")
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": "bad", "images": ["vast.png"]}])
+    with pytest.raises(DataError, match=r"in\.jsonl:1: image .*vast\.png has 1024 x 1025 pixels, more than any row"):
+        preprocess([source], tmp_path / "out", progress=False, rules=rules)
+    # In training: images of another channel count than the model's.
+    save_image(tmp_path / "grey.npy", 1, (1, 28, 28))
+    write_jsonl(tmp_path / "grey.jsonl", [{"text": "a", "images": ["grey.npy"]}])
+    preprocess([tmp_path / "grey.jsonl"], tmp_path / "grey", progress=False)
+    with pytest.raises(ConfigError, match=r"grey holds images of 1 channels, model.vision.channels=3"):
+        PretrainingData(tiny_config(f"data.blend=[{{path: {tmp_path / 'grey'}}}]"))
+
+
+def test_image_shapes_that_disagree_with_the_pixels_are_refused(dataset):
+    shapes = np.load(f"{dataset}.images.shapes.npy")
+    shapes[2] = (1, 3, 4, 4)
+    np.save(f"{dataset}.images.shapes.npy", shapes)
+    with pytest.raises(DataError, match=r"ds\.images\.bin: record 2 has an image of 2352 values, its shape "
+                                        r"\[1, 3, 4, 4\] says 48"):
+        IndexedDocuments(dataset)
 
 
 def test_empty_and_unfinished_datasets_are_refused(tmp_path):

@@ -2,6 +2,7 @@
 and a smoke checkpoint's round trip (identical logits, identical files)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from moe_pretrain.config import config_to_dict, load_config
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.parallelize import meta_model
+from parallel.image_split import placed_images
 from tests.models import tiny_config
 from tests.test_checkpoints_tool import tool
 
@@ -70,13 +72,19 @@ def test_full_size_names_and_shapes_are_the_released_layout():
     assert by_name[f"{PREFIX}embed_tokens.weight"].shape == by_name[LM_HEAD].shape == (163840, 7168)
     assert f"{PREFIX}output_attn_res_norm.weight" in by_name and f"{PREFIX}norm.weight" in by_name
 
-    # Every released tensor is made from one of ours, shapes agreeing; ours not in the layout: vision only.
+    # Every released tensor is made from one of ours, shapes agreeing, and every one of ours is in the layout
+    # (the vision tower and projector too: the release's 168 vision tensors, under its names).
     model, _ = meta_model(cfg)
     ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for t in tensors:
         shape = ours[t.ours][1:] if t.expert is not None else ours[t.ours]
         assert ours_to_released_shape(t.kind, shape) == t.shape, t.name
-    assert sorted(set(ours) - {t.ours for t in tensors}) == ["patch_embedding.proj.bias", "patch_embedding.proj.weight"]
+    assert set(ours) == {t.ours for t in tensors}
+    vision = [t for t in tensors if t.name.startswith(("vision_tower.", "mm_projector."))]
+    assert len(vision) == 168 and sum(math.prod(t.shape) for t in vision) == 401_214_464 + 46_144_512
+    assert by_name["vision_tower.patch_embed.proj.weight"].shape == (1024, 3, 14, 14)
+    assert by_name["vision_tower.patch_embed.pos_emb.weight"].shape == (64, 64, 1024)
+    assert by_name["mm_projector.proj.2.weight"].shape == (7168, 4096)
 
 
 def released_rounding(model: torch.nn.Module, cfg) -> None:
@@ -122,8 +130,10 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     released_rounding(source.model, cfg)
     batch = PretrainingData(cfg).next_batch(2)
     with torch.no_grad():
-        want, _ = source.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
-        got, _ = resumed.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+        want, _ = source.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                              placed_images(batch.grids, batch.starts))
+        got, _ = resumed.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                              placed_images(batch.grids, batch.starts))
     assert torch.equal(got, want)  # the exported values, bit for bit
 
     # Export again from the imported checkpoint: the same files, byte for byte.

@@ -8,6 +8,7 @@ from moe_pretrain.model.init import initialize
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.ops import rms_norm
+from parallel.image_split import PlacedImage, placed_images
 from tests.helpers import rel_rms
 from tests.models import tiny_config
 
@@ -92,16 +93,22 @@ def test_images_enter_at_their_positions_and_influence_later_text():
     model.eval()
     tokens = torch.randint(0, 256, (1, 12))
     image_mask = torch.zeros(1, 12, dtype=torch.bool)
-    image_mask[0, 2:6] = True
-    patches = torch.randn(4, cfg.model.vision.patch_dim, dtype=F64)
-    with_image, _ = model(tokens, None, patches, image_mask)
-    other_image, _ = model(tokens, None, patches + 1.0, image_mask)
+    image_mask[0, 2:5] = True
+    # 2 x 2 patches: 1 token (position 2); 2 x 4: 2 tokens (positions 3, 4)
+    images = [PlacedImage(0, 2, (1, 2, 2)), PlacedImage(0, 3, (1, 2, 4))]
+    patches = torch.randn(4 + 8, cfg.model.vision.patch_dim, dtype=F64)
+    with_image, _ = model(tokens, None, patches, image_mask, images)
+    other_image, _ = model(tokens, None, patches + 1.0, image_mask, images)
     # Causal: earlier positions unaffected. Not bitwise: later tokens change expert group sizes and
     # with them the GEMM blocking, so 1e-13 allows round-off only.
     assert rel_rms(with_image[:, :2], other_image[:, :2]) < 1e-13
-    assert not torch.allclose(with_image[:, 6:], other_image[:, 6:])
-    with pytest.raises(RuntimeError, match="one position per patch"):  # a device-side assert (no host read)
-        model(tokens, None, patches[:3], image_mask)
+    assert not torch.allclose(with_image[:, 5:], other_image[:, 5:])
+    # The second image alone changes the first image's token not at all: attention stays within an image.
+    second_only = torch.cat([patches[:4], patches[4:] + 1.0])
+    changed, _ = model(tokens, None, second_only, image_mask, images)
+    assert rel_rms(with_image[:, :3], changed[:, :3]) < 1e-13
+    with pytest.raises(RuntimeError, match="mark exactly the images' tokens"):  # a device-side assert (no host read)
+        model(tokens, None, patches[:8], image_mask, images[1:])
 
 
 def test_dense_first_layer_and_moe_elsewhere():
@@ -150,11 +157,13 @@ def test_future_tokens_never_change_past_logits():
     batch = PretrainingData(cfg).next_batch(2)
     assert batch.image_mask.any()
     patches = batch.patches.double()
-    logits, _ = model(batch.tokens, batch.doc_ids, patches, batch.image_mask)
+    logits, _ = model(batch.tokens, batch.doc_ids, patches, batch.image_mask,
+                              placed_images(batch.grids, batch.starts))
     changed = batch.tokens.clone()
     text = ~batch.image_mask[:, 70:]
     changed[:, 70:][text] = (changed[:, 70:][text] + 7) % 256
-    logits2, _ = model(changed, batch.doc_ids, patches, batch.image_mask)
+    logits2, _ = model(changed, batch.doc_ids, patches, batch.image_mask,
+                              placed_images(batch.grids, batch.starts))
     # 1e-13: expert group sizes change with the later tokens (GEMM blocking), nothing else may.
     assert rel_rms(logits[:, :70], logits2[:, :70]) < 1e-13
     assert rel_rms(logits[:, 70:], logits2[:, 70:]) > 1e-3

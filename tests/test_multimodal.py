@@ -16,31 +16,43 @@ from moe_pretrain.data.patches import expand_images
 from moe_pretrain.data.synthetic_images import COLOURS, make_image
 from moe_pretrain.data.vocabulary import BYTES
 from moe_pretrain.training import Trainer
+from parallel.image_split import PlacedImage
 from tests.models import EVAL_OFF
 
 HELD_OUT_SEED = 999  # training uses data.seed (1234): these images were never seen
 
 
-def held_out_document(index: int, cfg) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, patches) as the training data reads them: stored as uint8, patches expanded in place."""
-    image, caption = make_image(HELD_OUT_SEED, index, cfg.data.image_size)
+def held_out_document(index: int, image_index: int, cfg) -> tuple[np.ndarray, np.ndarray, list, int]:
+    """(tokens, patches, grids, position of the colour byte) as the training data reads them: stored as uint8,
+    the image's tokens in place; the caption of image `index`, the pixels of image `image_index`."""
+    _, caption = make_image(HELD_OUT_SEED, index, cfg.data.image_size)
+    image, _ = make_image(HELD_OUT_SEED, image_index, cfg.data.image_size)
     body = np.array([tok.BOS, tok.IMAGE_START, tok.IMAGE_END, *tok.encode(caption), tok.EOS])
-    return expand_images(body, [to_pixels(image)], BYTES, cfg.model.vision.patch_size)
+    vision = cfg.model.vision
+    tokens, patches, grids = expand_images(body, [to_pixels(image)], BYTES, vision.patch_size, vision.encoder.merge)
+    colour_at = int(np.flatnonzero(tokens == tok.IMAGE_END)[0]) + 3  # IMAGE_END, "a", " ", colour
+    return tokens, patches, grids, colour_at
 
 
 def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
-    docs = [held_out_document(i, cfg) for i in range(n)]
-    patches_per_image = docs[0][1].shape[0]
-    colour_at = patches_per_image + 5  # BOS, IMAGE_START, patches, IMAGE_END, "a", " ", colour
-    tokens = torch.tensor(np.stack([d[0][:colour_at + 1] for d in docs]))
-    assert bytes(tokens[0, colour_at - 2:colour_at].tolist()) == b"a "
-    patches = [torch.from_numpy(d[1]) for d in docs]
-    if wrong_images:
-        patches = patches[1:] + patches[:1]
+    """Share of held-out captions whose colour byte is the model's top prediction; wrong_images: each caption
+    after another image (of its own size), so only looking at the right image helps."""
+    docs = [held_out_document(i, (i + 1) % n if wrong_images else i, cfg) for i in range(n)]
+    width = max(len(d[0]) for d in docs)
+    tokens = torch.full((n, width), tok.PAD, dtype=torch.int64)
+    for row, (doc_tokens, *_) in enumerate(docs):
+        tokens[row, :len(doc_tokens)] = torch.from_numpy(doc_tokens)
+    colour_at = torch.tensor([d[3] for d in docs])
+    rows = torch.arange(n)
+    assert all(bytes(tokens[r, c - 2:c].tolist()) == b"a " for r, c in enumerate(colour_at.tolist()))
+    assert len({tuple(d[2][0]) for d in docs}) == 4  # images of four sizes and three aspect ratios
+    # Each row: BOS, IMAGE_START, then the image's tokens from position 2.
+    images = [PlacedImage(row, 2, d[2][0]) for row, d in enumerate(docs)]
     model.eval()
     with torch.no_grad():
-        logits, _ = model(tokens, None, torch.cat(patches), tokens == tok.IMAGE_PATCH)
-    return float((logits[:, colour_at - 1].argmax(-1) == tokens[:, colour_at]).float().mean())
+        logits, _ = model(tokens, None, torch.from_numpy(np.concatenate([d[1] for d in docs])),
+                          tokens == tok.IMAGE_PATCH, images)
+    return float((logits[rows, colour_at - 1].argmax(-1) == tokens[rows, colour_at]).float().mean())
 
 
 @pytest.mark.timeout(600)  # ~30 s on an idle 2-core machine; a CI machine shared with other jobs is far slower

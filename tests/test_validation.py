@@ -17,6 +17,7 @@ from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data.long_context_eval import long_document_rows, position_edges, probe_batches, probe_tokenizer
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.training import Trainer
+from parallel.image_split import placed_images
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
 from tests.test_stages import STAGES
@@ -43,7 +44,8 @@ def direct_eval_loss(trainer: Trainer, seq_len: int) -> dict[str, float]:
     for name, batches in trainer.validation.batches(seq_len, 0, 1, 10_000).items():
         (batch,) = batches
         with torch.no_grad():
-            logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+            logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                              placed_images(batch.grids, batch.starts))
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum").item()
         count = int((batch.labels != IGNORE_INDEX).sum())
@@ -58,7 +60,8 @@ def direct_long_context(trainer: Trainer, seq_len: int) -> dict[str, float]:
     data, cfg = trainer.data, trainer.cfg.eval
     batch = data.read_rows(long_document_rows(data, trainer.validation.sets, seq_len, cfg.long_documents))
     with torch.no_grad():
-        logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+        logits, _ = trainer.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                              placed_images(batch.grids, batch.starts))
     per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, ignore_index=IGNORE_INDEX, reduction="none")
     scored = batch.labels != IGNORE_INDEX
     out = {}
@@ -70,7 +73,8 @@ def direct_long_context(trainer: Trainer, seq_len: int) -> dict[str, float]:
     right = keys = 0
     for name, cell in cells.items():
         with torch.no_grad():
-            logits, _ = trainer.model(cell.tokens, cell.doc_ids, cell.patches, cell.image_mask)
+            logits, _ = trainer.model(cell.tokens, cell.doc_ids, cell.patches, cell.image_mask,
+                              placed_images(cell.grids, cell.starts))
         where = cell.labels != IGNORE_INDEX
         hits = int((logits.argmax(-1)[where] == cell.labels[where]).sum())
         out[f"probe_accuracy.{name}"] = hits / int(where.sum())

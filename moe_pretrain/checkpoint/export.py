@@ -107,7 +107,8 @@ def model_card(config: dict[str, Any]) -> dict[str, Any]:
                 "situ_beta": m["moe"]["situ_beta"], "situ_linear_beta": m["moe"]["situ_linear_beta"],
                 "router": "sigmoid, top-k by score + expert_bias, weights renormalised"},
         "attn_res": {"block_size": m["attn_res"]["block_size"]},
-        "vision": {"patch_size": m["vision"]["patch_size"], "channels": m["vision"]["channels"]},
+        "vision": {"patch_size": m["vision"]["patch_size"], "channels": m["vision"]["channels"],
+                   "encoder": dict(m["vision"]["encoder"])},
     }
 
 

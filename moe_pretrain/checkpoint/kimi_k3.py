@@ -7,8 +7,8 @@ and norms bf16; the short convolutions, A_log, dt_bias, the KDA output norm and 
 bias float32). The two shared experts are stored as one MLP of twice the intermediate size, which is how
 our model holds them too (the sum of two GLU MLPs is one with their units side by side).
 
-Not in this layout: the release's vision tower (a MoonViT encoder and projector); our patch embedding has
-no counterpart there, so the exporter writes it to a side file that only our importer reads.
+The release's vision tower and projector (`vision_tower.*`, `mm_projector.*`, 168 tensors, bf16) are ours
+under the same names (model/vision_tower.py follows them), so they travel as they are.
 """
 
 from collections.abc import Callable
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_pretrain.config import ModelConfig
+from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -148,10 +149,22 @@ def layer_tensors(m: ModelConfig, index: int) -> list[HFTensor]:
     return tensors + _glu(f"{ours}.mlp", f"{theirs}.mlp", d, m.dense_intermediate)
 
 
+def vision_tensors(m: ModelConfig) -> list[HFTensor]:
+    """The vision tower's and projector's tensors: the release's names are ours (shapes from the meta modules)."""
+    v = m.vision
+    with torch.device("meta"):
+        modules = {"vision_tower": VisionTower(v.encoder, v.patch_size, v.channels, m.init_std),
+                   "mm_projector": VisionProjector(v.encoder.merged_size, m.hidden_size, m.norm_eps, m.init_std)}
+    return [HFTensor(f"{prefix}.{name}", f"{prefix}.{name}", None, tuple(p.shape))
+            for prefix, module in modules.items() for name, p in module.named_parameters()]
+
+
 def kimi_k3_tensors(m: ModelConfig) -> list[HFTensor]:
-    """Every tensor of the released language model for config `m`, in order."""
+    """Every tensor of the released model for config `m`, in order: the vision tower and projector, then the
+    language model."""
     d = m.hidden_size
-    tensors = [HFTensor(f"{PREFIX}embed_tokens.weight", "embedding.weight", None, (m.vocab_size, d))]
+    tensors = [*vision_tensors(m),
+               HFTensor(f"{PREFIX}embed_tokens.weight", "embedding.weight", None, (m.vocab_size, d))]
     for index in range(m.num_layers):
         tensors += layer_tensors(m, index)
     tensors += [*_mix("final_mix", f"{PREFIX}output_attn_res", d),

@@ -113,8 +113,7 @@ class AttnResConfig:
 @dataclass
 class VisionEncoderConfig:
     """The MoonViT-style vision tower and projector of the model class (model/vision_tower.py). Defaults: the
-    released checkpoint's (401,214,464 tower + 46,144,512 projector parameters with hidden_size 7168). Not yet
-    a section of model.vision: the data path does not carry image grids yet (issue 27)."""
+    released checkpoint's (401,214,464 tower + 46,144,512 projector parameters with hidden_size 7168)."""
 
     num_layers: int = 27
     hidden_size: int = 1024
@@ -150,10 +149,12 @@ class VisionEncoderConfig:
 
 @dataclass
 class VisionConfig:
-    """Native image input: square patches, linearly projected to visual tokens."""
+    """Native image input: each image at its own size, cut into patch_size x patch_size patches, encoded by the
+    vision tower (`encoder`) and merged into language-model tokens by the projector."""
 
     patch_size: int = 14
     channels: int = 3
+    encoder: VisionEncoderConfig = field(default_factory=VisionEncoderConfig)
 
     def __post_init__(self) -> None:
         require_positive("model.vision", patch_size=self.patch_size, channels=self.channels)

@@ -86,8 +86,14 @@ class DataConfig:
     so the text / image mix is even at the scale of one batch rather than one file."""
     embedded_images: int = 8192
     """Embedded corpus: how many synthetic captioned images are rendered (then revisited every epoch)."""
-    image_size: int = 28
-    """Embedded corpus: side of the generated square images, in pixels (a multiple of model.vision.patch_size)."""
+    image_size: int = 56
+    """Embedded corpus: the longer side of the generated images, in pixels. Each image is S x S, S x S/2,
+    S/2 x S or S/2 x S/2 (S = image_size; drawn per image), so batches mix sizes and aspect ratios; a multiple
+    of 2 x model.vision.patch_size x model.vision.encoder.merge (56 for the model class)."""
+    max_image_pixels: int | None = None
+    """Largest image trained on, in pixels: larger stored images are shrunk to it (aspect ratio kept, sides
+    multiples of patch_size x merge; moe_pretrain/data/image_size.py). None = the release's 3584 x 3584, or
+    less where the shortest stage's rows are short: an image takes at most half a row."""
     seed: int = 1234
     """Document order (a fresh permutation of every dataset each epoch) and the synthetic images."""
     prefetch: bool = True
@@ -97,6 +103,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         require_positive("data", seq_len=self.seq_len, batch_size=self.batch_size, image_size=self.image_size,
                          text_doc_bytes=self.text_doc_bytes, embedded_images=self.embedded_images)
+        require(self.max_image_pixels is None or self.max_image_pixels > 0,
+                f"data.max_image_pixels={self.max_image_pixels} must be > 0 (or null: the default)")
         require(self.micro_batches >= 0, f"data.micro_batches={self.micro_batches} must be >= 0 (0 = derived)")
         require(not self.micro_batches or self.batch_size % self.micro_batches == 0,
                 f"data.batch_size={self.batch_size} must be divisible by data.micro_batches={self.micro_batches}")
@@ -129,7 +137,7 @@ class TrainConfig:
     """Watchdog: the absolute limit for one step (also before any median exists); 0 = none."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in backward (model/recompute.py): selective re-runs the attention cores and
-    the routed experts' MLP; full re-runs every decoder layer from its inputs."""
+    the routed experts' MLP; full re-runs every decoder layer, and every vision tower block, from its inputs."""
     saved_inputs: Literal["device", "host", "fp8"] = "device"
     """Where full recomputation keeps each layer's inputs until its backward (model/saved_inputs.py):
     device; host (copied out as saved, back one layer ahead of the backward; exact); fp8 (block-scaled
@@ -299,6 +307,12 @@ class Config:
                     f"schedule's {total} steps")
         require(self.precision.fp8 == "off" or self.train.dtype != "float64",
                 f"precision.fp8={self.precision.fp8} needs train.dtype float32 or bfloat16, not float64")
-        patch = self.model.vision.patch_size
-        require(self.data.image_size % patch == 0,
-                 f"data.image_size={self.data.image_size} must be a multiple of model.vision.patch_size={patch}")
+        vision = self.model.vision
+        unit = 2 * vision.patch_size * vision.encoder.merge
+        require(self.data.image_size % unit == 0,
+                f"data.image_size={self.data.image_size} must be a multiple of 2 x model.vision.patch_size x "
+                f"model.vision.encoder.merge = {unit} (its half is an image side too)")
+        block = (vision.patch_size * vision.encoder.merge) ** 2
+        require(self.data.max_image_pixels is None or self.data.max_image_pixels >= block,
+                f"data.max_image_pixels={self.data.max_image_pixels} holds no block of model.vision.patch_size x "
+                f"model.vision.encoder.merge = {block} pixels")

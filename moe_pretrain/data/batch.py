@@ -1,7 +1,8 @@
 """Training batches: the blended document stream packed into rows, turned into inputs, labels and masks.
 
-Shape legend: B rows, T = seq_len, P patches in the batch. Labels are IGNORE_INDEX where the target is
-not text (padding, BOS, image tokens) or belongs to another document than the input.
+Shape legend: B rows, T = seq_len, P patches in the batch (every image's t x h x w grid of them), N image
+tokens (each image's (h/m)(w/m) merged blocks). Labels are IGNORE_INDEX where the target is not text (padding,
+BOS, image tokens) or belongs to another document than the input.
 """
 
 from dataclasses import dataclass
@@ -13,10 +14,11 @@ import torch
 from moe_pretrain.config import BlendConfig, Config, ConfigError
 from moe_pretrain.data.embedded import embedded_blend
 from moe_pretrain.data.heldout import held_out
+from moe_pretrain.data.image_size import fitted_size, resize, run_max_pixels
 from moe_pretrain.data.indexed import DataError, IndexedDocuments
 from moe_pretrain.data.mixture import DocumentMixture, PoolShare, split_pools
 from moe_pretrain.data.packing import DocumentRef, PackedRow, RowPlan, SequencePacker, assemble_row
-from moe_pretrain.data.patches import expand_image_tokens, expand_images, patches_per_image
+from moe_pretrain.data.patches import Grid, expand_image_tokens, expand_images, image_tokens
 from moe_pretrain.data.vocabulary import Vocabulary
 
 IGNORE_INDEX = -100
@@ -31,34 +33,59 @@ class Batch:
     doc_ids: torch.Tensor
     """[B, T] int64 document number within each row."""
     image_mask: torch.Tensor
-    """[B, T] bool, True at image patch inputs."""
+    """[B, T] bool, True at image token inputs (N of them)."""
     patches: torch.Tensor
-    """[P, patch_dim] float32, one per True in image_mask, in row-major order; [0, patch_dim] on a rank
-    that does not embed images (a pipeline's later stages), which never reads their pixels."""
+    """[P, patch_dim] float32, every image's patches in row-major order of the images; [0, patch_dim] on a
+    rank that does not embed images (a pipeline's later stages), which never reads their pixels."""
+    grids: list[list[Grid]]
+    """Per row, the (t, h, w) patch grid of each of its images, in order: host integers, known from the
+    index without pixels (the vision tower loops over images with them; reading them syncs nothing)."""
+    starts: list[list[int]]
+    """Per row, the position of each image's first token (host integers, like grids)."""
 
     @property
     def loss_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
+    @property
+    def image_grids(self) -> list[Grid]:
+        """Every image's grid, in row-major order."""
+        return [grid for row in self.grids for grid in row]
+
+    def patches_per_row(self) -> list[int]:
+        return [sum(t * h * w for t, h, w in row) for row in self.grids]
+
     @staticmethod
     def concatenate(batches: list["Batch"]) -> "Batch":
         """Rows of several batches, in order (patches stay in row-major order)."""
         return Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in
-                       ("tokens", "labels", "doc_ids", "image_mask", "patches")))
+                       ("tokens", "labels", "doc_ids", "image_mask", "patches")),
+                     [row for b in batches for row in b.grids], [row for b in batches for row in b.starts])
+
+    def rows(self, start: int, count: int) -> "Batch":
+        """Rows [start, start + count), with their patches (none where this rank reads no pixels)."""
+        per_row = self.patches_per_row() if self.patches.shape[0] else [0] * len(self.grids)
+        first = sum(per_row[:start])
+        patches = self.patches[first:first + sum(per_row[start:start + count])]
+        return Batch(*(getattr(self, f)[start:start + count] for f in ("tokens", "labels", "doc_ids", "image_mask")),
+                     patches, self.grids[start:start + count], self.starts[start:start + count])
 
     def patch_rows(self, width: int) -> torch.Tensor:
         """Patches per row, [B, width, patch_dim] zero-padded: a form that splits along the batch
         (pipeline micro-batches), unlike the flat [P, patch_dim]."""
-        counts = self.image_mask.sum(dim=1)
-        if counts.numel() and int(counts.max()) > width:
-            raise ValueError(f"a row holds {int(counts.max())} patches, more than the {width} allowed for")
+        counts = self.patches_per_row()
+        if counts and max(counts) > width:
+            raise ValueError(f"a row holds {max(counts)} patches, more than the {width} allowed for")
         rows = self.patches.new_zeros(self.tokens.shape[0], width, self.patches.shape[1])
-        rows[torch.arange(rows.shape[1], device=counts.device) < counts.unsqueeze(1)] = self.patches
+        start = 0
+        for row, count in enumerate(counts):
+            rows[row, :count] = self.patches[start:start + count]
+            start += count
         return rows
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.doc_ids, self.image_mask,
-                                                self.patches)))
+                                                self.patches)), self.grids, self.starts)
 
 
 def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary, with_patches: bool = True) -> Batch:
@@ -69,13 +96,13 @@ def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary, with
     same_doc = doc_ids[:, 1:] == doc_ids[:, :-1]
     labels = np.where(text_target & same_doc, targets, IGNORE_INDEX)
     image_mask = inputs == vocab.image_patch
-    patches = []
-    for row, mask in zip(rows, image_mask) if with_patches else ():
-        patches.extend(row.patches[: int(mask.sum())])  # a patch at the row's last position is label-only
-    patch_array = np.stack(patches).astype(np.float32) if patches else np.zeros((0, patch_dim), np.float32)
+    patches = [p for row in rows for p in row.patches] if with_patches else []
+    patch_array = np.concatenate(patches).astype(np.float32) if patches else np.zeros((0, patch_dim), np.float32)
+    # An image's tokens follow its IMAGE_START (documents with images are never cut, and end in EOS).
+    starts = [(np.flatnonzero(row_inputs == vocab.image_start) + 1).tolist() for row_inputs in inputs]
     return Batch(
         torch.from_numpy(inputs.copy()), torch.from_numpy(labels), torch.from_numpy(doc_ids[:, :-1].copy()),
-        torch.from_numpy(image_mask), torch.from_numpy(patch_array),
+        torch.from_numpy(image_mask), torch.from_numpy(patch_array), [row.grids for row in rows], starts,
     )
 
 
@@ -100,8 +127,13 @@ class PretrainingData:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.patch_size, self.patch_dim = cfg.model.vision.patch_size, cfg.model.vision.patch_dim
+        vision = cfg.model.vision
+        self.patch_size, self.patch_dim, self.merge = vision.patch_size, vision.patch_dim, vision.encoder.merge
+        self.max_pixels = run_max_pixels(cfg)
+        """Every image is trained at most this large (data.max_image_pixels, or its default)."""
         self.datasets: dict[str, IndexedDocuments] = {}
+        self.grids: dict[str, np.ndarray] = {}
+        """Dataset path -> every image's (t, h, w) patch grid at the size it is trained at."""
         self.lengths: dict[str, np.ndarray] = {}
         """Dataset path -> every document's length in tokens, images expanded: all the packer reads."""
         self.names: dict[str, str] = {}
@@ -137,17 +169,34 @@ class PretrainingData:
                                   "blend must share one tokenizer")
             self._check_images(dataset)
             self.datasets[path] = dataset
-            self.lengths[path] = dataset.document_lengths(self._patches_per_image(dataset))
+            self.grids[path] = self._fitted_grids(dataset)
+            tokens = (self.grids[path][:, 1] // self.merge) * (self.grids[path][:, 2] // self.merge)
+            self.lengths[path] = dataset.document_lengths(tokens)
         return self.datasets[path]
 
     def _check_images(self, dataset: IndexedDocuments) -> None:
         vision = self.cfg.model.vision
-        if dataset.image_shape is None:
+        if dataset.channels is None:
             return
-        C, H, W = dataset.image_shape
-        if C != vision.channels or H % vision.patch_size or W % vision.patch_size:
-            raise ConfigError(f"{dataset.prefix} holds {C}x{H}x{W} images, which model.vision (channels="
-                              f"{vision.channels}, patch_size={vision.patch_size}) cannot cut into patches")
+        if dataset.channels != vision.channels:
+            raise ConfigError(f"{dataset.prefix} holds images of {dataset.channels} channels, model.vision.channels="
+                              f"{vision.channels}")
+        frames = dataset.image_shapes[:, 0]
+        if frames.max() > vision.encoder.max_frames:
+            image = int(np.argmax(frames))
+            record = int(np.searchsorted(dataset.first_image, image, side="right")) - 1
+            raise ConfigError(f"{dataset.prefix} record {record} holds a clip of {int(frames.max())} frames, more "
+                              f"than model.vision.encoder.max_frames={vision.encoder.max_frames}")
+
+    def _fitted_grids(self, dataset: IndexedDocuments) -> np.ndarray:
+        """[images, 3] (t, h, w): each image's patch grid once fitted to self.max_pixels (image_size.py)."""
+        shapes = dataset.image_shapes
+        if not len(shapes):
+            return np.zeros((0, 3), dtype=np.int64)
+        sizes, inverse = np.unique(shapes[:, 2:], axis=0, return_inverse=True)
+        unit = self.patch_size * self.merge
+        fitted = np.array([fitted_size(H, W, self.max_pixels, unit) for H, W in sizes.tolist()], dtype=np.int64)
+        return np.column_stack([shapes[:, 0], fitted[inverse.reshape(-1)] // self.patch_size])
 
     def _blend(self, plan: MixturePlan) -> tuple[list[BlendConfig], bool]:
         if plan.blend:
@@ -194,31 +243,30 @@ class PretrainingData:
     def vocabulary(self) -> Vocabulary:
         return next(iter(self.datasets.values())).vocabulary
 
-    def _patches_per_image(self, dataset: IndexedDocuments) -> int:
-        return patches_per_image(dataset.image_shape, self.patch_size) if dataset.image_shape else 0
-
     def reference(self, prefix: str, record: int, offset: int = 0) -> DocumentRef:
         dataset = self.datasets[prefix]
         return DocumentRef((prefix, record), int(self.lengths[prefix][record]) - offset,
                            bool(dataset.images_per_document[record]), offset)
 
-    def read_document(self, origin: tuple[str, int], with_patches: bool = True) -> tuple[np.ndarray,
-                                                                                       np.ndarray | None]:
-        """A whole document's tokens (images expanded) and its patches (None for text, or without patches:
-        then its pixels are not even read)."""
+    def read_document(self, origin: tuple[str, int], with_patches: bool = True
+                      ) -> tuple[np.ndarray, np.ndarray | None, list[Grid]]:
+        """A whole document's tokens (images expanded), its patches (None for text, or without patches: then
+        its pixels are not even read) and its images' grids."""
         prefix, record = origin
         dataset = self.datasets[prefix]
         raw = dataset.document(record, with_images=with_patches)
+        grids = [tuple(g) for g in self.grids[prefix][slice(*dataset.first_image[record:record + 2])].tolist()]
         if with_patches:
-            tokens, patches = expand_images(raw.tokens, raw.images, self.vocabulary, self.patch_size)
+            images = [resize(image, h * self.patch_size, w * self.patch_size)
+                      for image, (_, h, w) in zip(raw.images, grids)]
+            tokens, patches, _ = expand_images(raw.tokens, images, self.vocabulary, self.patch_size, self.merge)
         else:
-            count = int(dataset.images_per_document[record])
-            tokens = expand_image_tokens(raw.tokens, [self._patches_per_image(dataset)] * count, self.vocabulary)
+            tokens = expand_image_tokens(raw.tokens, [image_tokens(g, self.merge) for g in grids], self.vocabulary)
             patches = None
         if len(tokens) != self.lengths[prefix][record]:
             raise DataError(f"{prefix}: record {record} reads as {len(tokens)} tokens, its index says "
                             f"{int(self.lengths[prefix][record])}")
-        return tokens, patches
+        return tokens, patches, grids
 
     def _next_document(self) -> DocumentRef:
         mixture = self.mixtures[self.mixture_index]
@@ -235,14 +283,19 @@ class PretrainingData:
         return self._max_patches[index]
 
     def _patch_row_widths(self) -> list[int]:
+        """Per stage: an image of grid (t, h, w) brings t h w patches for its (h/m)(w/m) tokens and two markers,
+        so a row of seq_len + 1 tokens holds at most (seq_len + 1) x the largest ratio of the two among its
+        datasets' images."""
         widths = []
         for plan, mixture in zip(self.plans, self.mixtures):
             most = 0
-            for share in mixture.shares:
-                shape = share.pool.dataset.image_shape
-                if shape:
-                    per_image = patches_per_image(shape, self.patch_size)
-                    most = max(most, min((plan.seq_len + 1) // (per_image + 2) * per_image, plan.seq_len))
+            for path in {share.pool.dataset.prefix for share in mixture.shares}:
+                grids = self.grids[path]
+                if len(grids):
+                    patches = grids.prod(axis=1)
+                    ratio = patches / ((grids[:, 1] // self.merge) * (grids[:, 2] // self.merge) + 2)
+                    most = max(most, min(int((plan.seq_len + 1) * ratio.max()), int(patches.max()) *
+                                         ((plan.seq_len + 1) // 3)))
             widths.append(most)
         return widths
 

@@ -6,7 +6,7 @@ the row is padded instead) so a caption always sees its image. Every position ca
 its document within the row, from which the model derives cu_seqlens and attention masks.
 
 The packer sees only where documents come from and how long they are (known from the index, images
-counted by their patches), never their tokens: every data-parallel rank plans the rows of the whole
+counted by the tokens they become), never their tokens: every data-parallel rank plans the rows of the whole
 global batch for a few integer operations per document, and reads (and cuts images into patches for)
 only its own rows (batch.py).
 """
@@ -24,7 +24,7 @@ class DocumentRef:
     origin: tuple[str, int]
     """(dataset prefix, record): where to read it."""
     length: int
-    """Tokens left to pack, images expanded into patch tokens."""
+    """Tokens left to pack, images expanded into their tokens."""
     is_image: bool
     offset: int = 0
     """Tokens of the document already packed (a text document cut at a row end)."""
@@ -54,7 +54,9 @@ class PackedRow:
     doc_ids: np.ndarray
     """[seq_len + 1] int64, non-decreasing."""
     patches: list[np.ndarray]
-    """One [patch_dim] array per image patch token of the row, in order (empty where not read)."""
+    """One [patches, patch_dim] array per document with images, in order (empty where pixels are not read)."""
+    grids: list[tuple[int, int, int]]
+    """The (t, h, w) patch grid of each image of the row, in order (known with or without pixels)."""
 
 
 class SequencePacker:
@@ -88,19 +90,22 @@ class SequencePacker:
         return RowPlan(segments, 0)
 
 
-def assemble_row(plan: RowPlan, read: Callable[[tuple[str, int]], tuple[np.ndarray, np.ndarray | None]],
+def assemble_row(plan: RowPlan, read: Callable[[tuple[str, int]], tuple[np.ndarray, np.ndarray | None, list]],
                  pad_id: int) -> PackedRow:
-    """The row a plan describes; read(origin) -> (tokens, patches or None) of a whole document."""
+    """The row a plan describes; read(origin) -> (tokens, patches or None, image grids) of a whole document
+    (a document with images is always whole in one segment)."""
     tokens: list[np.ndarray] = []
     doc_ids: list[np.ndarray] = []
     patches: list[np.ndarray] = []
+    grids: list[tuple[int, int, int]] = []
     for number, segment in enumerate(plan.segments):
-        document, document_patches = read(segment.origin)
+        document, document_patches, document_grids = read(segment.origin)
         tokens.append(document[segment.offset:segment.offset + segment.length])
         doc_ids.append(np.full(segment.length, number, dtype=np.int64))
+        grids += document_grids
         if document_patches is not None:
-            patches.extend(document_patches)
+            patches.append(document_patches)
     if plan.padding:
         tokens.append(np.full(plan.padding, pad_id, dtype=np.int64))
         doc_ids.append(np.full(plan.padding, len(plan.segments), dtype=np.int64))
-    return PackedRow(np.concatenate(tokens), np.concatenate(doc_ids), patches)
+    return PackedRow(np.concatenate(tokens), np.concatenate(doc_ids), patches, grids)

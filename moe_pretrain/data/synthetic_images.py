@@ -2,7 +2,8 @@
 
 Each image is a dark noisy canvas split into a 2 x 2 grid of cells; one or two cells hold a coloured
 shape. The caption names colour, shape and cell ("a red circle in the top left"), so the caption is
-predictable only by looking at the patches. Deterministic from (seed, index).
+predictable only by looking at the patches. Images come in four sizes, S x S, S x S/2, S/2 x S and
+S/2 x S/2 (native resolution: the tower sees each at its own size). Deterministic from (seed, index).
 """
 
 import numpy as np
@@ -23,9 +24,17 @@ def longest_caption_bytes() -> int:
     return MAX_SHAPES * phrase + len(" and ") * (MAX_SHAPES - 1) + len(".")
 
 
-def _shape_mask(shape: str, size: int) -> np.ndarray:
-    """Boolean [size, size] mask of a shape filling most of a cell."""
-    y, x = np.mgrid[0:size, 0:size] + 0.5
+def image_size(seed: int, index: int, side: int) -> tuple[int, int]:
+    """(H, W) of image `index`: side or side / 2 each, drawn from (seed, index)."""
+    rng = np.random.default_rng([seed, index, 1])
+    return side // (1 + int(rng.integers(2))), side // (1 + int(rng.integers(2)))
+
+
+def _shape_mask(shape: str, height: int, width: int) -> np.ndarray:
+    """Boolean [height, width] mask of a shape filling most of a cell (sized by its shorter side)."""
+    size = min(height, width)
+    y, x = np.mgrid[0:height, 0:width] + 0.5
+    y, x = y - (height - size) / 2, x - (width - size) / 2
     c, r = size / 2, size * 0.38
     if shape == "square":
         return (abs(x - c) <= r) & (abs(y - c) <= r)
@@ -39,13 +48,14 @@ def _shape_mask(shape: str, size: int) -> np.ndarray:
     return ((abs(x - c) <= arm) & (abs(y - c) <= r)) | ((abs(y - c) <= arm) & (abs(x - c) <= r))
 
 
-def make_image(seed: int, index: int, size: int, channels: int = 3) -> tuple[np.ndarray, str]:
-    """-> (image [channels, size, size] float32 in [-1, 1], caption)."""
+def make_image(seed: int, index: int, side: int, channels: int = 3) -> tuple[np.ndarray, str]:
+    """-> (image [channels, H, W] float32 in [-1, 1] (H, W = image_size(seed, index, side)), caption)."""
     if channels != 3:
         raise ValueError(f"synthetic images are RGB: model.vision.channels must be 3, got {channels}")
+    height, width = image_size(seed, index, side)
     rng = np.random.default_rng([seed, index])
-    canvas = rng.uniform(0.0, 0.15, size=(3, size, size)).astype(np.float32)
-    cell = size // 2
+    canvas = rng.uniform(0.0, 0.15, size=(3, height, width)).astype(np.float32)
+    cell_h, cell_w = height // 2, width // 2
     count = 1 + int(rng.random() < 0.4)  # at most MAX_SHAPES
     cells = rng.choice(len(CELLS), size=count, replace=False)
     phrases = []
@@ -53,8 +63,8 @@ def make_image(seed: int, index: int, size: int, channels: int = 3) -> tuple[np.
         colour = list(COLOURS)[rng.integers(len(COLOURS))]
         shape = SHAPES[rng.integers(len(SHAPES))]
         row, col = divmod(int(cell_index), 2)
-        mask = _shape_mask(shape, cell)
-        region = canvas[:, row * cell:(row + 1) * cell, col * cell:(col + 1) * cell]
+        mask = _shape_mask(shape, cell_h, cell_w)
+        region = canvas[:, row * cell_h:(row + 1) * cell_h, col * cell_w:(col + 1) * cell_w]
         for ch, value in enumerate(COLOURS[colour]):
             region[ch][mask] = value
         phrases.append(f"a {colour} {shape} in the {CELLS[cell_index]}")

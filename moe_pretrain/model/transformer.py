@@ -1,4 +1,5 @@
-"""The full model: embedding (+ visual tokens) -> hybrid KDA / gated-MLA layers with AttnRes -> head.
+"""The full model: embedding (+ image tokens from the vision tower) -> hybrid KDA / gated-MLA layers with
+AttnRes -> head.
 
 Shape legend: B batch, T positions, D hidden, V vocab.
 
@@ -27,8 +28,9 @@ from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import Recompute, maybe_recompute
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.saved_inputs import SavedInputs, SavedInputsPolicy
-from moe_pretrain.model.vision import PatchEmbedding
+from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
 from parallel.context_parallel import NoContextParallel
+from parallel.image_split import ImageSplit, PlacedImage
 from parallel.sequence import NoSequenceParallel
 
 
@@ -90,7 +92,9 @@ class MoETransformer(nn.Module):
         d = cfg.hidden_size
         self.embedding = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
         self.embedding.param_init = {"weight": Normal(cfg.init_std)}
-        self.patch_embedding = PatchEmbedding(cfg.vision.patch_dim, d, cfg.init_std)
+        vision = cfg.vision
+        self.vision_tower = VisionTower(vision.encoder, vision.patch_size, vision.channels, cfg.init_std)
+        self.mm_projector = VisionProjector(vision.encoder.merged_size, d, cfg.norm_eps, cfg.init_std)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers)})
         self.final_mix = AttnResMix(d, cfg.norm_eps)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
@@ -106,13 +110,15 @@ class MoETransformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         patches: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
+        images: list[PlacedImage] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, T]; doc_ids [B, T] (packed documents, default one per row);
-        patches [P, patch_dim] placed, in order, where image_mask [B, T] is True.
+        """tokens [B, T]; doc_ids [B, T] (packed documents, default one per row); patches [P, patch_dim] of
+        these images (host integers: row, first position, (t, h, w) grid), in row-major order: each image's
+        (h/m)(w/m) tokens go to its positions, which image_mask [B, T] marks.
         -> (logits [B, T, V] (V / tp with tensor parallelism; T / cp, this rank's positions, with context
         parallelism), summed balancing loss (0 unless moe.balancing = aux_loss))."""
         layout = self.layout(tokens, doc_ids)
-        x = self.embed(tokens, layout, patches, image_mask)
+        x = self.embed(tokens, layout, patches, image_mask, images)
         bank, partial, balance_loss = self.run_layers([x], None, layout)
         return self.logits(bank, partial), balance_loss
 
@@ -123,21 +129,38 @@ class MoETransformer(nn.Module):
         return DocumentLayout.from_doc_ids(doc_ids, self.sequence, self.context)
 
     def embed(self, tokens: torch.Tensor, layout: DocumentLayout, patches: torch.Tensor | None = None,
-              image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Token embeddings with visual tokens in place: b_0, the first bank entry (this rank's T shard).
-        tokens, image_mask [B, T] and patches cover every position, also under context parallelism."""
+              image_mask: torch.Tensor | None = None, images: list[PlacedImage] | None = None) -> torch.Tensor:
+        """Token embeddings with image tokens in place: b_0, the first bank entry (this rank's T shard).
+        tokens, image_mask [B, T], patches and images cover every position, also under context parallelism:
+        the ranks that share the rows deal the images among them, each encodes its own whole (attention spans
+        an image) and sends each token to the rank holding its position (parallel/image_split.py)."""
         x = self.sequence.scatter(self.embedding(self.context.local(tokens)))
-        if patches is not None:
-            if image_mask is None:
-                raise ValueError("forward: patches need an image_mask marking one position per patch")
-            # Checked on the device (a CUDA run raises at its next sync), not by reading the count on the host.
-            torch._assert_async(image_mask.sum() == patches.shape[0],
-                                "forward: image_mask must mark exactly one position per patch")
-            patches, image_mask = self.context.local_patches(patches, image_mask)
-            patches, local_mask = self.sequence.local_patches(patches, image_mask)
-            visual = self.patch_embedding(patches.to(self.patch_embedding.proj.weight.dtype))
-            x = x.masked_scatter(local_mask.unsqueeze(-1), visual.to(x.dtype))
-        return x
+        if patches is None or not patches.shape[0]:  # a batch without images may pass [0, patch_dim]
+            return x
+        if image_mask is None or not images:
+            raise ValueError("forward: patches need their images' placements and an image_mask marking their tokens")
+        merge = self.cfg.vision.encoder.merge
+        split = ImageSplit(self.context, self.sequence)
+        route = split.route(images, merge, tokens.shape[1])
+        local_mask = self.sequence.local(self.context.local(image_mask))
+        tokens_N = sum(image.tokens(merge) for image in images)
+        # Checked on the device (a CUDA run raises at its next sync), not by reading the count on the host.
+        torch._assert_async(image_mask.sum() == tokens_N, "forward: image_mask must mark exactly the images' tokens")
+        # Every rank of the block sends in one dtype: the embeddings' (the projector's may be autocast's).
+        encoded = self.encode_images(patches, images, route.encoded, x.dtype)
+        return x.masked_scatter(local_mask.unsqueeze(-1), split.exchange(encoded, route))
+
+    def encode_images(self, patches: torch.Tensor, images: list[PlacedImage], which: list[int],
+                      dtype: torch.dtype) -> torch.Tensor:
+        """The tokens [n, D] in `dtype` of images `which` (indices into images, in order): tower, projector."""
+        if not which:  # [0, D], requiring grad: this rank's backward must still run the exchange's collectives
+            return patches.new_zeros(0, self.cfg.hidden_size, dtype=dtype).requires_grad_(torch.is_grad_enabled())
+        first = [0]
+        for image in images:
+            first.append(first[-1] + image.patches)
+        mine = torch.cat([patches[first[i]:first[i + 1]] for i in which])
+        tower_dtype = self.vision_tower.patch_embed.proj.weight.dtype
+        return self.mm_projector(self.vision_tower(mine.to(tower_dtype), [images[i].grid for i in which])).to(dtype)
 
     def run_layers(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
                    ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
@@ -167,7 +190,7 @@ class MoETransformer(nn.Module):
         stage.sequence = full.sequence
         stage.context = full.context
         stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
-        for name in ("embedding", "patch_embedding") if first else ():
+        for name in ("embedding", "vision_tower", "mm_projector") if first else ():
             setattr(stage, name, getattr(full, name))
         for name in ("final_mix", "final_norm", "head") if last else ():
             setattr(stage, name, getattr(full, name))
@@ -177,6 +200,8 @@ class MoETransformer(nn.Module):
         """What backward recomputes (model/recompute.py), on the layers this module holds, and where full
         recomputation keeps the layers' inputs (model/saved_inputs.py): one store for them all, returned."""
         store = SavedInputs(saved_inputs)
+        if hasattr(self, "vision_tower"):  # a pipeline's first stage, or the whole model
+            self.vision_tower.encoder.recompute = mode == "full"
         for layer in self.layers.values():
             layer.saved_inputs = store
             layer.recompute = mode == "full"

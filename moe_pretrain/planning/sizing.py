@@ -8,8 +8,9 @@ same definitions the code trains.
 active_params: parameters touched per token = total minus the routed experts a token does not visit
 (num_experts - top_k per MoE layer); embedding and head are counted, as in published MoE figures.
 flops_per_token (training, forward + backward = 3 x forward): 6 per active parameter that multiplies
-activations (all but the input embedding lookup and the image patch projection; norm and bias
-vectors are counted too, which is < 0.01%), plus sequence mixing at the configured sequence length:
+activations (all but the input embedding lookup and the vision tower and projector, which act on image
+patches, not on text tokens; norm and bias vectors are counted too, which is < 0.01%), plus sequence mixing
+at the configured sequence length:
 gated MLA, causal attention over T/2 keys on average, 3 * 2 * H * (d_qk + d_v) * T/2;
 KDA, the chunked algorithm per head, 3 * (2 C K + C (K + V) + C V + 6 K V) for chunk C.
 """
@@ -94,7 +95,8 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
     per_layer_vectors = 3 * 2 * d  # two AttnRes mixes (query + norm weight) and two pre-norms
     breakdown = {
         "embedding": cfg.vocab_size * d,
-        "patch_embedding": cfg.vision.patch_dim * d + d,
+        "vision_tower": vision_tower_params(cfg.vision.encoder, cfg.vision.patch_size, cfg.vision.channels),
+        "mm_projector": vision_projector_params(cfg.vision.encoder, d),
         "head": d * cfg.vocab_size,
         "final_mix_and_norm": 3 * d,
         "layer_norms_and_mixes": cfg.num_layers * per_layer_vectors,
@@ -124,7 +126,7 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
     k = cfg.kda
     C, K, V = k.chunk_size, k.head_dim, k.head_dim
     kda_flops = 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
-    matmul_active = active - breakdown["embedding"] - breakdown["patch_embedding"]
+    matmul_active = active - breakdown["embedding"] - breakdown["vision_tower"] - breakdown["mm_projector"]
     flops = 6 * matmul_active + mla_layers * mla_flops + kda_layers * kda_flops
     return {
         "total_params": total,

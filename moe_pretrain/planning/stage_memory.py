@@ -9,7 +9,10 @@ buffers of expert dispatch and of MLA's exchange (Ulysses' head-for-position all
 exchange's gathered latent, one expanded key block and one tile of scores); under full recomputation
 the layers' inputs where train.saved_inputs keeps them (host memory is checked against
 HOST_BYTES_PER_GPU, FP8 counts 1 + 4 / 128 bytes a value), and quantile balancing's statistics
-(balancing_state.py: its histograms, or the exact mode's kept scores). Allocator slack, NCCL buffers and
+(balancing_state.py: its histograms, or the exact mode's kept scores); on the first pipeline rank the vision
+tower's activations for its in-flight micro-batches with every row filled with the largest image the run
+admits (step_activations.vision_activations: the tower runs whole on every tensor- and context-parallel rank,
+so they are not divided over tp or cp). Allocator slack, NCCL buffers and
 CUDA context are not modelled; --propose asks for 10% headroom to cover them.
 Communication: bytes each GPU sends per optimizer step for each group (ring collectives send
 (n - 1) / n of the tensor; all-to-all sends (n - 1) / n of its rows).
@@ -19,9 +22,16 @@ import copy
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
+from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes
 from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
-from moe_pretrain.planning.step_activations import LayerActivations, activation_bytes, layer_activations
+from moe_pretrain.planning.step_activations import (
+    LayerActivations,
+    activation_bytes,
+    largest_image_patches,
+    layer_activations,
+    vision_activations,
+)
 from parallel.context_parallel import mla_exchange
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelLayout, derive_micro_batches
@@ -156,15 +166,28 @@ class MemoryPlanner:
                     buffers += 4 * tokens * heads * qk * act_bytes
             # Routers see this tensor rank's sequence-parallel share of the positions.
             balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, layout.micro_batches)
-            total = state["total_bytes"] + act.peak + buffers + balancing
+            vision = self.vision_bytes(stage, layout, rows, in_flight, act_bytes) if p == 0 else 0.0
+            total = state["total_bytes"] + act.peak + buffers + balancing + vision
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
-                   "balancing_bytes": balancing, "total_bytes": total, "in_flight": in_flight, "host_bytes": act.host}
+                   "balancing_bytes": balancing, "vision_bytes": vision, "total_bytes": total,
+                   "in_flight": in_flight, "host_bytes": act.host}
             if worst is None or total > worst["total_bytes"]:
                 worst = row
-        return {"worst": worst, "dp": dp, "rows_per_micro": rows,
+            if p == 0:
+                first = row
+        return {"worst": worst, "first": first, "dp": dp, "rows_per_micro": rows,
                 "communication": self.communication(cfg, run, stage, layout, tokens, states)}
+
+    def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
+                     act_bytes: int) -> float:
+        """The vision tower's saved activations (and one recomputed block's transient, in fp32) on a first-stage
+        rank: `rows` rows per micro-batch, each filled with the largest image the run admits."""
+        m = self.cfg.model
+        _, row_patches = largest_image_patches(m, stage.seq_len, run_max_pixels(self.cfg))
+        saved, transient = vision_activations(m, layout.recompute)
+        return row_patches * rows * (saved * act_bytes * in_flight + transient * 4)
 
     def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
                       tokens: int, states: list[dict]) -> dict:

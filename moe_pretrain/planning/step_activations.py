@@ -19,6 +19,11 @@ What they count, by component:
 - Full recomputation: each layer keeps its inputs, d per token: the partial block sum, or at a block's
   first layer the bank entry it closes (each entry saved once: model/saved_inputs.py's ledger counts
   exactly d per token per layer); train.saved_inputs keeps them on the host or in FP8 (saved_input_bytes).
+- The vision tower (vision_activations), per patch: each block 6 D + 5.06 W + 1.88 Dh + 2 I + 4 (D its width, W
+  heads x head dim, I its MLP width: norms, wqkv, rotary q / k, attention with its log-sum-exp, wo, the tanh-GELU
+  MLP), plus 5 D + d / 2 + 1.25 outside the blocks (patch embedding and positions, final norm, merge, projector:
+  d / 2 is the projector's per-token d shared by the merge's 4 patches); an exact fit over 9 tower shapes (every
+  residual 0 elements). Full recomputation keeps each block's input (D) and 5.5 D + d / 2 + 1.25 outside.
 Under bf16 autocast the KDA op's intermediates stay fp32 (ops.norms.compute_dtype) while the rest is bf16:
 kda_core elements are 4 bytes, the others the activation dtype's (not yet measured on a GPU).
 """
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_pretrain.config import ModelConfig
+from moe_pretrain.config import ModelConfig, VisionConfig
 from moe_pretrain.model.saved_inputs import PREFETCH_LAYERS, SavedInputsPolicy, saved_input_bytes
 
 Recompute = Literal["none", "selective", "full"]
@@ -135,6 +140,37 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
     kept_mixer = mixer if m.layer_kind(index) == "kda" else _mla(m, "selective")
     kept_other = norms_and_mixes + _mlp(m, index, "selective")
     return LayerActivations(0.0, kept_mixer, kept_other, core + (mixer - kept_mixer) + (other - kept_other))
+
+
+def vision_block_activations(v: VisionConfig) -> float:
+    """Saved elements per patch of one vision tower block (recompute none)."""
+    e = v.encoder
+    return 6 * e.hidden_size + 5.0625 * e.num_heads * e.head_dim + 1.875 * e.head_dim + 2 * e.intermediate_size + 4
+
+
+def vision_activations(m: ModelConfig, recompute: Recompute) -> tuple[float, float]:
+    """(saved, transient) elements per patch of the vision tower and projector: the tower runs whole on every
+    tensor- and context-parallel rank of the first pipeline stage, so these are not divided by tp or cp.
+    Selective recomputation leaves the tower as it is; full keeps each block's input and re-runs one block
+    at a time in backward (the transient)."""
+    D, d, blocks = m.vision.encoder.hidden_size, m.hidden_size, m.vision.encoder.num_layers
+    block = vision_block_activations(m.vision)
+    if recompute == "full":
+        return blocks * D + 5.5 * D + d / 2 + 1.25, block
+    return blocks * block + 5 * D + d / 2 + 1.25, 0.0
+
+
+def largest_image_patches(m: ModelConfig, seq_len: int, max_pixels: int) -> tuple[int, int]:
+    """(patches of the largest image a row admits, patches of a row filled with such images): the worst row
+    a micro-batch can bring the first stage (a square image of max_pixels at most; single frames, since a
+    clip's frames merge into the same tokens as one image but bring t times the patches: clips are counted
+    at one frame here)."""
+    v = m.vision
+    unit = v.patch_size * v.encoder.merge
+    side = int(max_pixels ** 0.5) // unit * unit
+    tokens = (side // unit) ** 2
+    per_image = tokens * v.encoder.merge ** 2
+    return per_image, max((seq_len + 1) // (tokens + 2), 1) * per_image
 
 
 def head_activations(m: ModelConfig, vocab_shard: int) -> float:

@@ -109,7 +109,7 @@ def evaluate_long_context(runner: StepRunner, validation: ValidationData, plan: 
         batch = data.read_rows(mine, sums.with_patches)
         edges = position_edges(plan.seq_len, cfg.position_base)
         per_batch = sums.per_batch(rows)
-        sets = {f"{lo}-{hi}": [_rows(keep_positions(batch, lo, hi), i, per_batch)
+        sets = {f"{lo}-{hi}": [keep_positions(batch, lo, hi).rows(i, per_batch)
                                for i in range(0, len(mine), per_batch)] for lo, hi in itertools.pairwise(edges)}
         for name, (total, count) in sums.reduce(sets, rows, "loss").items():
             record[f"eval_position_loss.{name}"] = total / max(count, 1)
@@ -122,13 +122,3 @@ def evaluate_long_context(runner: StepRunner, validation: ValidationData, plan: 
         record["probe_accuracy"] = sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)
         record.update({f"probe_accuracy.{name}": right / max(keys, 1) for name, (right, keys) in reduced.items()})
     return record
-
-
-def _rows(batch: Batch, start: int, count: int) -> Batch:
-    """Rows [start, start + count) of a batch, with their patches (stored flat, in row-major order; none on
-    ranks that do not embed images)."""
-    per_row = batch.image_mask.sum(dim=1)
-    first = int(per_row[:start].sum())
-    patches = batch.patches[first:first + int(per_row[start:start + count].sum())]
-    return Batch(*(getattr(batch, f)[start:start + count] for f in ("tokens", "labels", "doc_ids", "image_mask")),
-                 patches)

@@ -12,7 +12,10 @@ integer tensor cannot, and refuse to send back a gradient that is None. The docu
 needs for its masks come from each rank's own batch instead (every stage reads its rows, without
 pixels), as the schedule's keyword input, which the library splits into micro-batches and hands to
 every stage. The first stage's positional inputs are the tokens, the image mask and the patches padded
-per row (so the library can split them into micro-batches along B).
+per row (so the library can split them into micro-batches along B). The images' placements (row, first
+position, grid: host integers the vision tower and the image exchange work from) are no tensors the library
+could split: the step hands them to the first stage per micro-batch beforehand (Pipeline.feed_images), and
+the first stage's forwards, which every schedule runs in micro-batch order, take them in turn.
 
 Stage boundaries are declared statically (input_args / output_args): the library's alternative,
 a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
@@ -21,6 +24,7 @@ them (torch >= 2.12 derives them from input_args / output_args; 2.10 and 2.11, t
 forward's outputs), so the input_grads / output_grads arguments, which 2.10 does not have, are not passed.
 """
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +41,7 @@ from torch.distributed.pipelining import (
 from moe_pretrain.config import Config
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.parallelize import DTYPES
+from parallel.image_split import Grid, PlacedImage, placed_images
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 
@@ -59,10 +64,12 @@ class StepShape:
     """Context-parallel size: activations hold T / cp positions, data parallel is what cp leaves."""
 
 
-def patches_from_rows(patch_rows: torch.Tensor, image_mask: torch.Tensor) -> torch.Tensor:
-    """[B, Pmax, dim] padded per row -> [P, dim] in row-major order of image_mask."""
-    counts = image_mask.sum(dim=1, keepdim=True)
-    return patch_rows[torch.arange(patch_rows.shape[1], device=patch_rows.device) < counts]
+def patches_from_rows(patch_rows: torch.Tensor, images: list[PlacedImage]) -> torch.Tensor:
+    """[B, Pmax, dim] padded per row -> [P, dim] in row-major order (row r holds its images' t h w patches)."""
+    counts = [0] * patch_rows.shape[0]
+    for image in images:
+        counts[image.row] += image.patches
+    return torch.cat([patch_rows[r, :count] for r, count in enumerate(counts)])
 
 
 class StageForward(nn.Module):
@@ -82,14 +89,19 @@ class StageForward(nn.Module):
         """The embeddings' dtype (the parameters')."""
         self.compute_dtype = compute_dtype
         """The block sums' and the partial sum's (bf16 under bf16 autocast)."""
+        self.images: deque[list[PlacedImage]] = deque()
+        """First stage: each coming micro-batch's images, rows counted within it (Pipeline.feed_images)."""
 
     def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor):
         chunk = self.chunk
         if self.first:
             tokens, image_mask, patch_rows = inputs
+            if not self.images:
+                raise RuntimeError("pipeline: the first stage ran a micro-batch it was given no image placements for")
+            images = self.images.popleft()
             layout = chunk.layout(tokens, doc_ids)
-            patches = patches_from_rows(patch_rows, image_mask) if patch_rows.shape[1] else None
-            bank, partial = [chunk.embed(tokens, layout, patches, image_mask if patches is not None else None)], None
+            patches = patches_from_rows(patch_rows, images) if images else None
+            bank, partial = [chunk.embed(tokens, layout, patches, image_mask if images else None, images)], None
         else:
             embedded, *rest = inputs  # no partial sum when a block closed right before this chunk
             layout = chunk.layout(doc_ids, doc_ids)
@@ -168,6 +180,18 @@ class Pipeline:
         self.model = model
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
         self._schedules: dict[StepShape, object] = {}
+
+    def feed_images(self, grids: list[list[Grid]], starts: list[list[int]], micro_batches: int) -> None:
+        """This rank's rows' images (data.Batch's grids and starts) for the next pass, split into the
+        micro-batches the schedule will run (as the library splits the tensors: equal runs of rows). Only the
+        first stage reads them."""
+        if 0 not in self.forwards:
+            return
+        rows = len(grids) // micro_batches
+        first = self.forwards[0]
+        first.images.clear()  # a pass that raised midway leaves none behind for the next
+        first.images.extend(placed_images(grids[m * rows:(m + 1) * rows], starts[m * rows:(m + 1) * rows])
+                            for m in range(micro_batches))
 
     def chunk_models(self) -> list[MoETransformer]:
         """The stage views of this rank's chunks (each carries the model's sequence and context splits)."""

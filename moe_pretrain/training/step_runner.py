@@ -22,6 +22,7 @@ from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
 from moe_pretrain.training.pipeline import Pipeline, StepShape
+from parallel.image_split import placed_images
 from parallel.state import ParallelContext
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
@@ -90,7 +91,8 @@ class StepRunner:
         with reused_in_step():  # the parameters do not change before the optimizer step
             for batch in batches:
                 with self.autocast():
-                    logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+                    logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                                                      placed_images(batch.grids, batch.starts))
                 ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
                 loss = ce_sum / loss_tokens + balance_loss / len(batches)
                 loss.backward()
@@ -105,7 +107,8 @@ class StepRunner:
         if self.pipeline is not None:
             return self._run_pipeline(plan, batch, rows, scorer, train=False)
         with self.autocast():
-            logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask)
+            logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                                   placed_images(batch.grids, batch.starts))
         return scorer(logits, self.model.context.local(batch.labels)).to(torch.float64)
 
     def _run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, scorer: Scorer, train: bool) -> torch.Tensor:
@@ -114,6 +117,7 @@ class StepRunner:
                           plan.cp)
         if pipeline.holds_first:
             args = (batch.tokens, batch.image_mask, batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
+            pipeline.feed_images(batch.grids, batch.starts, plan.micro_batches)
         else:
             args = ()
         target = batch.labels if pipeline.holds_last else None
