@@ -45,11 +45,13 @@ from parallel.collectives import all_gather_into_async, all_reduce_sum, group_si
 
 @dataclass
 class ParamGroupSpec:
-    """Parameters that reduce over one group and share one weight decay."""
+    """Parameters that reduce over one group and share one weight decay and learning-rate scale."""
 
     params: list[nn.Parameter]
     group: dist.ProcessGroup | None
     weight_decay: float
+    lr_scale: float = 1.0
+    """This group's learning rate is the schedule's times lr_scale (set_lr)."""
 
 
 class _Bucket:
@@ -153,7 +155,8 @@ class ShardedAdamW:
             spec_buckets = self._bucketize(spec, bucket_bytes)
             self.buckets.extend(spec_buckets)
             if spec_buckets:
-                adam_groups.append({"params": [b.shard for b in spec_buckets], "weight_decay": spec.weight_decay})
+                adam_groups.append({"params": [b.shard for b in spec_buckets], "weight_decay": spec.weight_decay,
+                                    "lr_scale": spec.lr_scale})
         self.adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=True)
         # The backward completes the buckets of the model's later parameters first: start those first.
         position = {id(p): i for i, p in enumerate(param_order or [p for b in self.buckets for p in b.params])}
@@ -186,6 +189,11 @@ class ShardedAdamW:
     @property
     def param_groups(self) -> list[dict]:
         return self.adamw.param_groups
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule's learning rate for this step, times each group's lr_scale."""
+        for group in self.adamw.param_groups:
+            group["lr"] = lr * group["lr_scale"]
 
     def zero_grad(self, backwards: int | None = None) -> None:
         """Zero the gradient buffers. backwards: the backward passes this step makes (its micro-batches),

@@ -55,23 +55,26 @@ def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
     return float((logits[rows, colour_at - 1].argmax(-1) == tokens[rows, colour_at]).float().mean())
 
 
-@pytest.mark.timeout(600)  # ~30 s on an idle 2-core machine; a CI machine shared with other jobs is far slower
+@pytest.mark.timeout(900)  # ~90 s on an idle 2-core machine; a CI machine shared with other jobs is far slower
 def test_caption_colour_is_predicted_from_the_image(tmp_path):
     assert len({name[0] for name in COLOURS}) == len(COLOURS)  # first letters identify the colour
     cfg = load_config("configs/smoke.yaml", [
-        "train.steps=200", "optim.lr=6e-3", "data.image_fraction=1.0", "data.seq_len=128", "data.batch_size=8",
-        "model.hidden_size=64", "model.num_layers=4", "model.layer_pattern=KKKM", "model.kda.head_dim=32",
-        "model.moe.latent_size=32", "model.dense_intermediate=128", "model.moe.expert_intermediate=32",
-        "model.moe.shared_intermediate=32", "optim.warmup_steps=10", "logging.progress=false",
-        f"train.run_dir={tmp_path}", *EVAL_OFF])
+        "train.steps=300", "optim.lr=6e-3", "optim.vision_lr_scale=0.01", "data.image_fraction=1.0",
+        "data.seq_len=128", "data.batch_size=8", "model.hidden_size=64", "model.num_layers=4",
+        "model.layer_pattern=KKKM", "model.kda.head_dim=32", "model.moe.latent_size=32", "model.dense_intermediate=128",
+        "model.moe.expert_intermediate=32", "model.moe.shared_intermediate=32", "optim.warmup_steps=10",
+        "logging.progress=false", f"train.run_dir={tmp_path}", *EVAL_OFF])
     trainer = Trainer(cfg)
     trainer.run()
     seen = colour_accuracy(trainer.model, cfg, wrong_images=False)
     wrong = colour_accuracy(trainer.model, cfg, wrong_images=True)
     chance = 1 / len(COLOURS)
-    # Measured at 200 steps, lr 6e-3 (twice the smoke config's, so it learns to look in 2/3 of the 300 steps it
-    # took at 3e-3): train.seed 4 / 1234 0.85 / 0.85 with the image, 0.09 / 0.11 with another image's patches
-    # (chance 0.14). At 150 steps seeds 0, 2, 3, 4, 1234 gave 0.79 / 0.72 / 0.74 / 0.58 / 0.49; at 100, 0.26-0.34.
-    assert seen >= 0.5, seen
-    assert wrong <= chance + 0.15, wrong
-    assert seen - wrong >= 0.3, (seen, wrong)
+    # Images of four sizes through the smoke config's tower (2 blocks of width 32), trained from scratch.
+    # MEASURED, and short of the linear patch embedding this tower replaced: that one (one Linear per 14 x 14
+    # patch, 28 x 28 images only) reached 0.95 / 0.91 with the image and 0.09 / 0.10 with another's (train.seed
+    # 0 / 1234) at 200 steps. The tower learning at the full rate never learned to be read in 400 steps (0.15,
+    # chance 0.14: Adam's lr-sized steps on its near-noise gradients keep moving its features); at 0.01 x the
+    # rate (optim.vision_lr_scale) it is: 0.66 / 0.19 and 0.67 / 0.23 here at 300 steps (train.seed 0 / 1234).
+    assert seen >= 0.25, (seen, wrong)
+    assert wrong <= chance + 0.1, (seen, wrong)
+    assert seen - wrong >= 0.1, (seen, wrong)

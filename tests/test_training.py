@@ -127,6 +127,20 @@ def test_learning_rate_schedules():
 
 
 @pytest.mark.timeout(120)
+def test_the_vision_tower_learns_at_its_own_rate(tmp_path):
+    """optim.vision_lr_scale: the tower's and projector's Adam groups take the schedule's rate times the scale,
+    every other group the rate itself."""
+    trainer = Trainer(tiny_config(f"train.run_dir={tmp_path}", "optim.vision_lr_scale=0.25", "train.steps=1"))
+    trainer.optimizer.set_lr(2e-3)
+    vision = {id(p) for name, p in trainer.model.named_parameters() if name.startswith(("vision_tower.", "mm_"))}
+    scaled = {id(p) for bucket in trainer.optimizer.buckets for p in bucket.params if id(p) in vision}
+    assert scaled == vision
+    rates = sorted({group["lr"] for group in trainer.optimizer.param_groups})
+    assert rates == pytest.approx([5e-4, 2e-3])
+    for bucket in trainer.optimizer.buckets:
+        assert len({id(p) in vision for p in bucket.params}) == 1  # no bucket mixes the two rates
+
+
 def test_launcher_reports_config_errors_and_loss_gate(tmp_path):
     base = [sys.executable, "-m", "launch.train", "--config", "configs/smoke.yaml"]
     bad = subprocess.run([*base, "model.num_experts=8"], capture_output=True, text=True)

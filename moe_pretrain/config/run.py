@@ -167,9 +167,13 @@ class OptimConfig:
     """wsd only: the share of steps spent decaying."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    vision_lr_scale: float = 1.0
+    """The vision tower's and projector's learning rate as a multiple of the schedule's (both trained from
+    scratch with the model). A tower learning at the full rate can keep moving its features faster than the
+    language model learns to read them (tests/test_multimodal.py measures both)."""
 
     def __post_init__(self) -> None:
-        require_positive("optim", lr=self.lr)
+        require_positive("optim", lr=self.lr, vision_lr_scale=self.vision_lr_scale)
         require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         require(0 < self.decay_fraction <= 1, f"optim.decay_fraction={self.decay_fraction} must be in (0, 1]")

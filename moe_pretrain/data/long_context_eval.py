@@ -52,7 +52,7 @@ def keep_positions(batch: Batch, lo: int, hi: int) -> Batch:
     labels = batch.labels.clone()
     positions = torch.arange(labels.shape[1])
     labels[:, (positions < lo) | (positions >= hi)] = IGNORE_INDEX
-    return Batch(batch.tokens, labels, batch.doc_ids, batch.image_mask, batch.patches, batch.grids)
+    return Batch(batch.tokens, labels, batch.doc_ids, batch.image_mask, batch.patches, batch.grids, batch.starts)
 
 
 def probe_tokenizer(vocab: Vocabulary):
@@ -99,5 +99,5 @@ def probe_batches(vocab: Vocabulary, encode, seq_len: int, samples: int, rows: i
             out[f"{length}@{depth}"] = Batch(
                 torch.from_numpy(tokens[mine, :-1].copy()), torch.from_numpy(labels[mine].copy()),
                 torch.from_numpy(doc_ids[mine].copy()), torch.zeros(per_shard, seq_len, dtype=torch.bool),
-                torch.zeros(0, patch_dim), [[] for _ in range(per_shard)])
+                torch.zeros(0, patch_dim), [[] for _ in range(per_shard)], [[] for _ in range(per_shard)])
     return out

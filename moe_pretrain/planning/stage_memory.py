@@ -11,9 +11,9 @@ the layers' inputs where train.saved_inputs keeps them (host memory is checked a
 HOST_BYTES_PER_GPU, FP8 counts 1 + 4 / 128 bytes a value), and quantile balancing's statistics
 (balancing_state.py: its histograms, or the exact mode's kept scores); on the first pipeline rank the vision
 tower's activations for its in-flight micro-batches with every row filled with the largest image the run
-admits (step_activations.vision_activations: the tower runs whole on every tensor- and context-parallel rank,
-so they are not divided over tp or cp). Allocator slack, NCCL buffers and
-CUDA context are not modelled; --propose asks for 10% headroom to cover them.
+admits (step_activations.vision_activations), the images dealt over the tp x cp ranks that share the rows
+(parallel/image_split.py: a rank encodes at most its even share plus one largest image). Allocator slack,
+NCCL buffers and CUDA context are not modelled; --propose asks for 10% headroom to cover them.
 Communication: bytes each GPU sends per optimizer step for each group (ring collectives send
 (n - 1) / n of the tensor; all-to-all sends (n - 1) / n of its rows).
 """
@@ -166,7 +166,7 @@ class MemoryPlanner:
                     buffers += 4 * tokens * heads * qk * act_bytes
             # Routers see this tensor rank's sequence-parallel share of the positions.
             balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, layout.micro_batches)
-            vision = self.vision_bytes(stage, layout, rows, in_flight, act_bytes) if p == 0 else 0.0
+            vision = self.vision_bytes(stage, layout, rows, in_flight, act_bytes, run.tp) if p == 0 else 0.0
             total = state["total_bytes"] + act.peak + buffers + balancing + vision
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
@@ -181,13 +181,16 @@ class MemoryPlanner:
                 "communication": self.communication(cfg, run, stage, layout, tokens, states)}
 
     def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
-                     act_bytes: int) -> float:
+                     act_bytes: int, tp: int) -> float:
         """The vision tower's saved activations (and one recomputed block's transient, in fp32) on a first-stage
-        rank: `rows` rows per micro-batch, each filled with the largest image the run admits."""
+        rank: `rows` rows per micro-batch, each filled with the largest image the run admits, dealt over the
+        tp x cp block (largest first to the least loaded: no rank gets more than its share plus one image)."""
         m = self.cfg.model
-        _, row_patches = largest_image_patches(m, stage.seq_len, run_max_pixels(self.cfg))
+        per_image, row_patches = largest_image_patches(m, stage.seq_len, run_max_pixels(self.cfg))
+        total = row_patches * rows
+        patches = min(total, total / (tp * layout.cp) + per_image) if tp * layout.cp > 1 else total
         saved, transient = vision_activations(m, layout.recompute)
-        return row_patches * rows * (saved * act_bytes * in_flight + transient * 4)
+        return patches * (saved * act_bytes * in_flight + transient * 4)
 
     def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
                       tokens: int, states: list[dict]) -> dict:

@@ -149,8 +149,8 @@ def vision_block_activations(v: VisionConfig) -> float:
 
 
 def vision_activations(m: ModelConfig, recompute: Recompute) -> tuple[float, float]:
-    """(saved, transient) elements per patch of the vision tower and projector: the tower runs whole on every
-    tensor- and context-parallel rank of the first pipeline stage, so these are not divided by tp or cp.
+    """(saved, transient) elements per patch of the vision tower and projector, on the rank that encodes the
+    patch's image (the first pipeline stage; parallel/image_split.py deals the images over tp x cp).
     Selective recomputation leaves the tower as it is; full keeps each block's input and re-runs one block
     at a time in backward (the transient)."""
     D, d, blocks = m.vision.encoder.hidden_size, m.hidden_size, m.vision.encoder.num_layers

@@ -2,6 +2,7 @@
 
 Vectors (norm weights, biases, A_log, dt_bias, AttnRes norm weights) take no weight decay: decaying
 them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias.
+The vision tower and projector learn at optim.vision_lr_scale times the rate.
 Reduction groups come from the sharding plan (parallel/plan.py): expert shards over expert-data
 parallel, tensor-parallel slices over data parallel, replicated parameters over tensor x data parallel.
 """
@@ -16,15 +17,21 @@ from parallel.optimizer import ParamGroupSpec, ShardedAdamW
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
+VISION = ("vision_tower.", "mm_projector.")
+"""Parameters that learn at optim.vision_lr_scale times the schedule's rate."""
+
 
 def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: ShardingPlan) -> ShardedAdamW:
     reduce_group = {name: plan.placement(name).reduce_group for name, _ in model.named_parameters()}
     specs = []
     for group_name in ("edp_group", "dp_group", "tp_dp_group"):
         for decay in (True, False):
-            params = [p for name, p in model.named_parameters()
-                      if p.requires_grad and reduce_group[name] == group_name and (p.dim() >= 2) == decay]
-            specs.append(ParamGroupSpec(params, getattr(ctx, group_name), cfg.optim.weight_decay if decay else 0.0))
+            for vision in (False, True):
+                params = [p for name, p in model.named_parameters()
+                          if p.requires_grad and reduce_group[name] == group_name and (p.dim() >= 2) == decay
+                          and name.startswith(VISION) == vision]
+                specs.append(ParamGroupSpec(params, getattr(ctx, group_name), cfg.optim.weight_decay if decay else 0.0,
+                                            cfg.optim.vision_lr_scale if vision else 1.0))
     o = cfg.optim
     optimizer = ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                              bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),
