@@ -55,12 +55,12 @@ def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
     return float((logits[rows, colour_at - 1].argmax(-1) == tokens[rows, colour_at]).float().mean())
 
 
-@pytest.mark.timeout(900)  # ~90 s on an idle 2-core machine; a CI machine shared with other jobs is far slower
+@pytest.mark.timeout(900)  # ~2 min on an idle 2-core machine; a CI machine shared with other jobs is far slower
 def test_caption_colour_is_predicted_from_the_image(tmp_path):
     assert len({name[0] for name in COLOURS}) == len(COLOURS)  # first letters identify the colour
     cfg = load_config("configs/smoke.yaml", [
-        "train.steps=300", "optim.lr=6e-3", "optim.vision_lr_scale=0.01", "data.image_fraction=1.0",
-        "data.seq_len=128", "data.batch_size=8", "model.hidden_size=64", "model.num_layers=4",
+        "train.steps=400", "optim.lr=6e-3", "optim.vision_lr_scale=0.01", "data.image_fraction=1.0",
+        "data.image_size=112", "data.seq_len=128", "data.batch_size=8", "model.hidden_size=64", "model.num_layers=4",
         "model.layer_pattern=KKKM", "model.kda.head_dim=32", "model.moe.latent_size=32", "model.dense_intermediate=128",
         "model.moe.expert_intermediate=32", "model.moe.shared_intermediate=32", "optim.warmup_steps=10",
         "logging.progress=false", f"train.run_dir={tmp_path}", *EVAL_OFF])
@@ -69,12 +69,13 @@ def test_caption_colour_is_predicted_from_the_image(tmp_path):
     seen = colour_accuracy(trainer.model, cfg, wrong_images=False)
     wrong = colour_accuracy(trainer.model, cfg, wrong_images=True)
     chance = 1 / len(COLOURS)
-    # Images of four sizes through the smoke config's tower (2 blocks of width 32), trained from scratch.
-    # MEASURED, and short of the linear patch embedding this tower replaced: that one (one Linear per 14 x 14
-    # patch, 28 x 28 images only) reached 0.95 / 0.91 with the image and 0.09 / 0.10 with another's (train.seed
-    # 0 / 1234) at 200 steps. The tower learning at the full rate never learned to be read in 400 steps (0.15,
-    # chance 0.14: Adam's lr-sized steps on its near-noise gradients keep moving its features); at 0.01 x the
-    # rate (optim.vision_lr_scale) it is: 0.66 / 0.19 and 0.67 / 0.23 here at 300 steps (train.seed 0 / 1234).
-    assert seen >= 0.25, (seen, wrong)
+    # Images of four sizes (112 x 112, 112 x 56, 56 x 112, 56 x 56: 16, 8, 8 and 4 tokens) through the smoke
+    # config's tower (2 blocks of width 32), trained from scratch with the model. Measured (train.seed 0 / 1234):
+    # 0.91 / 0.95 with the image, 0.11 / 0.13 with another image's (chance 0.14). The linear patch embedding it
+    # replaced (one Linear per 14 x 14 patch, 28 x 28 images, 4 tokens each) reached 0.95 / 0.91 and 0.09 / 0.10
+    # at 200 steps, 1.00 / 0.09 at 400 (seed 0). The tower needs the lower rate: at optim.vision_lr_scale 0.1
+    # it gave 0.27 at 400 steps, at the full rate 0.15 (never read: it moves its features faster than the model
+    # learns to read them); images of 56 pixels at most (1 to 4 tokens) gave 0.66 at 300 steps.
+    assert seen >= 0.7, (seen, wrong)
     assert wrong <= chance + 0.1, (seen, wrong)
-    assert seen - wrong >= 0.1, (seen, wrong)
+    assert seen - wrong >= 0.5, (seen, wrong)
