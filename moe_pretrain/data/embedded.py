@@ -92,7 +92,7 @@ def to_pixels(image: np.ndarray) -> np.ndarray:
 
 def synthetic_image_dataset(cfg: DataConfig, channels: int) -> Path:
     """Captioned images of four sizes (synthetic_images.image_size), stored at their own sizes."""
-    prefix = cache_root(cfg) / f"synthetic-images-v2-{cfg.image_size}-{channels}-{cfg.seed}-{cfg.embedded_images}"
+    prefix = cache_root(cfg) / f"synthetic-images-v3-{cfg.image_size}-{channels}-{cfg.seed}-{cfg.embedded_images}"
 
     def write(writer: DatasetWriter) -> None:
         for index in range(cfg.embedded_images):
