@@ -51,7 +51,9 @@ class ParamGroupSpec:
     group: dist.ProcessGroup | None
     weight_decay: float
     lr_scale: float = 1.0
-    """This group's learning rate is the schedule's times lr_scale (set_lr)."""
+    """This group's learning rate is the schedule's times lr_scale (set_lr)..."""
+    warmup_steps: int = 0
+    """... times min(1, (step + 1) / warmup_steps): a ramp of its own (0: none)."""
 
 
 class _Bucket:
@@ -156,7 +158,7 @@ class ShardedAdamW:
             self.buckets.extend(spec_buckets)
             if spec_buckets:
                 adam_groups.append({"params": [b.shard for b in spec_buckets], "weight_decay": spec.weight_decay,
-                                    "lr_scale": spec.lr_scale})
+                                    "lr_scale": spec.lr_scale, "warmup_steps": spec.warmup_steps})
         self.adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=True)
         # The backward completes the buckets of the model's later parameters first: start those first.
         position = {id(p): i for i, p in enumerate(param_order or [p for b in self.buckets for p in b.params])}
@@ -190,10 +192,12 @@ class ShardedAdamW:
     def param_groups(self) -> list[dict]:
         return self.adamw.param_groups
 
-    def set_lr(self, lr: float) -> None:
-        """The schedule's learning rate for this step, times each group's lr_scale."""
+    def set_lr(self, lr: float, step: int = 0) -> None:
+        """The schedule's learning rate for 0-based optimizer step `step`, times each group's lr_scale and
+        its own warmup ramp."""
         for group in self.adamw.param_groups:
-            group["lr"] = lr * group["lr_scale"]
+            ramp = min(1.0, (step + 1) / group["warmup_steps"]) if group["warmup_steps"] else 1.0
+            group["lr"] = lr * group["lr_scale"] * ramp
 
     def zero_grad(self, backwards: int | None = None) -> None:
         """Zero the gradient buffers. backwards: the backward passes this step makes (its micro-batches),

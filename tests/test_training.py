@@ -128,17 +128,18 @@ def test_learning_rate_schedules():
 
 @pytest.mark.timeout(120)
 def test_the_vision_tower_learns_at_its_own_rate(tmp_path):
-    """optim.vision_lr_scale: the tower's and projector's Adam groups take the schedule's rate times the scale,
-    every other group the rate itself."""
-    trainer = Trainer(tiny_config(f"train.run_dir={tmp_path}", "optim.vision_lr_scale=0.25", "train.steps=1"))
-    trainer.optimizer.set_lr(2e-3)
+    """optim.vision_lr_scale and vision_warmup_steps: the tower's and projector's Adam groups take the schedule's
+    rate times the scale, ramped over their own warmup; every other group the rate itself."""
+    trainer = Trainer(tiny_config(f"train.run_dir={tmp_path}", "optim.vision_lr_scale=0.25",
+                                  "optim.vision_warmup_steps=4", "train.steps=1"))
     vision = {id(p) for name, p in trainer.model.named_parameters() if name.startswith(("vision_tower.", "mm_"))}
     scaled = {id(p) for bucket in trainer.optimizer.buckets for p in bucket.params if id(p) in vision}
     assert scaled == vision
-    rates = sorted({group["lr"] for group in trainer.optimizer.param_groups})
-    assert rates == pytest.approx([5e-4, 2e-3])
     for bucket in trainer.optimizer.buckets:
         assert len({id(p) in vision for p in bucket.params}) == 1  # no bucket mixes the two rates
+    for step, vision_lr in ((0, 1.25e-4), (1, 2.5e-4), (3, 5e-4), (10, 5e-4)):
+        trainer.optimizer.set_lr(2e-3, step)
+        assert sorted({group["lr"] for group in trainer.optimizer.param_groups}) == pytest.approx([vision_lr, 2e-3])
 
 
 def test_launcher_reports_config_errors_and_loss_gate(tmp_path):

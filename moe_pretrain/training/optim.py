@@ -2,7 +2,8 @@
 
 Vectors (norm weights, biases, A_log, dt_bias, AttnRes norm weights) take no weight decay: decaying
 them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias.
-The vision tower and projector learn at optim.vision_lr_scale times the rate.
+The vision tower and projector learn at optim.vision_lr_scale times the rate, ramped over
+optim.vision_warmup_steps.
 Reduction groups come from the sharding plan (parallel/plan.py): expert shards over expert-data
 parallel, tensor-parallel slices over data parallel, replicated parameters over tensor x data parallel.
 """
@@ -18,7 +19,7 @@ from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
 VISION = ("vision_tower.", "mm_projector.")
-"""Parameters that learn at optim.vision_lr_scale times the schedule's rate."""
+"""Parameters that learn at optim.vision_lr_scale times the schedule's rate (after optim.vision_warmup_steps)."""
 
 
 def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: ShardingPlan) -> ShardedAdamW:
@@ -30,8 +31,10 @@ def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: S
                 params = [p for name, p in model.named_parameters()
                           if p.requires_grad and reduce_group[name] == group_name and (p.dim() >= 2) == decay
                           and name.startswith(VISION) == vision]
-                specs.append(ParamGroupSpec(params, getattr(ctx, group_name), cfg.optim.weight_decay if decay else 0.0,
-                                            cfg.optim.vision_lr_scale if vision else 1.0))
+                o = cfg.optim
+                specs.append(ParamGroupSpec(params, getattr(ctx, group_name), o.weight_decay if decay else 0.0,
+                                            o.vision_lr_scale if vision else 1.0,
+                                            o.vision_warmup_steps if vision else 0))
     o = cfg.optim
     optimizer = ShardedAdamW(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                              bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),

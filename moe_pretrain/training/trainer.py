@@ -221,7 +221,7 @@ class Trainer:
         local_tokens = torch.stack([(self.model.context.local(b.labels) != IGNORE_INDEX).sum() for b in batches])
         loss_tokens = all_reduce_sum(local_tokens.sum(), ctx.dp_group).clamp_min(1)
         lr = plan.lr
-        self.optimizer.set_lr(lr)
+        self.optimizer.set_lr(lr, self.step)
         self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
         ce_sum = self.runner.forward_backward(plan, batches, loss_tokens)
         if self.pipeline is None:
