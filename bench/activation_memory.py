@@ -25,8 +25,8 @@ CONFIG = ["model.hidden_size=64", "model.kda.head_dim=16", "model.kda.chunk_size
 
 
 def probe(recompute: str, T: int, allocator: bool = False) -> dict:
-    """One forward + loss + backward at T tokens: the plan's figures and the measured ones (the allocator's
-    too when asked: only meaningful in a fresh process)."""
+    """One forward + loss + backward at T tokens: the plan's figures and the measured live tensor bytes; the
+    allocator's and resident figures too when asked (only meaningful in a fresh process; tests never ask)."""
     from moe_pretrain.planning.measured import (
         AllocatedPeak,
         LiveTensorBytes,
@@ -46,8 +46,9 @@ def probe(recompute: str, T: int, allocator: bool = False) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, cfg.model.vocab_size, (1, T), generator=gen) for _ in range(2))
     doc_ids = (torch.arange(T) // 1000).unsqueeze(0)
-    resident_start = resident_bytes()
-    reset_peak()
+    if allocator:  # a test asks for live tensor bytes only: it neither reads nor resets the process's memory
+        resident_start = resident_bytes()
+        reset_peak()
     with AllocatedPeak(enabled=allocator) as allocated, LiveTensorBytes() as live:
         logits, balance = model(tokens, doc_ids)
         after_forward = live.live

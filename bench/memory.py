@@ -29,27 +29,35 @@ PHASES = ("build", "step", "save")
 STATE_BYTES_PER_PARAM = 16
 
 
-def measure(rank: int, world_size: int, config: str, overrides: list[str]) -> list[dict]:
-    """Every rank's row (collective; rank 0's return value is what run_distributed hands back)."""
+def measure(rank: int, world_size: int, config: str, overrides: list[str], resident: bool = True) -> list[dict]:
+    """Every rank's row (collective; rank 0's return value is what run_distributed hands back). resident=False:
+    live tensor bytes only, the process's memory neither read nor reset (what tests ask for)."""
+
+    def resident_peak() -> int | None:
+        """This phase's resident peak, and a fresh peak for the next phase."""
+        if not resident:
+            return None
+        peak = peak_resident_bytes()
+        reset_peak()
+        return peak
+
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "checkpoint.async_save=false",
                                    "logging.progress=false"])
         ctx = init_parallel(cfg)
         try:
-            row = {"rank": rank, "baseline": resident_bytes()}
-            reset_peak()
+            row = {"rank": rank, "baseline": resident_bytes() if resident else None}
+            resident_peak()
             with LiveTensorBytes() as live:
                 trainer = Trainer(cfg, ctx)
-                row["build"], row["live.build"] = peak_resident_bytes(), live.peak
-                reset_peak()
+                row["build"], row["live.build"] = resident_peak(), live.peak
                 live.restart_peak()
                 for _ in range(2):
                     trainer.train_step()
-                row["step"], row["live.step"] = peak_resident_bytes(), live.peak
-                reset_peak()
+                row["step"], row["live.step"] = resident_peak(), live.peak
                 live.restart_peak()
                 trainer.save_checkpoint()
-                row["save"], row["live.save"] = peak_resident_bytes(), live.peak
+                row["save"], row["live.save"] = resident_peak(), live.peak
             row["params"] = sum(p.numel() for p in trainer.model.parameters())
             row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank
             return gather_objects(row, dist.group.WORLD if ctx.distributed else None)
@@ -67,9 +75,9 @@ def live_ratio(row: dict, phase: str) -> float:
     return row[f"live.{phase}"] / (STATE_BYTES_PER_PARAM * row["params"])
 
 
-def run_layout(config: str, world_size: int, overrides: list[str]) -> list[dict]:
+def run_layout(config: str, world_size: int, overrides: list[str], resident: bool = True) -> list[dict]:
     """Rows of every rank of a layout, each process fresh (so its memory is its own)."""
-    return run_distributed(measure, world_size, config, overrides, timeout=1800)
+    return run_distributed(measure, world_size, config, overrides, resident, timeout=1800)
 
 
 def main() -> None:
