@@ -68,13 +68,14 @@ class _Route:
     what it received into its local positions' order."""
 
     encoded: list[int]
-    cp_order: np.ndarray
+    cp_order: np.ndarray | None
     cp_send: list[int]
     cp_receive: list[int]
-    tp_order: np.ndarray
+    tp_order: np.ndarray | None
     tp_send: list[int]
     tp_receive: list[int]
-    local_order: np.ndarray
+    local_order: np.ndarray | None
+    """None: the rows as they come (a block of one rank)."""
 
 
 class ImageSplit:
@@ -90,6 +91,9 @@ class ImageSplit:
     def route(self, images: list[PlacedImage], merge: int, seq_len: int) -> _Route:
         """The exchange for these images (the same on every rank of the block: each computes every rank's
         part from the same host integers and keeps its own)."""
+        if self.cp * self.tp == 1:  # one rank encodes every image and holds every position, in order
+            tokens = [sum(image.tokens(merge) for image in images)]
+            return _Route(list(range(len(images))), None, tokens, tokens, None, tokens, tokens, None)
         owner = deal([image.patches for image in images], self.cp * self.tp)
         counts = np.array([image.tokens(merge) for image in images], dtype=np.int64)
         image_of = np.repeat(np.arange(len(images)), counts)  # each token's image, tokens in row-major order
@@ -133,8 +137,8 @@ class ImageSplit:
         return _take(x, route.local_order)
 
 
-def _take(x: torch.Tensor, order: np.ndarray) -> torch.Tensor:
-    """Rows of x in `order` (a host permutation; the identity costs nothing)."""
-    if np.array_equal(order, np.arange(len(order))):
+def _take(x: torch.Tensor, order: np.ndarray | None) -> torch.Tensor:
+    """Rows of x in `order` (a host permutation; None or the identity costs nothing)."""
+    if order is None or np.array_equal(order, np.arange(len(order))):
         return x
     return x.index_select(0, torch.as_tensor(order, device=x.device))

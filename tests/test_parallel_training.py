@@ -1,4 +1,5 @@
-"""Data and expert parallel training against the single-process run (gloo, several processes).
+"""Data, expert, tensor, pipeline and context parallel training against the single-process run (gloo, several
+processes), with text and with image-heavy batches.
 
 Every layout runs three optimizer steps from the same seed and global batch in float64 and must give
 the single-process per-step losses and, after step 3, the same parameters and balancing biases
@@ -10,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from launch.local import run_distributed
+from moe_pretrain.data import PretrainingData
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.parallelize import gather_full_state
+from moe_pretrain.training.parallelize import gather_full_state, meta_model
 from moe_pretrain.training.pipeline import StepShape, stage_boundaries
 from parallel.plan import pipeline_chunks
 from parallel.state import ParallelContext, ParallelLayout, destroy_parallel, init_parallel
@@ -19,6 +21,8 @@ from tests.helpers import rel_rms
 from tests.models import tiny_config
 
 STEPS = 3
+IMAGES = ["data.image_fraction=0.6", "data.text_doc_bytes=256"]
+"""Overrides for image-heavy batches (the TINY config's images: 16 x 16, 16 x 8, 8 x 16, 8 x 8 pixels)."""
 
 
 def layout_config(run_dir, dtype, *overrides):
@@ -72,9 +76,17 @@ def single_process(tmp_path, dtype):
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "model.mla.num_heads=4"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.ep=2", "parallel.cp_mla=latent", "data.micro_batches=2"]),
     (4, ["parallel.cp=4", "parallel.ep=2"]),  # 2 MLA heads: auto takes the latent exchange
+    # Image-heavy batches (images of several sizes in one batch, test_image_batches_hold_several_sizes): the
+    # vision tower on the first stage; under tp and cp the ranks sharing rows deal the images and exchange tokens.
+    (2, ["parallel.ep=2", *IMAGES]),
+    (4, ["parallel.tp=2", "parallel.ep=2", *IMAGES]),
+    (2, ["parallel.pp=2", "data.micro_batches=2", *IMAGES]),
+    (2, ["parallel.cp=2", *IMAGES]),
+    (4, ["parallel.cp=2", "parallel.tp=2", "model.mla.num_heads=4", *IMAGES]),
 ], ids=["ep4", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "pp2",
         "pp2-vpp2-interleaved", "pp2-vpp2-zero-bubble", "pp2-dense-first-stage", "pp2xtp2", "ep2-recompute-full",
-        "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent"])
+        "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent",
+        "images-dp2", "images-tp2xep2", "images-pp2", "images-cp2", "images-cp2xtp2"])
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))
@@ -90,6 +102,17 @@ def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     for name, tensor in ref_state.items():
         assert rel_rms(state[name], tensor) < 1e-9, name  # expert_bias buffers included
     assert identical, "balancing biases differ between ranks"
+
+
+def test_image_batches_hold_several_sizes(tmp_path):
+    """The image layouts above train on batches holding images of several sizes, through a tower whose every
+    parameter the layouts compare."""
+    data = PretrainingData(layout_config(tmp_path, "float64", *IMAGES))
+    grids = [grid for _ in range(STEPS) for grid in data.next_batch(8).image_grids]
+    assert len({(h, w) for _, h, w in grids}) >= 3 and len(grids) >= 8, grids
+    model, _ = meta_model(layout_config(tmp_path, "float64", *IMAGES))
+    vision = [name for name, _ in model.named_parameters() if name.startswith(("vision_tower.", "mm_projector."))]
+    assert len(vision) == 12  # one block of 6 weights, patch and position embeddings, final norm; projector 3
 
 
 @pytest.mark.timeout(300)

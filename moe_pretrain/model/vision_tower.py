@@ -32,9 +32,7 @@ from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.vision_positions import apply_rope, resized_table, rope_angles, time_embedding
 from moe_pretrain.ops.document_attention import document_causal_attention
-
-Grid = tuple[int, int, int]
-"""(frames t, patch rows h, patch columns w) of one image or clip."""
+from parallel.image_split import Grid
 
 
 class PatchEmbed(nn.Module):
