@@ -3,7 +3,9 @@ every optimizer step, and the run tracks the float32 run's losses.
 
 The defect these catch was invisible to float32 / float64 tests: the experts' bf16 copies were cached on the
 parameters' version counters, which the sharded optimizer's flat-buffer writes never bump, so every bf16 run
-computed with the step-1 experts while their masters trained.
+computed with the step-1 experts while their masters trained. The first test catches it directly; the loss
+gap of 20 tiny steps cannot (measured over train.seed 0-3: 0.0005-0.0056 nats with fresh copies, 0.0020-0.0051
+with copies frozen at step 1), so the tracking test bounds bf16's own drift from float32 only.
 """
 
 import torch
@@ -13,9 +15,9 @@ from moe_pretrain.training import Trainer
 from parallel.state import ParallelContext
 from tests.models import tiny_config
 
-BF16_LOSS_GAP = 0.003
-"""Largest |bf16 - float32| step loss over the first 20 steps of the tiny model, nats. Measured 0.0006 (copies
-that follow the masters); with copies frozen at step 1 (the defect) 0.0070, growing from step 9 on."""
+BF16_LOSS_GAP = 0.012
+"""Largest |bf16 - float32| step loss over the first 20 steps of the tiny model, nats: about twice the largest
+measured over four seeds (0.0056, train.seed 0, from step 17 on; 0.0005-0.0020 for seeds 1-3)."""
 
 
 def bf16_trainer(tmp_path, steps: int, dtype: str = "bfloat16", ctx: ParallelContext | None = None) -> Trainer:

@@ -59,7 +59,7 @@ def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
 def test_caption_colour_is_predicted_from_the_image(tmp_path):
     assert len({name[0] for name in COLOURS}) == len(COLOURS)  # first letters identify the colour
     cfg = load_config("configs/smoke.yaml", [
-        "train.steps=400", "optim.lr=6e-3", "optim.vision_lr_scale=0.01", "data.image_fraction=1.0",
+        "train.steps=400", "optim.lr=6e-3", "data.image_fraction=1.0",
         "data.image_size=112", "data.seq_len=128", "data.batch_size=8", "model.hidden_size=64", "model.num_layers=4",
         "model.layer_pattern=KKKM", "model.kda.head_dim=32", "model.moe.latent_size=32", "model.dense_intermediate=128",
         "model.moe.expert_intermediate=32", "model.moe.shared_intermediate=32", "optim.warmup_steps=10",
@@ -70,13 +70,12 @@ def test_caption_colour_is_predicted_from_the_image(tmp_path):
     wrong = colour_accuracy(trainer.model, cfg, wrong_images=True)
     chance = 1 / len(COLOURS)
     # Images of four sizes (112 x 112, 112 x 56, 56 x 112, 56 x 56: 16, 8, 8 and 4 tokens) through the smoke
-    # config's tower (2 blocks of width 32), trained from scratch with the model at 0.01 x the rate. Measured
-    # (train.seed 0 / 1234): 0.94 / 0.90 with the image, 0.14 / 0.11 with another image's (chance 0.14); 0.76 at
-    # 200 steps. At the full rate the tower was read by step 200 (0.78) and lost by 300 (0.44); at the full rate
-    # after a 200-step ramp of its own (optim.vision_warmup_steps) 0.91 / 0.72 at 300 (less even over seeds,
-    # so not what this test trains). The linear patch embedding it replaced (one Linear per 14 x 14 patch,
-    # 28 x 28 images, 4 tokens each) reached 0.99 / 0.10 at 200 steps (seed 0; on the dark canvas of earlier
-    # versions 0.95 / 0.91 at 200, 1.00 at 400).
-    assert seen >= 0.7, (seen, wrong)
+    # config's tower (2 blocks of width 32), trained from scratch with the model at the full rate. Measured
+    # (train.seed 0 / 1234): 0.99 / 1.00 with the image, 0.13 / 0.13 with another image's (chance 0.14); 0.77 at
+    # 200 steps, 0.95 at 300. The linear patch embedding the tower replaced (one Linear per 14 x 14 patch, 28 x
+    # 28 images, 4 tokens each, one per quadrant) reached 0.99 at 200 steps and 1.00 at 400; the tower on images
+    # of that geometry (56 x 56 only, 4 merged tokens each) 0.98 at 200 steps and 1.00 at 400. The
+    # linear embedding's own test asked for 0.5 (it measured 0.85 at 200 steps on the dark canvas of the time).
+    assert seen >= 0.9, (seen, wrong)
     assert wrong <= chance + 0.1, (seen, wrong)
-    assert seen - wrong >= 0.5, (seen, wrong)
+    assert seen - wrong >= 0.75, (seen, wrong)
