@@ -19,11 +19,11 @@ from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
     HEADROOM,
-    HOST_BYTES_PER_GPU,
     MemoryPlanner,
     RunLayout,
     gigabytes,
     stage_layouts_of,
+    within,
 )
 from moe_pretrain.training.peak_flops import PEAK_TFLOPS
 from moe_pretrain.training.schedule import plan
@@ -115,13 +115,13 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
             continue
         result = planner.stage(run, stage, layout)
         w, c = result["worst"], result["communication"]
-        fits = w["total_bytes"] <= capacity and w["host_bytes"] <= HOST_BYTES_PER_GPU
+        fits = within(result, capacity)
         all_fit &= fits
         print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} {gigabytes(w['param_bytes'])} "
               f"{gigabytes(w['grad_bytes'])} {gigabytes(w['optimizer_bytes'])} {gigabytes(w['mixer_state_bytes'])} "
               f"{gigabytes(w['activation_bytes'])} {gigabytes(w['buffer_bytes'])} {gigabytes(w['balancing_bytes'])} "
               f"{gigabytes(result['first']['vision_bytes'])} {gigabytes(w['total_bytes'])} "
-              f"{gigabytes(w['host_bytes'])} {'yes' if fits else 'NO':>5s} |               "
+              f"{gigabytes(result['host_bytes'])} {'yes' if fits else 'NO':>5s} |               "
               + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
     return all_fit
 

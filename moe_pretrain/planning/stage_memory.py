@@ -78,6 +78,13 @@ def _sent(size: int, nbytes: float) -> float:
     return nbytes * (size - 1) / size if size > 1 else 0.0
 
 
+def within(result: dict, gpu_bytes: float, headroom: float = 0.0) -> bool:
+    """A stage's plan (MemoryPlanner.stage) fits: the worst pipeline rank's GPU bytes within (1 - headroom) of
+    the GPU, and the most any rank offloads within its share of the node's host memory (with layers split
+    unevenly these can be different ranks)."""
+    return result["worst"]["total_bytes"] <= (1 - headroom) * gpu_bytes and result["host_bytes"] <= HOST_BYTES_PER_GPU
+
+
 class MemoryPlanner:
     """Plans one config; parameter shapes are read once (meta model), layouts are then arithmetic."""
 
@@ -90,11 +97,14 @@ class MemoryPlanner:
 
     def _run_state(self, run: RunLayout) -> tuple[Config, list[dict]]:
         """The config with the run's layout, and its pipeline ranks' state bytes (the same for every
-        stage: cp changes data parallel, not data x context parallel, which ZeRO-1 shards over)."""
+        stage: cp changes data parallel, not data x context parallel, which ZeRO-1 shards over). The config's
+        parallel.pipeline_layers split holds where it fits the run's pp x vpp; other layouts split evenly."""
         if run not in self._runs:
             cfg = copy.deepcopy(self.cfg)
             cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.vpp = run.tp, run.pp, run.ep, run.vpp
-            cfg.parallel.cp, cfg.parallel.pipeline_layers = 1, []
+            if len(cfg.parallel.pipeline_layers) != run.pp * run.vpp:
+                cfg.parallel.pipeline_layers = []
+            cfg.parallel.cp = 1
             layout = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, 1, run.vpp)
             self._runs[run] = cfg, stage_state_bytes(cfg, self.shapes, layout)
         return self._runs[run]
@@ -141,7 +151,7 @@ class MemoryPlanner:
         act_bytes = ACTIVATION_BYTES[cfg.train.dtype]
         rows = stage.rows // (dp * layout.micro_batches)
         tokens = rows * stage.seq_len // layout.cp  # positions of one micro-batch on this rank
-        worst = None
+        worst, most_host = None, 0.0
         for state in states:
             p = state["pp_rank"]
             in_flight = min(layout.micro_batches, run.pp - p) if cfg.parallel.pipeline_schedule != "gpipe" \
@@ -173,11 +183,12 @@ class MemoryPlanner:
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
                    "balancing_bytes": balancing, "vision_bytes": vision, "total_bytes": total,
                    "in_flight": in_flight, "host_bytes": act.host}
+            most_host = max(most_host, act.host)
             if worst is None or total > worst["total_bytes"]:
                 worst = row
             if p == 0:
                 first = row
-        return {"worst": worst, "first": first, "dp": dp, "rows_per_micro": rows,
+        return {"worst": worst, "first": first, "host_bytes": most_host, "dp": dp, "rows_per_micro": rows,
                 "communication": self.communication(cfg, run, stage, layout, tokens, states)}
 
     def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
@@ -227,9 +238,7 @@ class MemoryPlanner:
         if self.problems(run, stage, layout):
             return None
         result = self.stage(run, stage, layout)
-        worst = result["worst"]
-        fits = worst["total_bytes"] <= (1 - headroom) * gpu_bytes and worst["host_bytes"] <= HOST_BYTES_PER_GPU
-        return result if fits else None
+        return result if within(result, gpu_bytes, headroom) else None
 
     def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
         """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
