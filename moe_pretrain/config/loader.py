@@ -19,9 +19,11 @@ from moe_pretrain.config.errors import ConfigError
 from moe_pretrain.config.run import Config
 
 
-def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str] | tuple[str, ...] = (),
+                values: dict[str, Any] | None = None) -> Config:
     """Read YAML file(s), deep-merged in order (later files win; lists are replaced), or start from
-    defaults when paths is None, then apply `a.b.c=value` overrides."""
+    defaults when paths is None, then set `values` ({"a.b.c": value}, from a program: a model read from another
+    format), then apply `a.b.c=value` overrides (the user's, last)."""
     if paths is None:
         paths = []
     elif isinstance(paths, (str, Path)):
@@ -34,6 +36,8 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
         _merge(raw, loaded or {})
+    for key, value in (values or {}).items():
+        _set_dotted(raw, key, value)
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
