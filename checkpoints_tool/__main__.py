@@ -3,12 +3,16 @@
   inspect DIR                      step, tokens, layout, parameter count, bytes per component, files
   verify DIR                       completeness and every SHA-256; exit 0 only if all hold
   prune DIR --keep-last N [--keep-every K]   never touches the checkpoint `latest` names
-  export DIR OUT [--format native|kimi-k3-hf] [--max-shard-mb M]
+  export DIR OUT [--format native|kimi-k3-hf] [--experts mxfp4|bf16] [--max-shard-mb M]
                                    model weights as sharded safetensors + index + config.json, under our
-                                   names or the released Kimi K3 checkpoint's (names, shapes, bf16 / fp32)
-  import HF_DIR OUT --config FILE [--set key=value ...]
-                                   a kimi-k3-hf directory as a model-only checkpoint OUT/step_00000000 that
-                                   training resumes from (fresh optimizer and data position)
+                                   names (files of at most M MiB) or as the released Kimi K3 checkpoint
+                                   (its names, dtypes, files and config.json; routed experts MXFP4 unless
+                                   --experts bf16)
+  import HF_DIR OUT [--config FILE] [--set key=value ...]
+                                   a Kimi K3 checkpoint directory (the release, or our kimi-k3-hf export) as
+                                   a model-only checkpoint OUT/step_00000000 that training resumes from
+                                   (fresh optimizer and data position); the model comes from its config.json,
+                                   FILE and --set give the run's other settings
   reshard DIR OUT --tp A --pp B --ep C [--dp D] [--set key=value ...]
                                    rewrite as that layout would save it (all 1 = consolidate), locally
 
@@ -28,9 +32,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
 from moe_pretrain.checkpoint.directory import LATEST
 from moe_pretrain.checkpoint.export import LAYOUTS, export
+from moe_pretrain.checkpoint.kimi_k3 import EXPERT_FORMATS
 from moe_pretrain.checkpoint.manifest import MANIFEST, read_manifest
 from moe_pretrain.checkpoint.store import CheckpointError
 from moe_pretrain.config import ConfigError
+
+RELEASE_BYTES = 1_453_660_000_000
+"""The released Kimi K3's tensors in bytes (1,453.66 GB in 96 files: its published index), for the projection."""
 
 
 class ToolError(Exception):
@@ -111,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     exporting.add_argument("out", type=Path)
     exporting.add_argument("--max-shard-mb", type=float, default=1024.0)
     exporting.add_argument("--format", choices=LAYOUTS, default="native")
+    exporting.add_argument("--experts", choices=EXPERT_FORMATS, default="mxfp4",
+                           help="kimi-k3-hf: routed experts as the release stores them (mxfp4) or in bf16")
     importing = commands.add_parser("import")
     importing.add_argument("dir", type=Path)
     importing.add_argument("out", type=Path)
-    importing.add_argument("--config", type=Path, required=True, help="the training config the weights are for")
+    importing.add_argument("--config", type=Path, default=None,
+                           help="a training config for the run's other sections (its model section is replaced)")
     importing.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     resharding = commands.add_parser("reshard")
     resharding.add_argument("dir", type=Path)
@@ -139,10 +150,18 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "verify":
         return verify_command(args.dir)
     if args.command == "import":
-        from checkpoints_tool.hf_import import import_hf
-        from moe_pretrain.config import load_config
+        from checkpoints_tool.hf_import import import_hf, release_run_config
 
-        path = import_hf(args.dir, args.out, load_config(args.config, args.set))
+        cfg, quantized, notes = release_run_config(args.dir, args.config, args.set)
+        path, stats = import_hf(args.dir, args.out, cfg, "mxfp4" if quantized else "bf16", notes)
+        for note in stats.notes:
+            print(f"note: {note}")
+        if stats.mxfp4_groups_reencoded_differently:
+            print(f"note: {stats.mxfp4_groups_reencoded_differently:,} of {stats.mxfp4_groups:,} MXFP4 groups have "
+                  "no code of magnitude 4 or 6: an export writes their values exactly, with other codes")
+        rate = stats.bytes_read / max(stats.seconds, 1e-9)
+        print(f"read {stats.bytes_read / 1e9:.3f} GB in {stats.seconds:.1f} s ({rate / 1e9:.3f} GB/s): the "
+              f"{RELEASE_BYTES / 1e12:.2f} TB release would take {RELEASE_BYTES / rate / 3600:.1f} h at this rate")
         print(f"wrote {path} (model only: resume from it with train.resume={path})")
         return 0
     if args.command in ("reshard", "export"):
@@ -162,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         if args.out.exists():
             raise ToolError(f"{args.out} exists; export never overwrites")
-        for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format):
+        for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format, args.experts):
             print(f"wrote {file}")
         return 0
     if args.keep_last < 1:

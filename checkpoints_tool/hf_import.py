@@ -5,6 +5,11 @@ the usual manifest, and a trainer_state that says model_only, so resuming from i
 any layout, starts the optimizer fresh (Adam moments zero, as megatron-core's --no-load-optim and
 torchtitan's model-only initial load do) and the data from its beginning.
 
+The model comes from the directory's config.json alone (kimi_k3_config.model_section: every key mapped, what our
+model cannot represent refused by name, the rest listed in the import's notes); a training config and overrides
+may still set the run's other sections. Routed experts stored as MXFP4 (the release) are decoded exactly into
+the stacked expert weights; bf16 ones (our `--experts bf16` export) are read as they are.
+
 It streams in one process: the checkpoint's tensors are planned from shapes alone (the meta model of the
 config) and each piece is read from the safetensors files only when DCP writes it, one file per piece,
 so memory peaks at one piece (a stacked expert weight is cut into pieces of at most PIECE_BYTES), never
@@ -13,6 +18,8 @@ the model: the same code imports a full-size release on one host.
 
 import json
 import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +27,13 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.planner import WriteItem
 
+from moe_pretrain.checkpoint import mxfp4
 from moe_pretrain.checkpoint.directory import step_dir
 from moe_pretrain.checkpoint.export import EXTRAS
-from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors, text_config
+from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors
+from moe_pretrain.checkpoint.kimi_k3_config import model_section
 from moe_pretrain.checkpoint.store import save
-from moe_pretrain.config import Config, ConfigError, config_to_dict
+from moe_pretrain.config import Config, config_to_dict, load_config
 from moe_pretrain.training.parallelize import meta_model, parameter_dtype
 from parallel.flat_shards import BoxedSavePlanner, BoxedTensor
 
@@ -33,18 +42,41 @@ PIECE_BYTES = 1 << 30
 INDEX = "model.safetensors.index.json"
 
 
+@dataclass
+class ImportStats:
+    """What an import read, for its throughput line, and how many MXFP4 groups would not re-encode to the same
+    bytes (mxfp4.reencodes_exactly: an export writes the same values with other codes there)."""
+
+    bytes_read: int = 0
+    seconds: float = 0.0
+    mxfp4_groups: int = 0
+    mxfp4_groups_reencoded_differently: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
 class _Files:
     """Lazy reads from the directory's safetensors files, by tensor name."""
 
-    def __init__(self, directory: Path, weight_map: dict[str, str]):
-        self.directory, self.weight_map = directory, weight_map
+    def __init__(self, directory: Path, weight_map: dict[str, str], stats: ImportStats):
+        self.directory, self.weight_map, self.stats = directory, weight_map, stats
         self._open: dict[str, Any] = {}
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         file = self.weight_map[name]
         if file not in self._open:
             self._open[file] = safe_open(str(self.directory / file), framework="pt")
-        return self._open[file].get_tensor(name)
+        tensor = self._open[file].get_tensor(name)
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} in {file}, the config gives {shape}")
+        self.stats.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def mxfp4(self, packed: HFTensor, scale: HFTensor, dtype: torch.dtype) -> torch.Tensor:
+        """An expert weight decoded from its codes and scales."""
+        codes, scales = self.read(packed.name, packed.shape), self.read(scale.name, scale.shape)
+        self.stats.mxfp4_groups += scales.numel()
+        self.stats.mxfp4_groups_reencoded_differently += int((~mxfp4.reencodes_exactly(codes, scales)).sum())
+        return mxfp4.decode(codes, scales, dtype)
 
 
 class _ProducingPlanner(BoxedSavePlanner):
@@ -60,28 +92,30 @@ class _ProducingPlanner(BoxedSavePlanner):
         return produce()
 
 
-def _check_config(directory: Path, cfg: Config) -> None:
-    """The directory's config.json text_config must describe cfg's model (field by field)."""
+def release_run_config(directory: Path, config_file: Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                       ) -> tuple[Config, bool, list[str]]:
+    """(the run config for importing `directory`: its model from config.json, the other sections from config_file
+    or the defaults, then overrides; whether its experts are MXFP4; the notes of the mapping)."""
     path = directory / "config.json"
     if not path.is_file():
-        return
-    found = json.loads(path.read_text()).get("text_config", {})
-    for key, value in text_config(cfg.model).items():
-        if key in found and found[key] != value:
-            raise ConfigError(f"{path}: text_config.{key}={found[key]!r}, but the config's model gives {value!r}; "
-                              "import with the model section the weights were trained with")
+        raise FileNotFoundError(f"{path}: missing; import reads the model from the checkpoint's config.json")
+    values, quantized, notes = model_section(json.loads(path.read_text()))
+    return load_config(config_file, overrides, values=values), quantized, notes
 
 
-def import_hf(directory: Path, root: Path, cfg: Config) -> Path:
-    """Write the kimi-k3-hf directory as a model-only checkpoint step_00000000 under `root`; returns it."""
+def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", notes: list[str] | None = None
+              ) -> tuple[Path, ImportStats]:
+    """Write the kimi-k3-hf directory (routed experts in `experts`) as a model-only checkpoint step_00000000 under
+    `root`; returns it and what was read."""
     if step_dir(root, 0).exists():
         raise FileExistsError(f"{step_dir(root, 0)} exists; import into an empty checkpoint directory")
     index = directory / INDEX
     if not index.is_file():
         raise FileNotFoundError(f"{index}: missing; {directory} is not a safetensors checkpoint directory")
-    _check_config(directory, cfg)
+    start = time.perf_counter()
+    stats = ImportStats(notes=list(notes or []))
     weight_map = dict(json.loads(index.read_text())["weight_map"])
-    released = kimi_k3_tensors(cfg.model)
+    released = kimi_k3_tensors(cfg.model, experts)
     missing = [t.name for t in released if t.name not in weight_map]
     if missing:
         raise ValueError(f"{index}: {len(missing)} tensors of the config's layout are missing, e.g. {missing[:3]}")
@@ -89,7 +123,7 @@ def import_hf(directory: Path, root: Path, cfg: Config) -> Path:
     if extras.is_file():
         with safe_open(str(extras), framework="pt") as f:
             weight_map.update({name: EXTRAS for name in f.keys()})
-    files = _Files(directory, weight_map)
+    files = _Files(directory, weight_map, stats)
     model, _ = meta_model(cfg)
     params = dict(model.named_parameters())
     tensors, producers = {}, {}
@@ -108,10 +142,12 @@ def import_hf(directory: Path, root: Path, cfg: Config) -> Path:
                                                             for offsets, sizes, _ in pieces])
         producers.update({(key, offsets): produce for offsets, _, produce in pieces})
     state = {"step": 0, "tokens_seen": 0, "data": {}, "config": config_to_dict(cfg), "rng": None,
-             "model_only": True, "imported_from": str(directory.resolve())}
+             "model_only": True, "imported_from": str(directory.resolve()), "import_notes": stats.notes}
     info = {"tokens": 0, "model_only": True, "layout_text": f"model only, imported from {directory.resolve()}"}
-    return save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
+    path = save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
                 file_per_item=True)
+    stats.seconds = time.perf_counter() - start
+    return path, stats
 
 
 def _pieces(name: str, shape: tuple[int, ...], made: list[HFTensor], files: _Files, cfg: Config,
@@ -120,14 +156,22 @@ def _pieces(name: str, shape: tuple[int, ...], made: list[HFTensor], files: _Fil
     heads = cfg.model.kda.num_heads
     if made[0].expert is None:
         return [((0,) * len(shape), shape, lambda: made[0].from_hf(files.read(made[0].name), heads, dtype))]
-    per_expert = {t.expert: t for t in made}
+    per_expert: dict[int, dict[str, HFTensor]] = {}
+    for t in made:
+        per_expert.setdefault(t.expert, {})[t.kind] = t
+
+    def expert(e: int) -> torch.Tensor:
+        stored = per_expert[e]
+        if "same" in stored:
+            return stored["same"].from_hf(files.read(stored["same"].name), heads, dtype)
+        return files.mxfp4(stored["mxfp4_packed"], stored["mxfp4_scale"], dtype)
+
     step = max(1, PIECE_BYTES // (math.prod(shape[1:]) * dtype.itemsize))
     pieces = []
     for start in range(0, shape[0], step):
         stop = min(start + step, shape[0])
 
         def produce(start: int = start, stop: int = stop) -> torch.Tensor:
-            return torch.stack([per_expert[e].from_hf(files.read(per_expert[e].name), heads, dtype)
-                                for e in range(start, stop)])
+            return torch.stack([expert(e) for e in range(start, stop)])
         pieces.append(((start, *(0,) * (len(shape) - 1)), (stop - start, *shape[1:]), produce))
     return pieces

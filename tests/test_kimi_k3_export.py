@@ -1,17 +1,28 @@
-"""Export to the released Kimi K3 layout and import back: names and shapes at full size (meta tensors),
-and a smoke checkpoint's round trip (identical logits, identical files)."""
+"""Export to the released Kimi K3 layout and import back: names, shapes, dtypes and files at full size (meta
+tensors: the release's 497,220 tensors in 96 files), a release-format fixture's byte-exact round trip through
+import and export, and a trained checkpoint's round trip (identical logits, identical files)."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from moe_pretrain.checkpoint import verify
+from moe_pretrain.checkpoint import mxfp4, verify
 from moe_pretrain.checkpoint.export import export
-from moe_pretrain.checkpoint.kimi_k3 import A_LOG_MULTIPLE, LM_HEAD, PREFIX, kimi_k3_tensors
+from moe_pretrain.checkpoint.kimi_k3 import (
+    A_LOG_MULTIPLE,
+    LM_HEAD,
+    PREFIX,
+    kimi_k3_tensors,
+    release_file_name,
+    release_files,
+)
+from moe_pretrain.checkpoint.kimi_k3_config import release_config
 from moe_pretrain.config import config_to_dict, load_config
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.training import Trainer
@@ -46,6 +57,10 @@ DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32}
 
 
 def ours_to_released_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if kind == "mxfp4_packed":
+        return (shape[0], shape[1] // 2)
+    if kind == "mxfp4_scale":
+        return (shape[0], shape[1] // 32)
     if kind == "conv":
         return (shape[0], 1, shape[1])
     if kind == "a_log":
@@ -63,9 +78,27 @@ def test_full_size_names_and_shapes_are_the_released_layout():
     assert {name: (("F32" if t.dtype == torch.float32 else "BF16"), t.shape) for name, t in layer_1.items()} \
         == RELEASED_LAYER_1
     experts = [t for t in tensors if ".block_sparse_moe.experts." in t.name]
-    assert len(experts) == 896 * 3 * 92  # w1, w2, w3 of every expert of the 92 MoE layers
-    assert by_name[f"{PREFIX}layers.5.block_sparse_moe.experts.895.w1.weight"].shape == (3072, 3584)
-    assert by_name[f"{PREFIX}layers.5.block_sparse_moe.experts.895.w2.weight"].shape == (3584, 3072)
+    assert len(experts) == 896 * 3 * 2 * 92  # w1, w2, w3 of every expert of the 92 MoE layers, codes and scales
+    assert len(tensors) == 497_220  # the release's index
+    expert = f"{PREFIX}layers.5.block_sparse_moe.experts.895"
+    assert {name: (by_name[f"{expert}.{name}"].shape, by_name[f"{expert}.{name}"].dtype) for name in (
+        "w1.weight_packed", "w1.weight_scale", "w2.weight_packed", "w2.weight_scale", "w3.weight_packed",
+        "w3.weight_scale")} == {  # the published table
+        "w1.weight_packed": ((3072, 1792), torch.uint8), "w1.weight_scale": ((3072, 112), torch.uint8),
+        "w2.weight_packed": ((3584, 1536), torch.uint8), "w2.weight_scale": ((3584, 96), torch.uint8),
+        "w3.weight_packed": ((3072, 1792), torch.uint8), "w3.weight_scale": ((3072, 112), torch.uint8)}
+    unquantized = {t.name: t for t in kimi_k3_tensors(cfg.model, "bf16")}
+    assert unquantized[f"{expert}.w2.weight"].shape == (3584, 3072) and len(unquantized) == 497_220 - 896 * 3 * 92
+    # The release's 96 files: one per layer (layer 0's dense MLP in the first), then the embeddings, final mix,
+    # norm and head, then the projector, then the tower.
+    files = release_files(tensors)
+    assert len(files) == 96 and release_file_name(94, 96) == "model-00094-of-000096.safetensors"
+    assert {t.name for t in files[0]} >= {f"{PREFIX}layers.0.mlp.down_proj.weight"}
+    assert all(t.name.startswith(f"{PREFIX}layers.{i}.") for i in range(93) for t in files[i])
+    assert {t.name for t in files[93]} == {LM_HEAD, *(f"{PREFIX}{name}.weight" for name in (
+        "embed_tokens", "norm", "output_attn_res_norm", "output_attn_res_proj"))}
+    assert {t.name.split(".")[0] for t in files[94]} == {"mm_projector"}
+    assert {t.name.split(".")[0] for t in files[95]} == {"vision_tower"}
     assert by_name[f"{PREFIX}layers.3.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 7168)  # an MLA layer
     assert by_name[f"{PREFIX}layers.3.self_attn.q_b_proj.weight"].shape == (96 * 192, 1536)
     assert by_name[f"{PREFIX}layers.0.mlp.gate_proj.weight"].shape == (33792, 7168)  # the dense layer
@@ -88,39 +121,51 @@ def test_full_size_names_and_shapes_are_the_released_layout():
 
 
 def released_rounding(model: torch.nn.Module, cfg) -> None:
-    """Our weights as the export stores them: bf16 where the release keeps bf16 (float32 stays exact)."""
+    """Our weights as the export stores them: bf16 where the release keeps bf16 (float32 stays exact), routed
+    experts through MXFP4."""
     state = model.state_dict()
     with torch.no_grad():
         for t in kimi_k3_tensors(cfg.model):
-            if t.dtype == torch.bfloat16:
+            if t.kind == "mxfp4_packed":
+                state[t.ours][t.expert] = mxfp4.decode(*mxfp4.encode(state[t.ours][t.expert]))
+            elif t.dtype == torch.bfloat16:
                 state[t.ours].copy_(state[t.ours].to(torch.bfloat16))
+
+
+MXFP4_TINY = ("model.moe.expert_intermediate=32", "model.moe.latent_size=32", "model.moe.shared_intermediate=32")
+"""The tiny model with expert widths in whole MXFP4 groups of 32 (and the shared experts as wide: the release's
+config gives both one width)."""
 
 
 @pytest.mark.timeout(300)
 def test_export_then_import_gives_identical_logits_and_files(tmp_path):
-    cfg = tiny_config("train.steps=2", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
+    cfg = tiny_config(*MXFP4_TINY, "train.steps=2", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
     source = Trainer(cfg)
     source.run()
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
 
-    done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "hf", "--format", "kimi-k3-hf",
-                "--max-shard-mb", 0.05)
+    done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "hf", "--format", "kimi-k3-hf")
     assert done.returncode == 0, done.stderr
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     layout = kimi_k3_tensors(cfg.model)
-    assert sorted(index) == sorted(t.name for t in layout) and len(set(index.values())) > 1
-    for t in layout[:40] + layout[-40:]:
+    assert sorted(index) == sorted(t.name for t in layout)
+    assert sorted(set(index.values())) == [release_file_name(i, 9) for i in range(1, 10)]  # 6 layers + 3
+    for t in layout:
         with safe_open(str(tmp_path / "hf" / index[t.name]), framework="pt") as f:
             stored = f.get_tensor(t.name)
         assert tuple(stored.shape) == t.shape and stored.dtype == t.dtype, t.name
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["text_config"]["num_experts"] == 8
+    release = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert release["architectures"] == ["KimiK3ForConditionalGeneration"] and release["model_type"] == "kimi_k3"
+    assert release["text_config"]["num_experts"] == 8
+    assert release["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
 
     done = tool("import", tmp_path / "hf", tmp_path / "imported", "--config", config_file)
     assert done.returncode == 0, done.stderr
+    assert "GB/s" in done.stdout and "TB release would take" in done.stdout
     assert verify(tmp_path / "imported" / "step_00000000") == []
 
-    resumed = Trainer(tiny_config(f"train.run_dir={tmp_path / 'again'}", "logging.progress=false",
+    resumed = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={tmp_path / 'again'}", "logging.progress=false",
                                   f"train.resume={tmp_path / 'imported' / 'step_00000000'}",
                                   f"checkpoint.dir={tmp_path / 'imported'}", "train.steps=3"))
     resumed.resume()
@@ -137,7 +182,124 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     assert torch.equal(got, want)  # the exported values, bit for bit
 
     # Export again from the imported checkpoint: the same files, byte for byte.
-    export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", int(0.05 * 2**20), "kimi-k3-hf")
+    export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", layout="kimi-k3-hf")
     for file in sorted((tmp_path / "hf").glob("*.safetensors")):
         assert file.read_bytes() == (tmp_path / "hf2" / file.name).read_bytes(), file.name
     assert len(resumed.run()) == 3  # and it trains on from step 0 with a fresh optimizer
+
+
+RELEASE_CONFIG = json.loads((Path(__file__).parent / "assets" / "kimi_k3_release_config.json").read_text())
+
+
+def write_release_fixture(directory: Path, cfg) -> dict[str, torch.Tensor]:
+    """A small checkpoint as the release stores one: the published config.json with this model's sizes (every
+    other key of the release kept), random bf16 / fp32 tensors, MXFP4 experts with random codes (negative zeros
+    included) and scales, every group holding a code of magnitude 6 as the format's rule writes it, A_log
+    zero-padded; spread over four files of the release's naming. Returns the tensors by name."""
+    generator = torch.Generator().manual_seed(7)
+    tensors = {}
+    for t in kimi_k3_tensors(cfg.model):
+        if t.kind == "mxfp4_packed":
+            codes = torch.randint(0, 256, t.shape, generator=generator, dtype=torch.uint8)
+            codes[:, ::16] = (codes[:, ::16] & 0xF0) | 0x07  # one 6.0 in every group of 32 values
+            tensors[t.name] = codes
+        elif t.kind == "mxfp4_scale":
+            tensors[t.name] = torch.randint(118, 127, t.shape, generator=generator, dtype=torch.uint8)
+        else:
+            values = torch.randn(t.shape, generator=generator) * 0.05
+            if t.kind == "a_log":
+                values[cfg.model.kda.num_heads:] = 0.0
+            tensors[t.name] = values.to(t.dtype)
+    config = json.loads(json.dumps(RELEASE_CONFIG))
+    ours = release_config(cfg.model, quantized=True)
+    for section in ("text_config", "vision_config"):
+        config[section].update(ours[section])
+    (directory / "config.json").write_text(json.dumps(config))
+    names, weight_map = sorted(tensors), {}
+    for k in range(4):
+        file = release_file_name(k + 1, 4)
+        save_file({name: tensors[name] for name in names[k::4]}, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in names[k::4]})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tensors
+
+
+def directly_loaded(cfg, tensors: dict[str, torch.Tensor], run_dir: Path) -> torch.nn.Module:
+    """A model given the fixture's values straight from its tensors (MXFP4 decoded in float64, then cast), with
+    no checkpoint in between."""
+    model = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={run_dir}", "logging.progress=false")).model
+    state = model.state_dict()
+    with torch.no_grad():
+        for t in kimi_k3_tensors(cfg.model):
+            target = state[t.ours] if t.expert is None else state[t.ours][t.expert]
+            if t.kind == "mxfp4_packed":
+                scale = tensors[t.name.replace("weight_packed", "weight_scale")]
+                target.copy_(mxfp4.decode(tensors[t.name], scale, torch.float64))
+            elif t.kind != "mxfp4_scale":
+                target.copy_(t.from_hf(tensors[t.name], cfg.model.kda.num_heads, torch.float64))
+    return model
+
+
+@pytest.mark.timeout(300)
+def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
+    cfg = tiny_config(*MXFP4_TINY)
+    (tmp_path / "release").mkdir()
+    tensors = write_release_fixture(tmp_path / "release", cfg)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+
+    done = tool("import", tmp_path / "release", tmp_path / "imported", "--config", config_file)
+    assert done.returncode == 0, done.stderr
+    assert "note: media_placeholder_token_id=163605" in done.stdout  # read, not mapped: said
+    assert "text_config.max_position_embeddings" in done.stdout and "MXFP4 groups" not in done.stdout
+    imported = tmp_path / "imported" / "step_00000000"
+    export(imported, tmp_path / "exported", layout="kimi-k3-hf")
+    index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(index) == sorted(tensors)
+    for name, want in tensors.items():
+        with safe_open(str(tmp_path / "exported" / index[name]), framework="pt") as f:
+            got = f.get_tensor(name)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+    resumed = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={tmp_path / 'run'}", "logging.progress=false",
+                                  f"train.resume={imported}", f"checkpoint.dir={tmp_path / 'imported'}"))
+    resumed.resume()
+    direct = directly_loaded(cfg, tensors, tmp_path / "direct")
+    batch = PretrainingData(cfg).next_batch(2)
+    with torch.no_grad():
+        want, _ = direct(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                         placed_images(batch.grids, batch.starts))
+        got, _ = resumed.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                               placed_images(batch.grids, batch.starts))
+    assert torch.equal(got, want)
+
+
+def test_bf16_experts_export_and_import_the_unquantized_variant(tmp_path):
+    cfg = tiny_config(*MXFP4_TINY, "train.steps=1", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
+    source = Trainer(cfg)
+    source.run()
+    export(tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf", layout="kimi-k3-hf", experts="bf16")
+    release = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "quantization_config" not in release["text_config"]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert f"{PREFIX}layers.1.block_sparse_moe.experts.7.w2.weight" in index
+    assert not any(name.endswith("weight_packed") for name in index)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    done = tool("import", tmp_path / "hf", tmp_path / "imported", "--config", config_file)
+    assert done.returncode == 0, done.stderr
+    export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", layout="kimi-k3-hf", experts="bf16")
+    for file in sorted((tmp_path / "hf").glob("*.safetensors")):
+        assert file.read_bytes() == (tmp_path / "hf2" / file.name).read_bytes(), file.name
+
+
+def test_import_refuses_what_the_model_cannot_represent(tmp_path):
+    cfg = tiny_config(*MXFP4_TINY)
+    (tmp_path / "release").mkdir()
+    write_release_fixture(tmp_path / "release", cfg)
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    config["text_config"]["num_nextn_predict_layers"] = 1
+    (tmp_path / "release" / "config.json").write_text(json.dumps(config))
+    done = tool("import", tmp_path / "release", tmp_path / "imported")
+    assert done.returncode == 2 and "text_config.num_nextn_predict_layers=1" in done.stderr, done.stderr
+    assert not (tmp_path / "imported").exists()

@@ -3,11 +3,13 @@
 Works from the DCP metadata alone (global shapes and dtypes), in one process: no model is built.
 Writes model-0000i-of-0000n.safetensors (each at most max_shard_bytes, tensors whole),
 model.safetensors.index.json (weight_map, as the Hugging Face convention) and config.json. Two layouts:
-native (our names and dtypes, config.json under MODEL.md's names) and kimi-k3-hf (the released Kimi K3
-checkpoint's names, shapes and dtypes, kimi_k3.py; what our model has and that layout has not goes to
-moe_pretrain_extras.safetensors). It streams: the files are planned from the metadata, and each is
-read (only its tensors, and of a stacked expert weight only the experts it holds) and written before the
-next, so memory peaks at one file, never the model.
+native (our names and dtypes, config.json under MODEL.md's names, files of at most max_shard_bytes) and
+kimi-k3-hf (the released Kimi K3 checkpoint as published, kimi_k3.py: its names, dtypes, MXFP4 routed experts
+(or bf16 ones, experts="bf16"), its files (one per layer, then the rest) and its config.json
+(kimi_k3_config.py); our resolved config goes beside it in moe_pretrain.json, and what our model has that the
+layout has not to moe_pretrain_extras.safetensors). It streams: the files are planned from the metadata, and each
+is read (only its tensors, and of a stacked expert weight only the experts it holds) and written before the next,
+so memory peaks at one file, never the model.
 """
 
 import json
@@ -22,7 +24,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moe_pretrain.checkpoint.kimi_k3 import kimi_k3_tensors, text_config
+from moe_pretrain.checkpoint.kimi_k3 import MXFP4_KINDS, kimi_k3_tensors, release_file_name, release_files
+from moe_pretrain.checkpoint.kimi_k3_config import release_config
+from moe_pretrain.checkpoint.mxfp4 import encode
 from moe_pretrain.checkpoint.store import read_trainer_state
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.config.loader import build
@@ -31,6 +35,7 @@ from parallel.flat_shards import BoxedLoadPlanner, BoxedTensor
 PREFIX = "model."
 LAYOUTS = ("native", "kimi-k3-hf")
 EXTRAS = "moe_pretrain_extras.safetensors"
+RUN_CONFIG = "moe_pretrain.json"
 
 
 def model_tensor_metadata(path: Path) -> dict[str, TensorStorageMetadata]:
@@ -61,6 +66,7 @@ class OutTensor(Protocol):
     ours: str
     expert: int | None
     shape: tuple[int, ...]
+    kind: str
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -77,6 +83,7 @@ class SameTensor:
     expert: None
     shape: tuple[int, ...]
     source_dtype: torch.dtype
+    kind: str = "same"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,13 +128,13 @@ def _same(metadata: dict[str, TensorStorageMetadata], keys: list[str]) -> list[O
                        metadata[key].properties.dtype) for key in sorted(keys)]
 
 
-def plan_layout(layout: str, metadata: dict[str, TensorStorageMetadata], config: dict[str, Any]
-                ) -> tuple[list[OutTensor], list[OutTensor]]:
+def plan_layout(layout: str, metadata: dict[str, TensorStorageMetadata], config: dict[str, Any],
+                experts: str = "mxfp4") -> tuple[list[OutTensor], list[OutTensor]]:
     """(tensors of the layout, our tensors it has no place for) for a checkpoint; every released tensor's
     source must exist with the shape the layout needs."""
     if layout == "native":
         return _same(metadata, list(metadata)), []
-    tensors = kimi_k3_tensors(model_config(config))
+    tensors = kimi_k3_tensors(model_config(config), experts)
     for tensor in tensors:
         meta = metadata.get(PREFIX + tensor.ours)
         if meta is None:
@@ -136,9 +143,8 @@ def plan_layout(layout: str, metadata: dict[str, TensorStorageMetadata], config:
     return tensors, _same(metadata, [key for key in metadata if key not in used])
 
 
-def write_shards(path: Path, out: Path, metadata: dict[str, TensorStorageMetadata], tensors: list[OutTensor],
-                 max_shard_bytes: int) -> dict[str, str]:
-    """Write `tensors` into model-*.safetensors files of at most max_shard_bytes; returns the weight map."""
+def bounded_files(tensors: list[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
+    """Consecutive tensors in files of at most max_shard_bytes (a larger tensor alone in its file)."""
     plan: list[list[OutTensor]] = [[]]
     size = 0
     for tensor in tensors:
@@ -148,9 +154,15 @@ def write_shards(path: Path, out: Path, metadata: dict[str, TensorStorageMetadat
             size = 0
         plan[-1].append(tensor)
         size += nbytes
+    return plan
+
+
+def write_shards(path: Path, out: Path, metadata: dict[str, TensorStorageMetadata], plan: list[list[OutTensor]],
+                 name_of: Any) -> dict[str, str]:
+    """Write each planned file (name_of(index, count): its name); returns the weight map."""
     weight_map = {}
     for i, shard in enumerate(plan, start=1):
-        file = out / f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+        file = out / name_of(i, len(plan))
         save_file(_read_shard(path, metadata, shard), str(file), metadata={"format": "pt"})
         weight_map.update({tensor.name: file.name for tensor in shard})
     return weight_map
@@ -167,28 +179,41 @@ def _read_shard(path: Path, metadata: dict[str, TensorStorageMetadata], shard: l
         experts = [t.expert for t in made if t.expert is not None]
         rows = (min(experts), max(experts) + 1) if experts else None
         source = read_rows(path, metadata[PREFIX + ours], PREFIX + ours, rows)
+        encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # an expert's codes and scales, made once
         for tensor in made:
-            out[tensor.name] = tensor.to_hf(source if tensor.expert is None else source[tensor.expert - rows[0]])
-        del source
+            piece = source if tensor.expert is None else source[tensor.expert - rows[0]]
+            if tensor.kind in MXFP4_KINDS:
+                if tensor.expert not in encoded:
+                    encoded[tensor.expert] = encode(piece)
+                out[tensor.name] = encoded[tensor.expert][MXFP4_KINDS.index(tensor.kind)]
+            else:
+                out[tensor.name] = tensor.to_hf(piece)
+        del source, encoded
     return out
 
 
-def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30, layout: str = "native") -> list[Path]:
-    """Write the checkpoint's model in `layout` (LAYOUTS) into the new directory `out`; returns its files."""
+def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30, layout: str = "native",
+           experts: str = "mxfp4") -> list[Path]:
+    """Write the checkpoint's model in `layout` (LAYOUTS) into the new directory `out`; returns its files.
+    max_shard_bytes bounds the native layout's files; kimi-k3-hf writes the release's files, its routed experts
+    in `experts` (kimi_k3.EXPERT_FORMATS)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
     metadata = model_tensor_metadata(path)
     config = read_trainer_state(path)["config"]
-    tensors, extras = plan_layout(layout, metadata, config)
+    tensors, extras = plan_layout(layout, metadata, config, experts)
     out.mkdir(parents=True, exist_ok=False)
-    weight_map = write_shards(path, out, metadata, tensors, max_shard_bytes)
+    if layout == "native":
+        files = bounded_files(tensors, max_shard_bytes)
+        weight_map = write_shards(path, out, metadata, files, lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors")
+        card = model_card(config)
+    else:
+        weight_map = write_shards(path, out, metadata, release_files(tensors), release_file_name)
+        card = release_config(model_config(config), quantized=experts == "mxfp4")
+        (out / RUN_CONFIG).write_text(json.dumps({"config": config, "card": model_card(config)}, indent=1))
     total = sum(_nbytes(t.shape, t.dtype) for t in tensors)
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
-    card = model_card(config)
-    if layout == "kimi-k3-hf":
-        card = {"model_type": "kimi_k3", "torch_dtype": "bfloat16", "text_config": text_config(model_config(config)),
-                "moe_pretrain": {"config": config, "card": card}}
     if extras:
         save_file(_read_shard(path, metadata, extras), str(out / EXTRAS), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(card, indent=1))

@@ -9,13 +9,19 @@ our model holds them too (the sum of two GLU MLPs is one with their units side b
 
 The release's vision tower and projector (`vision_tower.*`, `mm_projector.*`, 168 tensors, bf16) are ours
 under the same names (model/vision_tower.py follows them), so they travel as they are.
+
+The routed experts are MXFP4 in the release (compressed-tensors "mxfp4-pack-quantized": each expert's w1 / w2 /
+w3 as `weight_packed` uint8 [out, in / 2] and `weight_scale` uint8 [out, in / 32], checkpoint/mxfp4.py); the
+`bf16` variant stores them as `weight` instead (for training-side tools). The release's files: one per layer, then
+the language model's embeddings, final mix, norm and head, then the projector, then the tower, named
+model-{k:05d}-of-{n:06d}.safetensors (five digits, then six, as published).
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from moe_pretrain.checkpoint import mxfp4
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
 
@@ -23,7 +29,9 @@ PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
 A_LOG_MULTIPLE = 128
 FLOAT32_SUFFIXES = ("conv1d.weight", ".A_log", ".dt_bias", "o_norm.weight", "e_score_correction_bias")
-"""Tensors the release keeps in float32; everything else is bf16."""
+"""Tensors the release keeps in float32; everything else is bf16 (or MXFP4's uint8)."""
+EXPERT_FORMATS = ("mxfp4", "bf16")
+MXFP4_KINDS = ("mxfp4_packed", "mxfp4_scale")
 
 
 @dataclass(frozen=True)
@@ -37,14 +45,19 @@ class HFTensor:
     """Index along dim 0 of our stacked expert weights; None: the whole tensor."""
     shape: tuple[int, ...]
     kind: str = "same"
-    """same | conv (our [C, K] is their [C, 1, K]) | a_log (theirs is zero-padded to A_LOG_MULTIPLE)."""
+    """same | conv (our [C, K] is their [C, 1, K]) | a_log (theirs is zero-padded to A_LOG_MULTIPLE) |
+    mxfp4_packed / mxfp4_scale (an expert weight's MXFP4 codes / scales)."""
 
     @property
     def dtype(self) -> torch.dtype:
+        if self.kind in MXFP4_KINDS:
+            return torch.uint8
         return torch.float32 if self.name.endswith(FLOAT32_SUFFIXES) else torch.bfloat16
 
     def to_hf(self, ours: torch.Tensor) -> torch.Tensor:
         """Our tensor (the expert's slice when `expert` is set) in the released form."""
+        if self.kind in MXFP4_KINDS:
+            return mxfp4.encode(ours)[MXFP4_KINDS.index(self.kind)]
         if self.kind == "conv":
             ours = ours.unsqueeze(1)
         elif self.kind == "a_log":
@@ -109,7 +122,16 @@ def _glu(ours: str, theirs: str, d: int, intermediate: int) -> list[HFTensor]:
             HFTensor(f"{theirs}.down_proj.weight", f"{ours}.down_proj.weight", None, (d, intermediate))]
 
 
-def _moe(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
+def _expert_tensors(name: str, expert: int, ours: str, shape: tuple[int, int], experts: str) -> list[HFTensor]:
+    """One expert weight: `name.weight` (bf16), or its MXFP4 codes and scales."""
+    if experts == "bf16":
+        return [HFTensor(f"{name}.weight", ours, expert, shape)]
+    out, inputs = shape
+    return [HFTensor(f"{name}.weight_packed", ours, expert, (out, inputs // 2), "mxfp4_packed"),
+            HFTensor(f"{name}.weight_scale", ours, expert, (out, inputs // mxfp4.GROUP), "mxfp4_scale")]
+
+
+def _moe(m: ModelConfig, ours: str, theirs: str, experts: str) -> list[HFTensor]:
     d, e = m.hidden_size, m.moe
     moe = f"{theirs}.block_sparse_moe"
     tensors = [HFTensor(f"{moe}.gate.weight", f"{ours}.mlp.router.gate.weight", None, (e.num_experts, d)),
@@ -126,7 +148,8 @@ def _moe(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
         for name, hf, shape in (("w_gate", "w1", (e.expert_intermediate, e.latent_size)),
                                 ("w_down", "w2", (e.latent_size, e.expert_intermediate)),
                                 ("w_up", "w3", (e.expert_intermediate, e.latent_size))):
-            tensors.append(HFTensor(f"{moe}.experts.{expert}.{hf}.weight", f"{ours}.mlp.experts.{name}", expert, shape))
+            tensors += _expert_tensors(f"{moe}.experts.{expert}.{hf}", expert, f"{ours}.mlp.experts.{name}", shape,
+                                       experts)
     return tensors
 
 
@@ -136,7 +159,7 @@ def _mix(ours: str, theirs: str, d: int) -> list[HFTensor]:
             HFTensor(f"{theirs}_proj.weight", f"{ours}.pseudo_query.weight", None, (1, d))]
 
 
-def layer_tensors(m: ModelConfig, index: int) -> list[HFTensor]:
+def layer_tensors(m: ModelConfig, index: int, experts: str = "mxfp4") -> list[HFTensor]:
     """Layer `index`'s tensors in the released layout, in its order."""
     d, ours, theirs = m.hidden_size, f"layers.{index}", f"{PREFIX}layers.{index}"
     tensors = [*_mix(f"{ours}.attn_mix", f"{theirs}.self_attention_res", d),
@@ -145,7 +168,7 @@ def layer_tensors(m: ModelConfig, index: int) -> list[HFTensor]:
     tensors += [*_mix(f"{ours}.mlp_mix", f"{theirs}.mlp_res", d),
                 HFTensor(f"{theirs}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight", None, (d,))]
     if m.is_moe_layer(index):
-        return tensors + _moe(m, ours, theirs)
+        return tensors + _moe(m, ours, theirs, experts)
     return tensors + _glu(f"{ours}.mlp", f"{theirs}.mlp", d, m.dense_intermediate)
 
 
@@ -159,39 +182,20 @@ def vision_tensors(m: ModelConfig) -> list[HFTensor]:
             for prefix, module in modules.items() for name, p in module.named_parameters()]
 
 
-def kimi_k3_tensors(m: ModelConfig) -> list[HFTensor]:
+def kimi_k3_tensors(m: ModelConfig, experts: str = "mxfp4") -> list[HFTensor]:
     """Every tensor of the released model for config `m`, in order: the vision tower and projector, then the
-    language model."""
+    language model; routed experts in `experts` (EXPERT_FORMATS)."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts={experts!r}: one of {', '.join(EXPERT_FORMATS)}")
     d = m.hidden_size
     tensors = [*vision_tensors(m),
                HFTensor(f"{PREFIX}embed_tokens.weight", "embedding.weight", None, (m.vocab_size, d))]
     for index in range(m.num_layers):
-        tensors += layer_tensors(m, index)
+        tensors += layer_tensors(m, index, experts)
     tensors += [*_mix("final_mix", f"{PREFIX}output_attn_res", d),
                 HFTensor(f"{PREFIX}norm.weight", "final_norm.weight", None, (d,)),
                 HFTensor(LM_HEAD, "head.weight", None, (m.vocab_size, d))]
     return tensors
-
-
-def text_config(m: ModelConfig) -> dict:
-    """config.json's text_config: the release's field names for our model section."""
-    kda_layers = [i + 1 for i in range(m.num_layers) if m.layer_kind(i) == "kda"]
-    return {
-        "model_type": "kimi_k3", "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-        "num_hidden_layers": m.num_layers, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": False,
-        "first_k_dense_replace": m.dense_layers, "intermediate_size": m.dense_intermediate,
-        "num_attention_heads": m.mla.num_heads, "q_lora_rank": m.mla.q_lora_rank,
-        "kv_lora_rank": m.mla.kv_lora_rank, "qk_nope_head_dim": m.mla.qk_nope_head_dim,
-        "qk_rope_head_dim": m.mla.qk_rope_head_dim, "v_head_dim": m.mla.v_head_dim,
-        "num_experts": m.moe.num_experts, "num_experts_per_token": m.moe.top_k,
-        "moe_intermediate_size": m.moe.expert_intermediate, "num_shared_experts": m.moe.num_shared_experts,
-        "moe_latent_hidden_size": m.moe.latent_size, "moe_latent_use_norm": True,
-        "routed_scaling_factor": m.moe.routed_scaling, "moe_router_activation_func": "sigmoid",
-        "attn_res_block_size": m.attn_res.block_size,
-        "linear_attn_config": {"num_heads": m.kda.num_heads, "head_dim": m.kda.head_dim,
-                               "short_conv_kernel_size": m.kda.conv_size, "kda_layers": kda_layers,
-                               "full_attn_layers": [i + 1 for i in range(m.num_layers) if i + 1 not in kda_layers]},
-    }
 
 
 def by_source(tensors: list[HFTensor]) -> dict[str, list[HFTensor]]:
@@ -202,5 +206,21 @@ def by_source(tensors: list[HFTensor]) -> dict[str, list[HFTensor]]:
     return grouped
 
 
-Reader = Callable[[str, int, int], torch.Tensor]
-"""read(our key, first row, stop row) -> those rows of our tensor along dim 0 (rows: 0, 0 for all of it)."""
+def release_files(tensors: list[HFTensor]) -> list[list[HFTensor]]:
+    """The release's files: one per layer in layer order, then the language model's other tensors, then the
+    projector's, then the tower's."""
+    groups: dict[tuple[int, int], list[HFTensor]] = {}
+    for tensor in tensors:
+        if tensor.name.startswith(f"{PREFIX}layers."):
+            key = (0, int(tensor.name[len(f"{PREFIX}layers."):].split(".")[0]))
+        else:
+            key = (2, 0) if tensor.name.startswith("mm_projector.") else \
+                (3, 0) if tensor.name.startswith("vision_tower.") else (1, 0)
+        groups.setdefault(key, []).append(tensor)
+    return [groups[key] for key in sorted(groups)]
+
+
+def release_file_name(index: int, count: int) -> str:
+    """The release's shard name for file `index` (1-based) of `count`."""
+    return f"model-{index:05d}-of-{count:06d}.safetensors"
+
