@@ -8,11 +8,12 @@
                                    names (files of at most M MiB) or as the released Kimi K3 checkpoint
                                    (its names, dtypes, files and config.json; routed experts MXFP4 unless
                                    --experts bf16)
-  import HF_DIR OUT [--config FILE] [--set key=value ...]
+  import HF_DIR OUT [--config FILE] [--set key=value ...] [--workers N]
                                    a Kimi K3 checkpoint directory (the release, or our kimi-k3-hf export) as
                                    a model-only checkpoint OUT/step_00000000 that training resumes from
                                    (fresh optimizer and data position); the model comes from its config.json,
-                                   FILE and --set give the run's other settings
+                                   FILE and --set give the run's other settings; N processes share the
+                                   work (or run it under torchrun: every rank takes a share)
   reshard DIR OUT --tp A --pp B --ep C [--dp D] [--set key=value ...]
                                    rewrite as that layout would save it (all 1 = consolidate), locally
 
@@ -105,6 +106,40 @@ def verify_command(path: Path) -> int:
     return 1 if bad or not targets else 0
 
 
+def import_command(args: argparse.Namespace) -> int:
+    """import: the model from HF_DIR's config.json, the pieces over --workers processes or torchrun's ranks."""
+    import os
+
+    import torch.distributed as dist
+
+    from checkpoints_tool.hf_import import import_hf, import_in_workers, release_run_config
+
+    if args.workers < 1:
+        raise ToolError(f"--workers {args.workers}: must be >= 1")
+    cfg, quantized, notes = release_run_config(args.dir, args.config, args.set)
+    experts = "mxfp4" if quantized else "bf16"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank converts its share
+        dist.init_process_group("gloo")
+        try:
+            path, stats = import_hf(args.dir, args.out, cfg, experts, notes, group=dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]):
+            return 0
+    else:
+        path, stats = import_in_workers(args.dir, args.out, cfg, experts, notes, args.workers)
+    for note in stats.notes:
+        print(f"note: {note}")
+    if stats.mxfp4_groups_reencoded_differently:
+        print(f"note: {stats.mxfp4_groups_reencoded_differently:,} of {stats.mxfp4_groups:,} MXFP4 groups have "
+              "no code of magnitude 4 or 6: an export writes their values exactly, with other codes")
+    rate = stats.bytes_read / max(stats.seconds, 1e-9)
+    print(f"read {stats.bytes_read / 1e9:.3f} GB in {stats.seconds:.1f} s ({rate / 1e9:.3f} GB/s): the "
+          f"{RELEASE_BYTES / 1e12:.2f} TB release would take {RELEASE_BYTES / rate / 3600:.1f} h at this rate")
+    print(f"wrote {path} (model only: resume from it with train.resume={path})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="checkpoints_tool", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     importing.add_argument("--config", type=Path, default=None,
                            help="a training config for the run's other sections (its model section is replaced)")
     importing.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    importing.add_argument("--workers", type=int, default=1, help="local processes converting shares of the files")
     resharding = commands.add_parser("reshard")
     resharding.add_argument("dir", type=Path)
     resharding.add_argument("out", type=Path)
@@ -150,20 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "verify":
         return verify_command(args.dir)
     if args.command == "import":
-        from checkpoints_tool.hf_import import import_hf, release_run_config
-
-        cfg, quantized, notes = release_run_config(args.dir, args.config, args.set)
-        path, stats = import_hf(args.dir, args.out, cfg, "mxfp4" if quantized else "bf16", notes)
-        for note in stats.notes:
-            print(f"note: {note}")
-        if stats.mxfp4_groups_reencoded_differently:
-            print(f"note: {stats.mxfp4_groups_reencoded_differently:,} of {stats.mxfp4_groups:,} MXFP4 groups have "
-                  "no code of magnitude 4 or 6: an export writes their values exactly, with other codes")
-        rate = stats.bytes_read / max(stats.seconds, 1e-9)
-        print(f"read {stats.bytes_read / 1e9:.3f} GB in {stats.seconds:.1f} s ({rate / 1e9:.3f} GB/s): the "
-              f"{RELEASE_BYTES / 1e12:.2f} TB release would take {RELEASE_BYTES / rate / 3600:.1f} h at this rate")
-        print(f"wrote {path} (model only: resume from it with train.resume={path})")
-        return 0
+        return import_command(args)
     if args.command in ("reshard", "export"):
         source = resolve(args.dir)
         problems = verify(source)

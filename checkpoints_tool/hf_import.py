@@ -10,20 +10,24 @@ model cannot represent refused by name, the rest listed in the import's notes); 
 may still set the run's other sections. Routed experts stored as MXFP4 (the release) are decoded exactly into
 the stacked expert weights; bf16 ones (our `--experts bf16` export) are read as they are.
 
-It streams in one process: the checkpoint's tensors are planned from shapes alone (the meta model of the
-config) and each piece is read from the safetensors files only when DCP writes it, one file per piece,
-so memory peaks at one piece (a stacked expert weight is cut into pieces of at most PIECE_BYTES), never
-the model: the same code imports a full-size release on one host.
+It streams: the checkpoint's tensors are planned from shapes alone (the meta model of the config) and each
+piece is read from the safetensors files only when DCP writes it, one file per piece, so memory peaks at one
+piece per process (a stacked expert weight is cut into pieces of at most PIECE_BYTES), never the model: the same
+code imports a full-size release on one host. With N processes (`import_in_workers`, or torchrun ranks) the
+pieces are dealt by bytes (largest first to the least loaded) and each process reads, decodes and writes its own,
+one collective save committing them all.
 """
 
 import json
 import math
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint.planner import WriteItem
 
@@ -103,10 +107,10 @@ def release_run_config(directory: Path, config_file: Path | None = None, overrid
     return load_config(config_file, overrides, values=values), quantized, notes
 
 
-def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", notes: list[str] | None = None
-              ) -> tuple[Path, ImportStats]:
+def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", notes: list[str] | None = None,
+              group: dist.ProcessGroup | None = None) -> tuple[Path, ImportStats]:
     """Write the kimi-k3-hf directory (routed experts in `experts`) as a model-only checkpoint step_00000000 under
-    `root`; returns it and what was read."""
+    `root`; returns it and what was read (by every process of `group`, which share the work)."""
     if step_dir(root, 0).exists():
         raise FileExistsError(f"{step_dir(root, 0)} exists; import into an empty checkpoint directory")
     index = directory / INDEX
@@ -126,8 +130,8 @@ def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", 
     files = _Files(directory, weight_map, stats)
     model, _ = meta_model(cfg)
     params = dict(model.named_parameters())
-    tensors, producers = {}, {}
     sources = by_source(released)
+    planned = []  # (key, global shape, dtype, offsets, sizes, produce)
     for name, meta in model.state_dict().items():
         dtype = parameter_dtype(cfg) if name in params else meta.dtype
         if name in sources:
@@ -137,17 +141,68 @@ def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", 
         else:
             raise ValueError(f"{directory}: nothing holds our model's {name} (the released layout has no place "
                              f"for it and {EXTRAS} is absent or lacks it)")
-        key = f"model.{name}"
-        tensors[key] = BoxedTensor(torch.Size(meta.shape), [(offsets, torch.empty(sizes, dtype=dtype, device="meta"))
-                                                            for offsets, sizes, _ in pieces])
-        producers.update({(key, offsets): produce for offsets, _, produce in pieces})
+        planned += [(f"model.{name}", meta.shape, dtype, *piece) for piece in pieces]
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    boxes: dict[str, list] = {}
+    producers = {}
+    for key, shape, dtype, offsets, sizes, produce in _dealt(planned, world)[rank]:
+        boxes.setdefault(key, [shape, []])[1].append((offsets, torch.empty(sizes, dtype=dtype, device="meta")))
+        producers[(key, offsets)] = produce
+    tensors = {key: BoxedTensor(torch.Size(shape), pieces) for key, (shape, pieces) in boxes.items()}
     state = {"step": 0, "tokens_seen": 0, "data": {}, "config": config_to_dict(cfg), "rng": None,
              "model_only": True, "imported_from": str(directory.resolve()), "import_notes": stats.notes}
     info = {"tokens": 0, "model_only": True, "layout_text": f"model only, imported from {directory.resolve()}"}
     path = save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
-                file_per_item=True)
+                file_per_item=True, group=group)
+    if group is not None:
+        counts = torch.tensor([stats.bytes_read, stats.mxfp4_groups, stats.mxfp4_groups_reencoded_differently])
+        dist.all_reduce(counts, group=group)
+        stats.bytes_read, stats.mxfp4_groups, stats.mxfp4_groups_reencoded_differently = map(int, counts)
     stats.seconds = time.perf_counter() - start
     return path, stats
+
+
+def _dealt(planned: list[tuple], world: int) -> list[list[tuple]]:
+    """The pieces dealt over `world` processes by bytes, largest first to the least loaded (the same deal on every
+    process: the plan is built from the config alone)."""
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for piece in sorted(planned, key=lambda p: -math.prod(p[4]) * p[2].itemsize):
+        least = loads.index(min(loads))
+        shares[least].append(piece)
+        loads[least] += math.prod(piece[4]) * piece[2].itemsize
+    return shares
+
+
+def _worker(rank: int, world: int, port: int, args: tuple, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        path, stats = import_hf(*args, group=dist.group.WORLD)
+        if rank == 0:
+            results.put((path, stats))
+    finally:
+        dist.destroy_process_group()
+
+
+def import_in_workers(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4",
+                      notes: list[str] | None = None, workers: int = 1) -> tuple[Path, ImportStats]:
+    """import_hf over `workers` local processes (gloo), each converting its share of the pieces."""
+    if workers == 1:
+        return import_hf(directory, root, cfg, experts, notes)
+    from launch.local import free_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    port = free_port()
+    processes = [context.Process(target=_worker, args=(rank, workers, port, (directory, root, cfg, experts, notes),
+                                                       results)) for rank in range(workers)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    failed = [rank for rank, process in enumerate(processes) if process.exitcode]
+    if failed or results.empty():
+        raise RuntimeError(f"import: worker ranks {failed} failed (their errors are printed above)")
+    return results.get()
 
 
 def _pieces(name: str, shape: tuple[int, ...], made: list[HFTensor], files: _Files, cfg: Config,

@@ -248,11 +248,13 @@ def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
 
-    done = tool("import", tmp_path / "release", tmp_path / "imported", "--config", config_file)
+    # Two worker processes, each converting its share (the other tests import in one).
+    done = tool("import", tmp_path / "release", tmp_path / "imported", "--config", config_file, "--workers", 2)
     assert done.returncode == 0, done.stderr
     assert "note: media_placeholder_token_id=163605" in done.stdout  # read, not mapped: said
     assert "text_config.max_position_embeddings" in done.stdout and "MXFP4 groups" not in done.stdout
     imported = tmp_path / "imported" / "step_00000000"
+    assert {p.name.split("_")[2] for p in imported.glob("__*.distcp")} == {"0", "1"}  # both wrote their share
     export(imported, tmp_path / "exported", layout="kimi-k3-hf")
     index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(index) == sorted(tensors)
