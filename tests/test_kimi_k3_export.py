@@ -305,3 +305,24 @@ def test_import_refuses_what_the_model_cannot_represent(tmp_path):
     done = tool("import", tmp_path / "release", tmp_path / "imported")
     assert done.returncode == 2 and "text_config.num_nextn_predict_layers=1" in done.stderr, done.stderr
     assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.timeout(300)
+def test_continued_pretraining_imports_the_release_and_trains_a_new_stage(tmp_path):
+    """README's workflow at tiny size: import the release, then train a longer-context stage from it (the
+    model-only checkpoint starts the new schedule at its first stage, with a fresh optimizer)."""
+    cfg = tiny_config(*MXFP4_TINY)
+    (tmp_path / "release").mkdir()
+    write_release_fixture(tmp_path / "release", cfg)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    assert tool("import", tmp_path / "release", tmp_path / "ckpt", "--config", config_file).returncode == 0
+    stage = ("stages=[{name: long, tokens: 1536, seq_len: 192, batch_tokens: 768, lr_peak: 0.001, lr_end: 0.0001, "
+             "warmup_tokens: 768}]")
+    trainer = Trainer(tiny_config(*MXFP4_TINY, stage, "train.steps=2", "logging.progress=false",
+                                  f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                                  f"train.resume={tmp_path / 'ckpt' / 'step_00000000'}"))
+    history = trainer.run()
+    assert [(h["step"], h["stage"], h["seq_len"]) for h in history] == [(1, "long", 192), (2, "long", 192)]
+    assert all(math.isfinite(h["loss"]) for h in history)
+    assert (tmp_path / "ckpt" / "step_00000002").is_dir()  # it saves on beside the import

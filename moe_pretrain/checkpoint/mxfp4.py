@@ -70,17 +70,30 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     _check_groups(inputs)
     if tuple(scale.shape) != (*packed.shape[:-1], inputs // GROUP):
         raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not fit codes {tuple(packed.shape)}")
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[(nibbles & 0x07).long()]
-    values = torch.where((nibbles & 0x08).bool(), -values, values)
-    exponent = (scale.to(torch.int32) - SCALE_BIAS).repeat_interleave(GROUP, dim=-1)
-    return torch.ldexp(values.to(torch.float64 if dtype == torch.float64 else torch.float32), exponent).to(dtype)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    values = _byte_values(wide, packed.device)[packed.long()].flatten(-2)  # [..., in]: one lookup per byte
+    scales = torch.ldexp(torch.ones_like(scale, dtype=wide), scale.to(torch.int32) - SCALE_BIAS)
+    # A power of two times an E2M1 value: exact (the smallest product, 2^-128, is a float32 subnormal).
+    return (values.unflatten(-1, (-1, GROUP)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def _signed_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 16 E2M1 codes' values (bit 3 the sign; code 8 is -0.0)."""
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return torch.cat([magnitudes, -magnitudes])
+
+
+def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: a byte's two values, the low nibble's first."""
+    codes = torch.arange(256, device=device)
+    signed = _signed_values(dtype, device)
+    return torch.stack([signed[codes & 0x0F], signed[codes >> 4]], dim=-1)
 
 
 def reencodes_exactly(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per group: whether its decoded values encode back to the same bytes (the encoding rule's groups do: the
     largest code magnitude 4 or 6, or all zero under scale code 0). [..., in / 32] bool."""
-    magnitudes = torch.stack([packed & 0x07, (packed >> 4) & 0x07], dim=-1).flatten(-2)
-    largest = magnitudes.unflatten(-1, (scale.shape[-1], GROUP)).amax(-1)
+    codes = torch.arange(256, dtype=torch.uint8, device=packed.device)
+    byte_largest = torch.maximum(codes & 0x07, (codes >> 4) & 0x07)  # a byte's larger magnitude index
+    largest = byte_largest[packed.long()].unflatten(-1, (scale.shape[-1], GROUP // 2)).amax(-1)
     return (largest >= 6) | ((largest == 0) & (scale == 0))
