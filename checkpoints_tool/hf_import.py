@@ -39,6 +39,7 @@ from moe_pretrain.checkpoint.kimi_k3_config import model_section
 from moe_pretrain.checkpoint.store import save
 from moe_pretrain.config import Config, config_to_dict, load_config
 from moe_pretrain.training.parallelize import meta_model, parameter_dtype
+from parallel.collectives import all_reduce_sum
 from parallel.flat_shards import BoxedSavePlanner, BoxedTensor
 
 PIECE_BYTES = 1 << 30
@@ -155,8 +156,8 @@ def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", 
     path = save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
                 file_per_item=True, group=group)
     if group is not None:
-        counts = torch.tensor([stats.bytes_read, stats.mxfp4_groups, stats.mxfp4_groups_reencoded_differently])
-        dist.all_reduce(counts, group=group)
+        counts = all_reduce_sum(torch.tensor([stats.bytes_read, stats.mxfp4_groups,
+                                              stats.mxfp4_groups_reencoded_differently]), group)
         stats.bytes_read, stats.mxfp4_groups, stats.mxfp4_groups_reencoded_differently = map(int, counts)
     stats.seconds = time.perf_counter() - start
     return path, stats

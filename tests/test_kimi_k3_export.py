@@ -4,6 +4,8 @@ import and export, and a trained checkpoint's round trip (identical logits, iden
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from launch.local import free_port
 from moe_pretrain.checkpoint import mxfp4, verify
 from moe_pretrain.checkpoint.export import export
 from moe_pretrain.checkpoint.kimi_k3 import (
@@ -240,6 +243,19 @@ def directly_loaded(cfg, tensors: dict[str, torch.Tensor], run_dir: Path) -> tor
     return model
 
 
+def assert_exports_back(imported: Path, tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """The import, exported to the release's layout, holds exactly the fixture's tensors, byte for byte; both
+    worker processes wrote a share of it."""
+    assert {p.name.split("_")[2] for p in imported.glob("__*.distcp")} == {"0", "1"}
+    export(imported, out, layout="kimi-k3-hf")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(index) == sorted(tensors)
+    for name, want in tensors.items():
+        with safe_open(str(out / index[name]), framework="pt") as f:
+            got = f.get_tensor(name)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
 @pytest.mark.timeout(300)
 def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
     cfg = tiny_config(*MXFP4_TINY)
@@ -254,14 +270,7 @@ def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
     assert "note: media_placeholder_token_id=163605" in done.stdout  # read, not mapped: said
     assert "text_config.max_position_embeddings" in done.stdout and "MXFP4 groups" not in done.stdout
     imported = tmp_path / "imported" / "step_00000000"
-    assert {p.name.split("_")[2] for p in imported.glob("__*.distcp")} == {"0", "1"}  # both wrote their share
-    export(imported, tmp_path / "exported", layout="kimi-k3-hf")
-    index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert sorted(index) == sorted(tensors)
-    for name, want in tensors.items():
-        with safe_open(str(tmp_path / "exported" / index[name]), framework="pt") as f:
-            got = f.get_tensor(name)
-        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert_exports_back(imported, tensors, tmp_path / "exported")
 
     resumed = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={tmp_path / 'run'}", "logging.progress=false",
                                   f"train.resume={imported}", f"checkpoint.dir={tmp_path / 'imported'}"))
@@ -326,3 +335,19 @@ def test_continued_pretraining_imports_the_release_and_trains_a_new_stage(tmp_pa
     assert [(h["step"], h["stage"], h["seq_len"]) for h in history] == [(1, "long", 192), (2, "long", 192)]
     assert all(math.isfinite(h["loss"]) for h in history)
     assert (tmp_path / "ckpt" / "step_00000002").is_dir()  # it saves on beside the import
+
+
+@pytest.mark.timeout(300)
+def test_import_under_torchrun_shares_the_work_between_its_ranks(tmp_path):
+    cfg = tiny_config(*MXFP4_TINY)
+    (tmp_path / "release").mkdir()
+    tensors = write_release_fixture(tmp_path / "release", cfg)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           f"--master-port={free_port()}", "-m", "checkpoints_tool", "import",
+                           str(tmp_path / "release"), str(tmp_path / "imported"), "--config", str(config_file)],
+                          capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("wrote ") == 1  # rank 0 reports
+    assert_exports_back(tmp_path / "imported" / "step_00000000", tensors, tmp_path / "exported")
