@@ -145,8 +145,7 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     cfg = tiny_config(*MXFP4_TINY, "train.steps=2", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
     source = Trainer(cfg)
     source.run()
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    config_file = config_file_of(cfg, tmp_path)
 
     done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "hf", "--format", "kimi-k3-hf")
     assert done.returncode == 0, done.stderr
@@ -227,6 +226,20 @@ def write_release_fixture(directory: Path, cfg) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def config_file_of(cfg, tmp_path: Path) -> Path:
+    """The run's config as a file, for the tool's --config."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    return path
+
+
+def release_fixture(tmp_path: Path) -> tuple:
+    """(the tiny MXFP4 config, the fixture's tensors in tmp_path/release, the config as a file)."""
+    cfg = tiny_config(*MXFP4_TINY)
+    (tmp_path / "release").mkdir()
+    return cfg, write_release_fixture(tmp_path / "release", cfg), config_file_of(cfg, tmp_path)
+
+
 def directly_loaded(cfg, tensors: dict[str, torch.Tensor], run_dir: Path) -> torch.nn.Module:
     """A model given the fixture's values straight from its tensors (MXFP4 decoded in float64, then cast), with
     no checkpoint in between."""
@@ -258,11 +271,7 @@ def assert_exports_back(imported: Path, tensors: dict[str, torch.Tensor], out: P
 
 @pytest.mark.timeout(300)
 def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
-    cfg = tiny_config(*MXFP4_TINY)
-    (tmp_path / "release").mkdir()
-    tensors = write_release_fixture(tmp_path / "release", cfg)
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    cfg, tensors, config_file = release_fixture(tmp_path)
 
     # Two worker processes, each converting its share (the other tests import in one).
     done = tool("import", tmp_path / "release", tmp_path / "imported", "--config", config_file, "--workers", 2)
@@ -295,8 +304,7 @@ def test_bf16_experts_export_and_import_the_unquantized_variant(tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     assert f"{PREFIX}layers.1.block_sparse_moe.experts.7.w2.weight" in index
     assert not any(name.endswith("weight_packed") for name in index)
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    config_file = config_file_of(cfg, tmp_path)
     done = tool("import", tmp_path / "hf", tmp_path / "imported", "--config", config_file)
     assert done.returncode == 0, done.stderr
     export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", layout="kimi-k3-hf", experts="bf16")
@@ -305,9 +313,7 @@ def test_bf16_experts_export_and_import_the_unquantized_variant(tmp_path):
 
 
 def test_import_refuses_what_the_model_cannot_represent(tmp_path):
-    cfg = tiny_config(*MXFP4_TINY)
-    (tmp_path / "release").mkdir()
-    write_release_fixture(tmp_path / "release", cfg)
+    release_fixture(tmp_path)
     config = json.loads((tmp_path / "release" / "config.json").read_text())
     config["text_config"]["num_nextn_predict_layers"] = 1
     (tmp_path / "release" / "config.json").write_text(json.dumps(config))
@@ -320,11 +326,7 @@ def test_import_refuses_what_the_model_cannot_represent(tmp_path):
 def test_continued_pretraining_imports_the_release_and_trains_a_new_stage(tmp_path):
     """README's workflow at tiny size: import the release, then train a longer-context stage from it (the
     model-only checkpoint starts the new schedule at its first stage, with a fresh optimizer)."""
-    cfg = tiny_config(*MXFP4_TINY)
-    (tmp_path / "release").mkdir()
-    write_release_fixture(tmp_path / "release", cfg)
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    _, _, config_file = release_fixture(tmp_path)
     assert tool("import", tmp_path / "release", tmp_path / "ckpt", "--config", config_file).returncode == 0
     stage = ("stages=[{name: long, tokens: 1536, seq_len: 192, batch_tokens: 768, lr_peak: 0.001, lr_end: 0.0001, "
              "warmup_tokens: 768}]")
@@ -339,11 +341,7 @@ def test_continued_pretraining_imports_the_release_and_trains_a_new_stage(tmp_pa
 
 @pytest.mark.timeout(300)
 def test_import_under_torchrun_shares_the_work_between_its_ranks(tmp_path):
-    cfg = tiny_config(*MXFP4_TINY)
-    (tmp_path / "release").mkdir()
-    tensors = write_release_fixture(tmp_path / "release", cfg)
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    _, tensors, config_file = release_fixture(tmp_path)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            f"--master-port={free_port()}", "-m", "checkpoints_tool", "import",
                            str(tmp_path / "release"), str(tmp_path / "imported"), "--config", str(config_file)],
