@@ -45,6 +45,20 @@ def test_learning_rate_segments():
     assert [stage_learning_rate(stage_at([linear], t)) for t in (0, 100, 300)] == [1.0, 0.75, 0.25]
 
 
+def test_run_cosine_stages_cut_one_schedule_without_restarting_it():
+    """Three run_cosine stages (the middle one without a warmup of its own) give exactly the learning rates of one
+    cosine stage over all their tokens; a stage after the span has its own schedule again."""
+    shared = dict(lr_peak=1.0, lr_end=0.1, decay="run_cosine")
+    stages = [StageConfig("a", 500, 10, 100, warmup_tokens=100, **shared), StageConfig("b", 300, 20, 100, **shared),
+              StageConfig("c", 200, 40, 100, **shared),
+              StageConfig("d", 200, 80, 100, lr_peak=0.05, lr_end=0.0, decay="linear")]
+    one = [StageConfig("one", 1000, 10, 100, lr_peak=1.0, lr_end=0.1, warmup_tokens=100, decay="cosine")]
+    got = [stage_learning_rate(stage_at(stages, t)) for t in range(0, 1000, 100)]
+    assert got == pytest.approx([stage_learning_rate(stage_at(one, t)) for t in range(0, 1000, 100)], rel=1e-15)
+    assert got[5] < 1.0  # stage b starts where the cosine is, not at lr_peak
+    assert [stage_learning_rate(stage_at(stages, t)) for t in (1000, 1100)] == [0.05, 0.025]
+
+
 @pytest.mark.parametrize(("stages", "message"), [
     ("[{tokens: 100, seq_len: 10, batch_tokens: 25}]", "stages[0].batch_tokens=25 is not a multiple of"),
     ("[{tokens: 150, seq_len: 10, batch_tokens: 100}]", "stages[0].tokens=150 is not a whole number of"),
@@ -53,6 +67,12 @@ def test_learning_rate_segments():
     ("[{tokens: 100, seq_len: 10, batch_tokens: 100, micro_batches: 3}]", "not divisible by stages[0].micro_batches=3"),
     ("[{tokens: 100, seq_len: 10, batch_tokens: 100, lr_peak: 0.1, lr_end: 0.2}]", "stages[0].lr_end=0.2"),
     ("[{tokens: 100, seq_len: 10, batch_tokens: 100, nope: 1}]", "unknown config key stages[0].nope"),
+    ("[{tokens: 100, seq_len: 10, batch_tokens: 100, decay: run_cosine}, "
+     "{tokens: 100, seq_len: 20, batch_tokens: 100, decay: run_cosine, lr_peak: 0.1}]",
+     "stages[1].lr_peak=0.1 differs from stages[0].lr_peak=0.0003: consecutive run_cosine stages share one"),
+    ("[{tokens: 100, seq_len: 10, batch_tokens: 100, decay: run_cosine}, "
+     "{tokens: 100, seq_len: 20, batch_tokens: 100, decay: run_cosine, warmup_tokens: 50}]",
+     "stages[1].warmup_tokens=50: a run_cosine stage that continues the schedule has no warmup"),
 ])
 def test_invalid_schedules_fail_clearly(stages, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -35,9 +35,12 @@ class StageConfig:
     lr_end: float = 3e-5
     warmup_tokens: int = 0
     """Linear warmup from 0 to lr_peak over the first tokens of the stage (usually only the first stage)."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    decay: Literal["cosine", "linear", "constant", "run_cosine"] = "cosine"
     """From lr_peak to lr_end over the rest of the stage (constant: stay at lr_peak; WSD = constant stages
-    followed by a decaying one)."""
+    followed by a decaying one). run_cosine: consecutive run_cosine stages share ONE cosine from lr_peak to lr_end
+    over all their tokens, after the first one's warmup_tokens (the stage boundaries cut the schedule, they do not
+    restart it: the model class's report trains one cosine with 1% warmup across its 8K -> 1M stages); every
+    stage of the span states the same lr_peak and lr_end, and only the first a warmup."""
     rope_theta: float = 0.0
     """RoPE base for this stage when model.mla.position=rope (full size is NoPE: no effect there);
     0 keeps model.mla.rope_theta."""
@@ -81,6 +84,14 @@ class StageConfig:
 def check_stages(stages: list[StageConfig]) -> None:
     for i, stage in enumerate(stages):
         stage.check(f"stages[{i}]")
+        if stage.decay == "run_cosine" and i and stages[i - 1].decay == "run_cosine":
+            first = stages[i - 1]
+            for key in ("lr_peak", "lr_end"):
+                require(getattr(stage, key) == getattr(first, key),
+                        f"stages[{i}].{key}={getattr(stage, key)} differs from stages[{i - 1}].{key}="
+                        f"{getattr(first, key)}: consecutive run_cosine stages share one schedule")
+            require(stage.warmup_tokens == 0, f"stages[{i}].warmup_tokens={stage.warmup_tokens}: a run_cosine "
+                    "stage that continues the schedule has no warmup of its own (the span's first stage has it)")
         if i:
             previous = stages[i - 1]
             require(stage.seq_len > previous.seq_len,

@@ -19,6 +19,13 @@ class StagePoint:
     """Tokens consumed before this stage began."""
     tokens_into: int
     """Tokens consumed inside this stage."""
+    schedule_into: int
+    """Tokens consumed inside this stage's learning-rate schedule: the stage's own, or (decay run_cosine) the one
+    its span of consecutive run_cosine stages shares."""
+    schedule_tokens: int
+    """That schedule's length in tokens."""
+    schedule_warmup: int
+    """Its warmup in tokens (a run_cosine span's: its first stage's)."""
 
     @property
     def end_tokens(self) -> int:
@@ -30,18 +37,33 @@ def stage_at(stages: list[StageConfig], tokens: int) -> StagePoint:
     start = 0
     for index, stage in enumerate(stages):
         if tokens < start + stage.tokens or index == len(stages) - 1:
-            return StagePoint(index, stage, start, tokens - start)
+            first, last = _span(stages, index)
+            span_start = start - sum(s.tokens for s in stages[first:index])
+            return StagePoint(index, stage, start, tokens - start, tokens - span_start,
+                              sum(s.tokens for s in stages[first:last + 1]), stages[first].warmup_tokens)
         start += stage.tokens
     raise ValueError("stage_at: the schedule has no stages")
 
 
+def _span(stages: list[StageConfig], index: int) -> tuple[int, int]:
+    """First and last index of the stages that share stage `index`'s schedule (itself unless run_cosine)."""
+    first = last = index
+    if stages[index].decay == "run_cosine":
+        while first and stages[first - 1].decay == "run_cosine":
+            first -= 1
+        while last + 1 < len(stages) and stages[last + 1].decay == "run_cosine":
+            last += 1
+    return first, last
+
+
 def stage_learning_rate(point: StagePoint) -> float:
-    """LR of the step that starts at point.tokens_into: warmup, then cosine / linear / constant to lr_end."""
-    stage, t = point.stage, point.tokens_into
-    if t < stage.warmup_tokens:
-        return stage.lr_peak * (t + stage.batch_tokens) / stage.warmup_tokens
-    span = max(stage.tokens - stage.warmup_tokens, 1)
-    progress = min((t - stage.warmup_tokens) / span, 1.0)
+    """LR of the step that starts at point.tokens_into: warmup, then cosine / linear / constant to lr_end (for
+    run_cosine stages, the cosine their span shares)."""
+    stage, t, length, warmup = point.stage, point.schedule_into, point.schedule_tokens, point.schedule_warmup
+    if t < warmup:
+        return stage.lr_peak * (t + stage.batch_tokens) / warmup
+    span = max(length - warmup, 1)
+    progress = min((t - warmup) / span, 1.0)
     if stage.decay == "constant":
         return stage.lr_peak
     if stage.decay == "linear":
@@ -53,11 +75,11 @@ def plan(cfg: Config) -> list[dict]:
     """One row per stage: what the run will do."""
     rows, start = [], 0
     micro_batches, _ = derive_micro_batches(cfg)
-    for index, stage in enumerate(cfg.stages):
-        first = stage_learning_rate(StagePoint(index, stage, start, 0))
-        last = stage_learning_rate(StagePoint(index, stage, start, stage.tokens - stage.batch_tokens))
+    for stage in cfg.stages:
+        first = stage_learning_rate(stage_at(cfg.stages, start))
+        last = stage_learning_rate(stage_at(cfg.stages, start + stage.tokens - stage.batch_tokens))
         rows.append({"stage": stage.name, "start_tokens": start, "tokens": stage.tokens, "steps": stage.steps,
                      "seq_len": stage.seq_len, "batch_tokens": stage.batch_tokens, "sequences": stage.rows,
-                     "micro_batches": micro_batches[index], "lr_first": first, "lr_last": last})
+                     "micro_batches": micro_batches[len(rows)], "lr_first": first, "lr_last": last})
         start += stage.tokens
     return rows
