@@ -30,6 +30,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from checkpoints_tool import ImportWorkerError
 from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
 from moe_pretrain.checkpoint.directory import LATEST
 from moe_pretrain.checkpoint.export import LAYOUTS, export
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir.exists():
             raise ToolError(f"{args.dir} does not exist")
         return run(args)
-    except (ToolError, ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as err:
+    except (ToolError, ConfigError, CheckpointError, FileNotFoundError, FileExistsError,
+            ImportWorkerError) as err:
         print(f"checkpoints_tool {args.command}: {err}", file=sys.stderr)
         return 2
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint.planner import WriteItem
 
+from checkpoints_tool import ImportWorkerError
 from moe_pretrain.checkpoint import mxfp4
 from moe_pretrain.checkpoint.directory import step_dir
 from moe_pretrain.checkpoint.export import EXTRAS
@@ -202,7 +203,8 @@ def import_in_workers(directory: Path, root: Path, cfg: Config, experts: str = "
         process.join()
     failed = [rank for rank, process in enumerate(processes) if process.exitcode]
     if failed or results.empty():
-        raise RuntimeError(f"import: worker ranks {failed} failed (their errors are printed above)")
+        raise ImportWorkerError(f"worker ranks {failed} of {workers} failed (their errors are printed above); nothing "
+                           f"was committed under {root}")
     return results.get()
 
 

@@ -349,3 +349,12 @@ def test_import_under_torchrun_shares_the_work_between_its_ranks(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 reports
     assert_exports_back(tmp_path / "imported" / "step_00000000", tensors, tmp_path / "exported")
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_worker_fails_the_import_and_commits_nothing(tmp_path):
+    _, _, config_file = release_fixture(tmp_path)
+    (tmp_path / "release" / release_file_name(3, 4)).write_bytes(b"not a safetensors file")
+    done = tool("import", tmp_path / "release", tmp_path / "imported", "--config", config_file, "--workers", 2)
+    assert done.returncode == 2 and "of 2 failed (their errors are printed above)" in done.stderr, done.stderr
+    assert not (tmp_path / "imported" / "step_00000000").exists()
