@@ -7,9 +7,9 @@ A release-format fixture (tests/test_kimi_k3_export.py's writer: the published c
 sizes, MXFP4 routed experts with random codes) is written once. Then, in one run: the named reference, a raw read
 of every tensor of its files (safetensors, pages dropped from the page cache first); the import (decode into the
 stacked expert weights, DCP files hashed as written, commit) with each --workers count; the export back to the
-release's layout (MXFP4 encode) and to its bf16 variant. Throughput is release bytes read (import) or written
-(export) per second; the projection divides the release's 1.45 TB by it (one host; workers divide it further
-where the host has the cores and the disks).
+release's layout (MXFP4 encode, with each --workers count) and to its bf16 variant. Throughput is release bytes
+read (import) or written (export) per second; the projection divides the release's 1.45 TB by it (one host;
+workers divide it further where the host has the cores and the disks).
 """
 
 import argparse
@@ -89,13 +89,13 @@ def main() -> None:
             rate = stats.bytes_read / seconds
             print(f"{f'import, {workers} worker(s)':28s} {seconds:7.2f} s  {rate / 1e9:6.3f} GB/s  "
                   f"{rate / reference:.2f}x   release: {RELEASE_BYTES / rate / 3600:6.2f} h")
-        for experts in ("mxfp4", "bf16"):
-            out = work / f"export-{experts}"
-            seconds, _ = timed(lambda out=out, experts=experts: export(imported, out, layout="kimi-k3-hf",
-                                                                         experts=experts))
+        for experts, workers in [("mxfp4", w) for w in args.workers] + [("bf16", 1)]:
+            out = work / f"export-{experts}-{workers}"
+            seconds, _ = timed(lambda out=out, experts=experts, workers=workers: export(
+                imported, out, layout="kimi-k3-hf", experts=experts, workers=workers))
             written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
             rate = written / seconds
-            print(f"{f'export, {experts} experts':28s} {seconds:7.2f} s  {rate / 1e9:6.3f} GB/s  "
+            print(f"{f'export, {experts}, {workers} worker(s)':28s} {seconds:7.2f} s  {rate / 1e9:6.3f} GB/s  "
                   f"{rate / reference:.2f}x   release: {RELEASE_BYTES / rate / 3600:6.2f} h  "
                   f"({written / 1e9:.3f} GB written)")
     finally:

@@ -3,11 +3,11 @@
   inspect DIR                      step, tokens, layout, parameter count, bytes per component, files
   verify DIR                       completeness and every SHA-256; exit 0 only if all hold
   prune DIR --keep-last N [--keep-every K]   never touches the checkpoint `latest` names
-  export DIR OUT [--format native|kimi-k3-hf] [--experts mxfp4|bf16] [--max-shard-mb M]
+  export DIR OUT [--format native|kimi-k3-hf] [--experts mxfp4|bf16] [--max-shard-mb M] [--workers N]
                                    model weights as sharded safetensors + index + config.json, under our
                                    names (files of at most M MiB) or as the released Kimi K3 checkpoint
                                    (its names, dtypes, files and config.json; routed experts MXFP4 unless
-                                   --experts bf16)
+                                   --experts bf16); N processes write the files
   import HF_DIR OUT [--config FILE] [--set key=value ...] [--workers N]
                                    a Kimi K3 checkpoint directory (the release, or our kimi-k3-hf export) as
                                    a model-only checkpoint OUT/step_00000000 that training resumes from
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     exporting.add_argument("--format", choices=LAYOUTS, default="native")
     exporting.add_argument("--experts", choices=EXPERT_FORMATS, default="mxfp4",
                            help="kimi-k3-hf: routed experts as the release stores them (mxfp4) or in bf16")
+    exporting.add_argument("--workers", type=int, default=1, help="local processes writing the files")
     importing = commands.add_parser("import")
     importing.add_argument("dir", type=Path)
     importing.add_argument("out", type=Path)
@@ -206,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         if args.out.exists():
             raise ToolError(f"{args.out} exists; export never overwrites")
-        for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format, args.experts):
+        if args.workers < 1:
+            raise ToolError(f"--workers {args.workers}: must be >= 1")
+        for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format, args.experts, args.workers):
             print(f"wrote {file}")
         return 0
     if args.keep_last < 1:

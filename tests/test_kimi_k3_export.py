@@ -183,8 +183,8 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
                               placed_images(batch.grids, batch.starts))
     assert torch.equal(got, want)  # the exported values, bit for bit
 
-    # Export again from the imported checkpoint: the same files, byte for byte.
-    export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", layout="kimi-k3-hf")
+    # Export again from the imported checkpoint (two processes writing the files): the same files, byte for byte.
+    export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", layout="kimi-k3-hf", workers=2)
     for file in sorted((tmp_path / "hf").glob("*.safetensors")):
         assert file.read_bytes() == (tmp_path / "hf2" / file.name).read_bytes(), file.name
     assert len(resumed.run()) == 3  # and it trains on from step 0 with a fresh optimizer
