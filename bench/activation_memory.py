@@ -12,6 +12,7 @@ measured / plan.
 """
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -24,16 +25,32 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["model.hidden_size=64", "model.kda.head_dim=16", "model.kda.chunk_size=64"]
 
 
-def probe(recompute: str, T: int, allocator: bool = False) -> dict:
-    """One forward + loss + backward at T tokens: the plan's figures and the measured live tensor bytes; the
-    allocator's and resident figures too when asked (only meaningful in a fresh process; tests never ask)."""
-    from moe_pretrain.planning.measured import (
-        AllocatedPeak,
-        LiveTensorBytes,
-        peak_resident_bytes,
-        reset_peak,
-        resident_bytes,
-    )
+class ProcessMemory:
+    """The bench's figures of the process around a probe: the allocator's peak and the resident peak over their
+    values at entry (meaningful in a fresh process only, so never in tests)."""
+
+    def __enter__(self) -> "ProcessMemory":
+        from moe_pretrain.planning.measured import AllocatedPeak, reset_peak, resident_bytes
+
+        self.resident_start = resident_bytes()
+        reset_peak()
+        self.allocated = AllocatedPeak().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.allocated.__exit__(*exc)
+
+    def figures(self) -> dict:
+        from moe_pretrain.planning.measured import peak_resident_bytes
+
+        return {"allocated_peak": self.allocated.peak - self.allocated.start,
+                "resident_peak": peak_resident_bytes() - self.resident_start}
+
+
+def probe(recompute: str, T: int, process: ProcessMemory | None = None) -> dict:
+    """One forward + loss + backward at T tokens: the plan's figures and the measured live tensor bytes (and the
+    process's figures, when a ProcessMemory is given)."""
+    from moe_pretrain.planning.measured import LiveTensorBytes
     from moe_pretrain.planning.step_activations import activation_bytes
     from moe_pretrain.training.parallelize import build_model
     from tests.models import tiny_config
@@ -46,10 +63,7 @@ def probe(recompute: str, T: int, allocator: bool = False) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, cfg.model.vocab_size, (1, T), generator=gen) for _ in range(2))
     doc_ids = (torch.arange(T) // 1000).unsqueeze(0)
-    if allocator:  # a test asks for live tensor bytes only: it neither reads nor resets the process's memory
-        resident_start = resident_bytes()
-        reset_peak()
-    with AllocatedPeak(enabled=allocator) as allocated, LiveTensorBytes() as live:
+    with process or contextlib.nullcontext(), LiveTensorBytes() as live:
         logits, balance = model(tokens, doc_ids)
         after_forward = live.live
         (F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + balance).backward()
@@ -57,10 +71,7 @@ def probe(recompute: str, T: int, allocator: bool = False) -> dict:
     plan = activation_bytes(m, list(range(m.num_layers)), recompute, T, act_bytes=4)
     result = {"recompute": recompute, "T": T, "plan_saved": plan.saved, "plan_peak": plan.peak,
               "live_after_forward": after_forward, "live_peak": live.peak}
-    if allocator:
-        result.update(allocated_peak=allocated.peak - allocated.start,
-                      resident_peak=peak_resident_bytes() - resident_start)
-    return result
+    return {**result, **(process.figures() if process else {})}
 
 
 def run_probe(recompute: str, T: int) -> dict:
@@ -78,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.probe:
         sys.path.insert(0, str(ROOT))
-        print(json.dumps(probe(args.probe[0], int(args.probe[1]), allocator=True)))
+        print(json.dumps(probe(args.probe[0], int(args.probe[1]), ProcessMemory())))
         return
     mb = 1e6
     print("tiny model d=64, fp32, one forward + loss + backward; MB; ratios measured / plan")

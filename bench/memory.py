@@ -29,35 +29,39 @@ PHASES = ("build", "step", "save")
 STATE_BYTES_PER_PARAM = 16
 
 
-def measure(rank: int, world_size: int, config: str, overrides: list[str], resident: bool = True) -> list[dict]:
-    """Every rank's row (collective; rank 0's return value is what run_distributed hands back). resident=False:
-    live tensor bytes only, the process's memory neither read nor reset (what tests ask for)."""
+def no_process_figures(phase: str) -> dict:
+    """What tests measure besides live tensor bytes: nothing (the process's memory is neither read nor reset)."""
+    return {}
 
-    def resident_peak() -> int | None:
-        """This phase's resident peak, and a fresh peak for the next phase."""
-        if not resident:
-            return None
-        peak = peak_resident_bytes()
-        reset_peak()
-        return peak
 
+def resident_figures(phase: str) -> dict:
+    """The bench's process figure for a phase ("baseline": resident memory now; a phase: its resident peak),
+    and a fresh peak for what follows."""
+    value = resident_bytes() if phase == "baseline" else peak_resident_bytes()
+    reset_peak()
+    return {phase: value}
+
+
+def measure(rank: int, world_size: int, config: str, overrides: list[str],
+            process_figures=no_process_figures) -> list[dict]:
+    """Every rank's row (collective; rank 0's return value is what run_distributed hands back): each phase's
+    peak of live tensor bytes, and what process_figures(phase) adds at the baseline and after each phase."""
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(config, [*overrides, f"train.run_dir={run_dir}", "checkpoint.async_save=false",
                                    "logging.progress=false"])
         ctx = init_parallel(cfg)
         try:
-            row = {"rank": rank, "baseline": resident_bytes() if resident else None}
-            resident_peak()
+            row = {"rank": rank, **process_figures("baseline")}
             with LiveTensorBytes() as live:
                 trainer = Trainer(cfg, ctx)
-                row["build"], row["live.build"] = resident_peak(), live.peak
+                row.update(process_figures("build"), **{"live.build": live.peak})
                 live.restart_peak()
                 for _ in range(2):
                     trainer.train_step()
-                row["step"], row["live.step"] = resident_peak(), live.peak
+                row.update(process_figures("step"), **{"live.step": live.peak})
                 live.restart_peak()
                 trainer.save_checkpoint()
-                row["save"], row["live.save"] = resident_peak(), live.peak
+                row.update(process_figures("save"), **{"live.save": live.peak})
             row["params"] = sum(p.numel() for p in trainer.model.parameters())
             row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank
             return gather_objects(row, dist.group.WORLD if ctx.distributed else None)
@@ -75,9 +79,10 @@ def live_ratio(row: dict, phase: str) -> float:
     return row[f"live.{phase}"] / (STATE_BYTES_PER_PARAM * row["params"])
 
 
-def run_layout(config: str, world_size: int, overrides: list[str], resident: bool = True) -> list[dict]:
+def run_layout(config: str, world_size: int, overrides: list[str], process_figures=no_process_figures
+               ) -> list[dict]:
     """Rows of every rank of a layout, each process fresh (so its memory is its own)."""
-    return run_distributed(measure, world_size, config, overrides, resident, timeout=1800)
+    return run_distributed(measure, world_size, config, overrides, process_figures, timeout=1800)
 
 
 def main() -> None:
@@ -93,7 +98,7 @@ def main() -> None:
           + " ".join(f"{phase:>24}" for phase in PHASES))
     worst = 0.0
     for name, world, overrides in layouts:
-        for row in run_layout(args.config, world, [*args.set, *overrides]):
+        for row in run_layout(args.config, world, [*args.set, *overrides], resident_figures):
             cells = " ".join(f"{row[p] / gb:5.2f} ({ratio(row, p):4.2f}, live {live_ratio(row, p):4.2f})"
                              for p in PHASES)
             print(f"{name:>10} {row['rank']:>4} {row['pp_rank']:>2} {row['ep_rank']:>2} {row['params']:>11,} "

@@ -6,9 +6,8 @@ exact, the same on every machine and under any load), after the forward (what th
 peak in backward. Without recomputation and with selective recomputation the plan is within 10% of them
 (measured 0.96-1.01 at 1K-4K tokens); with full recomputation the plan overestimates a little (measured
 saved 0.88, peak 0.87 at 2K tokens: its transient assumes a whole layer's activations alive at once),
-which is the safe side for a memory plan, so only its lower bound is wider. The probe runs without its
-allocator option, so this test neither reads nor resets the process's memory figures (they depend on the
-machine); `python bench/activation_memory.py` prints them.
+which is the safe side for a memory plan, so only its lower bound is wider. Live tensor bytes are the only
+figures this test takes; `python bench/activation_memory.py` adds the process's own beside them.
 """
 
 import importlib.util

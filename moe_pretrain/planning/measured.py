@@ -61,15 +61,12 @@ def allocated_bytes() -> int:
 
 class AllocatedPeak:
     """The highest allocated_bytes() while the block runs (from `start`, its value at entry), sampled by a
-    thread (torch ops release the GIL); enabled=False samples nothing (peak = start = 0)."""
+    thread (torch ops release the GIL)."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self):
         self.start = self.peak = 0
 
     def __enter__(self) -> "AllocatedPeak":
-        if not self.enabled:
-            return self
         self.start = self.peak = allocated_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -81,8 +78,6 @@ class AllocatedPeak:
             self.peak = max(self.peak, allocated_bytes())
 
     def __exit__(self, *exc) -> None:
-        if not self.enabled:
-            return
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, allocated_bytes())
