@@ -22,6 +22,7 @@ every committed checkpoint of a root).
 """
 
 import argparse
+import os
 import re
 import sys
 from collections import defaultdict
@@ -109,14 +110,10 @@ def verify_command(path: Path) -> int:
 
 def import_command(args: argparse.Namespace) -> int:
     """import: the model from HF_DIR's config.json, the pieces over --workers processes or torchrun's ranks."""
-    import os
-
     import torch.distributed as dist
 
     from checkpoints_tool.hf_import import import_hf, import_in_workers, release_run_config
 
-    if args.workers < 1:
-        raise ToolError(f"--workers {args.workers}: must be >= 1")
     cfg, quantized, notes = release_run_config(args.dir, args.config, args.set)
     experts = "mxfp4" if quantized else "bf16"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank converts its share
@@ -141,6 +138,14 @@ def import_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is a usage error naming the option)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="checkpoints_tool", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -157,14 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     exporting.add_argument("--format", choices=LAYOUTS, default="native")
     exporting.add_argument("--experts", choices=EXPERT_FORMATS, default="mxfp4",
                            help="kimi-k3-hf: routed experts as the release stores them (mxfp4) or in bf16")
-    exporting.add_argument("--workers", type=int, default=1, help="local processes writing the files")
+    exporting.add_argument("--workers", type=positive, default=1, help="local processes writing the files")
     importing = commands.add_parser("import")
     importing.add_argument("dir", type=Path)
     importing.add_argument("out", type=Path)
     importing.add_argument("--config", type=Path, default=None,
                            help="a training config for the run's other sections (its model section is replaced)")
     importing.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    importing.add_argument("--workers", type=int, default=1, help="local processes converting shares of the files")
+    importing.add_argument("--workers", type=positive, default=1,
+                           help="local processes converting shares of the files")
     resharding = commands.add_parser("reshard")
     resharding.add_argument("dir", type=Path)
     resharding.add_argument("out", type=Path)
@@ -207,8 +213,6 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         if args.out.exists():
             raise ToolError(f"{args.out} exists; export never overwrites")
-        if args.workers < 1:
-            raise ToolError(f"--workers {args.workers}: must be >= 1")
         for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format, args.experts, args.workers):
             print(f"wrote {file}")
         return 0

@@ -26,9 +26,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from moe_pretrain.checkpoint.kimi_k3 import MXFP4_KINDS, kimi_k3_tensors, release_file_name, release_files
+from moe_pretrain.checkpoint.kimi_k3 import kimi_k3_tensors, release_file_name, release_files, to_release
 from moe_pretrain.checkpoint.kimi_k3_config import release_config
-from moe_pretrain.checkpoint.mxfp4 import encode
 from moe_pretrain.checkpoint.store import read_trainer_state
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.config.loader import build
@@ -198,16 +197,12 @@ def _read_shard(path: Path, metadata: dict[str, TensorStorageMetadata], shard: l
         experts = [t.expert for t in made if t.expert is not None]
         rows = (min(experts), max(experts) + 1) if experts else None
         source = read_rows(path, metadata[PREFIX + ours], PREFIX + ours, rows)
-        encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # an expert's codes and scales, made once
+        per_expert: dict[int | None, list[OutTensor]] = {}
         for tensor in made:
-            piece = source if tensor.expert is None else source[tensor.expert - rows[0]]
-            if tensor.kind in MXFP4_KINDS:
-                if tensor.expert not in encoded:
-                    encoded[tensor.expert] = encode(piece)
-                out[tensor.name] = encoded[tensor.expert][MXFP4_KINDS.index(tensor.kind)]
-            else:
-                out[tensor.name] = tensor.to_hf(piece)
-        del source, encoded
+            per_expert.setdefault(tensor.expert, []).append(tensor)
+        for expert, tensors in per_expert.items():
+            out.update(to_release(tensors, source if expert is None else source[expert - rows[0]]))
+        del source
     return out
 
 

@@ -55,9 +55,9 @@ class HFTensor:
         return torch.float32 if self.name.endswith(FLOAT32_SUFFIXES) else torch.bfloat16
 
     def to_hf(self, ours: torch.Tensor) -> torch.Tensor:
-        """Our tensor (the expert's slice when `expert` is set) in the released form."""
+        """Our tensor (the expert's slice when `expert` is set) in the released form (MXFP4 pairs: to_release)."""
         if self.kind in MXFP4_KINDS:
-            return mxfp4.encode(ours)[MXFP4_KINDS.index(self.kind)]
+            raise ValueError(f"{self.name}: MXFP4 codes and scales come from one encoding (kimi_k3.to_release)")
         if self.kind == "conv":
             ours = ours.unsqueeze(1)
         elif self.kind == "a_log":
@@ -196,6 +196,13 @@ def kimi_k3_tensors(m: ModelConfig, experts: str = "mxfp4") -> list[HFTensor]:
                 HFTensor(f"{PREFIX}norm.weight", "final_norm.weight", None, (d,)),
                 HFTensor(LM_HEAD, "head.weight", None, (m.vocab_size, d))]
     return tensors
+
+
+def to_release(made: list[HFTensor], ours: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The released tensors made from one of our tensors (or one expert's slice of it), by name: an expert's
+    MXFP4 codes and scales from one encoding (`made`: HFTensors, or export's SameTensors, which have to_hf too)."""
+    encoded = mxfp4.encode(ours) if any(t.kind in MXFP4_KINDS for t in made) else None
+    return {t.name: encoded[MXFP4_KINDS.index(t.kind)] if t.kind in MXFP4_KINDS else t.to_hf(ours) for t in made}
 
 
 def by_source(tensors: list[HFTensor]) -> dict[str, list[HFTensor]]:

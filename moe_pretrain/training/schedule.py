@@ -75,11 +75,11 @@ def plan(cfg: Config) -> list[dict]:
     """One row per stage: what the run will do."""
     rows, start = [], 0
     micro_batches, _ = derive_micro_batches(cfg)
-    for stage in cfg.stages:
+    for index, stage in enumerate(cfg.stages):
         first = stage_learning_rate(stage_at(cfg.stages, start))
         last = stage_learning_rate(stage_at(cfg.stages, start + stage.tokens - stage.batch_tokens))
         rows.append({"stage": stage.name, "start_tokens": start, "tokens": stage.tokens, "steps": stage.steps,
                      "seq_len": stage.seq_len, "batch_tokens": stage.batch_tokens, "sequences": stage.rows,
-                     "micro_batches": micro_batches[len(rows)], "lr_first": first, "lr_last": last})
+                     "micro_batches": micro_batches[index], "lr_first": first, "lr_last": last})
         start += stage.tokens
     return rows
