@@ -116,6 +116,18 @@ def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return out
 
 
+def all_to_all_flat(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send input_splits[r] elements of the flat x to rank r; returns the output_splits[r] elements received
+    from each rank r in rank order (no grad; a group of one returns x)."""
+    check_devices(group, [x], "all_to_all_flat")
+    if group_size(group) == 1:
+        return x
+    out = x.new_empty(sum(output_splits))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp, what: str) -> torch.Tensor:
     check_devices(group, [x], what)
     if group_size(group) == 1:

@@ -1,4 +1,4 @@
-"""ZeRO-1: AdamW whose state each data-parallel rank keeps only for its slice of the parameters.
+"""ZeRO-1: AdamW and Muon whose state each data-parallel rank keeps only for its slice of the parameters.
 
 Parameters live in flat buckets per (reduction group, weight decay, dtype), in model order, each at most
 bucket_bytes: a bucket owns one flat parameter buffer and one flat gradient buffer, and every parameter
@@ -10,6 +10,10 @@ parallel, expert parameters over expert-data parallel), so each rank receives th
 1/size slice; clip all slices by the global norm; run AdamW on the slice in place; all-gather the slices
 back into the parameter buffer. With a group of one (a single process) the collectives vanish and this is
 AdamW on the parameters themselves.
+
+Muon (optim.name=muon) takes the matrices: a group whose spec lists MatrixSpecs keeps one momentum per slice
+instead of Adam's two moments, and its buckets' updates come from whole matrices, orthogonalised on one owner
+rank each (parallel/muon.py); the gradients' reduce-scatter and the parameters' all-gather are the same.
 
 The reduce-scatters overlap the backward (megatron-core's overlap_grad_reduce): zero_grad(backwards=M) arms
 each bucket with the number of gradient accumulations the step will make into it (M micro-batches times
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_gather_into_async, all_reduce_sum, group_size, reduce_scatter_into_async
+from parallel.muon import MatrixSpec, MuonExchange
 
 
 @dataclass
@@ -54,6 +59,8 @@ class ParamGroupSpec:
     """This group's learning rate is the schedule's times lr_scale (set_lr)..."""
     warmup_steps: int = 0
     """... times min(1, (step + 1) / warmup_steps): a ramp of its own (0: none)."""
+    matrices: list[MatrixSpec] | None = None
+    """Muon's view of each parameter (a Muon group); None: an AdamW group."""
 
 
 class _Bucket:
@@ -87,6 +94,10 @@ class _Bucket:
         self.started = False
         self.gathering: tuple[dist.Work, torch.Tensor] | None = None
         """The parameters' all-gather under way, and the shard copy it sends."""
+        self.exchange: MuonExchange | None = None
+        """A Muon bucket's exchange of whole matrices (None: an AdamW bucket)."""
+        self.momentum: torch.Tensor | None = None
+        """A Muon bucket's momentum of this rank's range, [shard_numel]."""
 
     def attach_gradients(self) -> None:
         """Point every parameter's .grad at its view of the zeroed gradient buffer (autograd accumulates
@@ -104,7 +115,7 @@ class _Bucket:
     def start_reduce_scatter(self) -> None:
         """Start the gradient's reduce-scatter (asynchronously; finish_reduce_scatter waits)."""
         if self.grad_data is None:
-            raise RuntimeError("ShardedAdamW.step before any zero_grad(): call zero_grad() before the first "
+            raise RuntimeError("ShardedOptimizer.step before any zero_grad(): call zero_grad() before the first "
                                "backward, so gradients accumulate into the optimizer's buffers")
         self.started = True
         if self.size == 1:
@@ -144,22 +155,38 @@ class _Bucket:
         return result
 
 
-class ShardedAdamW:
+class ShardedOptimizer:
     def __init__(self, specs: list[ParamGroupSpec], *, lr: float, betas: tuple[float, float], eps: float,
                  bucket_bytes: int, norm_group: dist.ProcessGroup | None,
-                 param_order: list[nn.Parameter] | None = None):
+                 param_order: list[nn.Parameter] | None = None, momentum: float = 0.95,
+                 tp_group: dist.ProcessGroup | None = None):
         """param_order: every parameter in model order (forward order), which sets the order the buckets'
-        reduce-scatters start in (reverse); default: the specs' order."""
+        reduce-scatters start in (reverse); default: the specs' order. momentum: Muon's (Nesterov). tp_group:
+        the tensor-parallel group whose slices a MatrixSpec with a tensor_dim joins."""
         self.norm_group = norm_group
+        self.momentum = momentum
         self.buckets: list[_Bucket] = []
-        adam_groups = []
+        adam_groups, self.muon_groups = [], []
+        loads: dict[int, list[int]] = {}
+        """Per reduction group, each rank's Newton-Schulz work so far: owners balance across its buckets."""
         for spec in specs:
             spec_buckets = self._bucketize(spec, bucket_bytes)
             self.buckets.extend(spec_buckets)
-            if spec_buckets:
-                adam_groups.append({"params": [b.shard for b in spec_buckets], "weight_decay": spec.weight_decay,
-                                    "lr_scale": spec.lr_scale, "warmup_steps": spec.warmup_steps})
-        self.adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=True)
+            if not spec_buckets:
+                continue
+            settings = {"lr": lr, "weight_decay": spec.weight_decay, "lr_scale": spec.lr_scale,
+                        "warmup_steps": spec.warmup_steps}
+            if spec.matrices is None:
+                adam_groups.append({"params": [b.shard for b in spec_buckets], **settings})
+                continue
+            matrix_of = {id(p): m for p, m in zip(spec.params, spec.matrices, strict=True)}
+            group_loads = loads.setdefault(id(spec.group), [0] * group_size(spec.group))
+            for bucket in spec_buckets:
+                bucket.exchange = MuonExchange([matrix_of[id(p)] for p in bucket.params], bucket.offsets,
+                                               bucket.numel, bucket.shard_numel, spec.group, group_loads, tp_group)
+                bucket.momentum = torch.zeros_like(bucket.shard)
+            self.muon_groups.append({"buckets": spec_buckets, **settings})
+        self.adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=True) if adam_groups else None
         # The backward completes the buckets of the model's later parameters first: start those first.
         position = {id(p): i for i, p in enumerate(param_order or [p for b in self.buckets for p in b.params])}
         self.start_order = sorted(self.buckets, key=lambda b: -min(position[id(p)] for p in b.params))
@@ -169,10 +196,11 @@ class ShardedAdamW:
             for param in bucket.params:
                 param.register_post_accumulate_grad_hook(lambda _, bucket=bucket: self._accumulated(bucket))
         for bucket in self.buckets:
-            # Created now (AdamW would at its first step) so a checkpoint can load into them in place.
-            self.adamw.state[bucket.shard] = {
-                "step": torch.zeros((), dtype=torch.float32, device=bucket.shard.device),
-                "exp_avg": torch.zeros_like(bucket.shard), "exp_avg_sq": torch.zeros_like(bucket.shard)}
+            if bucket.exchange is None:
+                # Created now (AdamW would at its first step) so a checkpoint can load into them in place.
+                self.adamw.state[bucket.shard] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=bucket.shard.device),
+                    "exp_avg": torch.zeros_like(bucket.shard), "exp_avg_sq": torch.zeros_like(bucket.shard)}
 
     @staticmethod
     def _bucketize(spec: ParamGroupSpec, bucket_bytes: int) -> list[_Bucket]:
@@ -190,12 +218,13 @@ class ShardedAdamW:
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.adamw.param_groups
+        """AdamW's groups, then Muon's (each a dict with its lr, weight_decay, lr_scale, warmup_steps)."""
+        return (self.adamw.param_groups if self.adamw is not None else []) + self.muon_groups
 
     def set_lr(self, lr: float, step: int = 0) -> None:
         """The schedule's learning rate for 0-based optimizer step `step`, times each group's lr_scale and
         its own warmup ramp."""
-        for group in self.adamw.param_groups:
+        for group in self.param_groups:
             ramp = min(1.0, (step + 1) / group["warmup_steps"]) if group["warmup_steps"] else 1.0
             group["lr"] = lr * group["lr_scale"] * ramp
 
@@ -235,20 +264,33 @@ class ShardedAdamW:
 
     def update(self, max_norm: float, total_norm: float) -> None:
         """Clip the reduced gradients to max_norm (<= 0: no clipping) by their global norm (every rank has
-        the same), run AdamW on this rank's slices, start gathering the parameters (finished here unless
+        the same), run AdamW and Muon on this rank's slices, start gathering the parameters (finished here unless
         gate_parameter_use made the next forward wait for them). A caller that skips a step
         (non-finite loss or norm) does not call this: parameters and Adam state stay untouched."""
         if not math.isfinite(total_norm):
-            raise ValueError(f"ShardedAdamW.update with a non-finite gradient norm {total_norm}: skip the step")
+            raise ValueError(f"ShardedOptimizer.update with a non-finite gradient norm {total_norm}: skip the step")
         if max_norm > 0:
             coef = min(max_norm / (total_norm + 1e-6), 1.0)
             if coef < 1.0:
                 torch._foreach_mul_([b.shard.grad for b in self.buckets], coef)
-        self.adamw.step()
+        if self.adamw is not None:
+            self.adamw.step()
+        self._muon_step()
         for bucket in reversed(self.start_order):  # model order: the first layers' parameters first
             bucket.start_all_gather()
         if not self._gated:
             self.finish_parameter_gathers()
+
+    @torch.no_grad()
+    def _muon_step(self) -> None:
+        """Muon on this rank's slices: momentum <- mu momentum + g, the Nesterov direction g + mu momentum
+        orthogonalised as whole matrices (parallel/muon.py), decoupled weight decay as AdamW's."""
+        for group in self.muon_groups:
+            for bucket in group["buckets"]:
+                grad = bucket.shard.grad
+                bucket.momentum.mul_(self.momentum).add_(grad)
+                update = bucket.exchange.update(grad.add(bucket.momentum, alpha=self.momentum))
+                bucket.shard.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
 
     def finish_parameter_gathers(self) -> None:
         """Wait until every parameter holds its updated value on this rank."""
@@ -272,19 +314,22 @@ class ShardedAdamW:
         self._gated = True
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: the Adam moments of its slices (the master slice is a
-        view of the parameters)."""
-        return sum(t.numel() * t.element_size() for state in self.adamw.state.values()
-                   for t in state.values() if torch.is_tensor(t) and t.dim())
+        """Bytes of optimizer state on this rank: the Adam moments and Muon momenta of its slices (the master
+        slice is a view of the parameters)."""
+        return sum(t.numel() * t.element_size() for bucket in self.buckets for t in self.moments(bucket).values())
 
-    def moment(self, bucket: "_Bucket", name: str) -> torch.Tensor:
-        """This rank's slice of an Adam moment ("exp_avg" / "exp_avg_sq") of a bucket, [shard_numel]."""
-        return self.adamw.state[bucket.shard][name]
+    def moments(self, bucket: "_Bucket") -> dict[str, torch.Tensor]:
+        """This rank's slices of a bucket's optimizer state, [shard_numel] each: AdamW's "exp_avg" and
+        "exp_avg_sq", or Muon's "momentum"."""
+        if bucket.momentum is not None:
+            return {"momentum": bucket.momentum}
+        state = self.adamw.state[bucket.shard]
+        return {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
 
     @torch.no_grad()
     def set_step(self, step: int) -> None:
         """The Adam step count (bias correction) after loading a checkpoint of `step` optimizer steps."""
-        for state in self.adamw.state.values():
+        for state in (self.adamw.state.values() if self.adamw is not None else ()):
             state["step"].fill_(step)
 
 

@@ -140,6 +140,33 @@ def test_save_on_tp2_ep2_four_processes_resume_on_pp2_dp2(tmp_path):
         assert rel_rms(state[name], tensor) < 1e-9, name
 
 
+@pytest.mark.timeout(300)
+def test_muon_momentum_resumes_bitwise_and_reshards(tmp_path):
+    """Muon's momentum is saved per parameter like Adam's moments: a resume on the same layout is bitwise, and a
+    run saved on 4 processes (dense momentum in 4 slices, experts over ep=2, tensor-parallel o_proj joined)
+    resumes on one process equal to one process throughout (1e-9)."""
+    muon = "optim.name=muon"
+    straight = Trainer(config(tmp_path / "straight", muon))
+    expected = losses_of(straight.run())
+    first = losses_of(Trainer(config(tmp_path / "same", muon, "train.exit_at_step=3")).run())
+    resumed = Trainer(config(tmp_path / "same", muon))
+    assert first + losses_of(resumed.run()) == expected
+    for name, tensor in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    saved, _ = run_distributed(layout_worker, 4, str(tmp_path / "moved"), [
+        muon, "parallel.tp=2", "parallel.ep=2", "train.exit_at_step=3"])
+    moved = Trainer(config(tmp_path / "moved", muon))
+    assert saved + losses_of(moved.run()) == pytest.approx(expected, rel=1e-9)
+    for name, tensor in straight.model.state_dict().items():
+        assert rel_rms(moved.model.state_dict()[name], tensor) < 1e-9, name
+
+
+def test_resume_with_another_optimizer_names_the_key(tmp_path):
+    Trainer(config(tmp_path, "train.exit_at_step=1")).run()
+    with pytest.raises(CheckpointError, match=r"another optim\.name"):
+        Trainer(config(tmp_path, "optim.name=muon")).run()
+
+
 class NoisyTrainer(Trainer):
     """Draws from the global RNG every step, as dropout or router jitter would. The trainer reseeds at
     construction, so a resume that forgets the saved RNG state replays the first steps' noise."""

@@ -6,8 +6,8 @@ import re
 import torch
 
 from moe_pretrain.config import load_config
+from moe_pretrain.ops.newton_schulz import muon_update
 from moe_pretrain.training.muon_params import MuonRule, as_matrices, muon_rule
-from moe_pretrain.training.newton_schulz import muon_update
 from moe_pretrain.training.parallelize import meta_model
 
 

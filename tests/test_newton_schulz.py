@@ -5,7 +5,7 @@ independently; the update's RMS is Moonlight's 0.2."""
 import pytest
 import torch
 
-from moe_pretrain.training.newton_schulz import muon_update, orthogonalize
+from moe_pretrain.ops.newton_schulz import muon_update, orthogonalize
 
 BAND = (0.6, 1.25)
 """Singular values after 5 steps of the (3.4445, -4.7750, 2.0315) quintic, for every singular value of at least

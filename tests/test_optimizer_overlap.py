@@ -1,4 +1,4 @@
-"""parallel/optimizer.ShardedAdamW overlaps its collectives with compute (2 processes, gloo): each bucket's
+"""parallel/optimizer.ShardedOptimizer overlaps its collectives with compute (2 processes, gloo): each bucket's
 gradient reduce-scatter starts during the step's last backward (every bucket before reduce_gradients, in
 the fixed order on both ranks; bitwise the sums of reducing after the backward), and the parameters'
 all-gathers run into the next forward, each layer waiting for its own (bitwise the same forward)."""
@@ -9,17 +9,17 @@ import torch.distributed as dist
 from torch import nn
 
 from launch.local import run_distributed
-from parallel.optimizer import ParamGroupSpec, ShardedAdamW
+from parallel.optimizer import ParamGroupSpec, ShardedOptimizer
 
 MICRO_BATCHES = 3
 
 
-def model_and_optimizer() -> tuple[nn.Module, ShardedAdamW]:
+def model_and_optimizer() -> tuple[nn.Module, ShardedOptimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(5)))
     params = list(model.parameters())
     # Buckets of about one layer (16 x 16 + 16 floats): five buckets, started in reverse model order.
-    optimizer = ShardedAdamW([ParamGroupSpec(params, dist.group.WORLD, 0.0)], lr=1e-3, betas=(0.9, 0.95),
+    optimizer = ShardedOptimizer([ParamGroupSpec(params, dist.group.WORLD, 0.0)], lr=1e-3, betas=(0.9, 0.95),
                              eps=1e-8, bucket_bytes=(16 * 16 + 16) * 4, norm_group=dist.group.WORLD)
     return model, optimizer
 

@@ -88,6 +88,25 @@ def single_process(tmp_path, dtype):
         "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent",
         "images-dp2", "images-tp2xep2", "images-pp2", "images-cp2", "images-cp2xtp2"])
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
+    assert_layout_matches_single_process(tmp_path, world_size, overrides)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "overrides"), [
+    (4, ["parallel.ep=2"]),
+    (4, ["parallel.tp=2", "parallel.ep=2"]),
+    (2, ["parallel.pp=2", "data.micro_batches=2"]),
+    (2, ["parallel.cp=2", *IMAGES]),
+], ids=["dp4xep2", "tp2xep2", "pp2", "images-cp2"])
+def test_muon_layout_matches_single_process_float64(tmp_path, world_size, overrides):
+    """Per-Head Muon under ZeRO-1: whole matrices assembled on their owners from every data-parallel rank's
+    slice (dp4xep2: dense matrices over 4 ranks, experts over 2), tensor-parallel slices of whole-matrix rules
+    joined (tp2xep2), pipeline stages and context-parallel ranks (with the vision tower's matrices) each
+    equal to one process."""
+    assert_layout_matches_single_process(tmp_path, world_size, ["optim.name=muon", *overrides])
+
+
+def assert_layout_matches_single_process(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))
     ref_history = trainer.run()

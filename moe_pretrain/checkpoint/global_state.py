@@ -3,10 +3,11 @@
 Parameters keep their global names (global layer index; experts stacked along dim 0 with global
 indices). A parameter sliced over tensor or expert parallelism becomes a DTensor sharded on a mesh
 built from that megatron-core group; a replicated one stays a plain tensor (DCP keeps one copy).
-Adam moments are stored per parameter under the parameter's global shape, but each rank saves only
-the flat range its ZeRO-1 slice holds, as boxes of the global tensor (parallel/flat_shards.py): nothing
-is gathered or copied at save, and at load DCP fills each new layout's boxes, in place, from whichever
-boxes were saved. The master copy is the parameter itself, so it is not stored twice.
+Optimizer moments (AdamW's exp_avg / exp_avg_sq, Muon's momentum) are stored per parameter under the
+parameter's global shape, but each rank saves only the flat range its ZeRO-1 slice holds, as boxes of the
+global tensor (parallel/flat_shards.py): nothing is gathered or copied at save, and at load DCP fills each
+new layout's boxes, in place, from whichever boxes were saved. The master copy is the parameter itself,
+so it is not stored twice.
 """
 
 import torch
@@ -16,15 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from parallel.flat_shards import BoxedTensor
-from parallel.optimizer import ShardedAdamW
+from parallel.optimizer import ShardedOptimizer
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 class GlobalState:
-    def __init__(self, model: nn.Module, optimizer: ShardedAdamW, ctx: ParallelContext, plan: ShardingPlan):
+    def __init__(self, model: nn.Module, optimizer: ShardedOptimizer, ctx: ParallelContext, plan: ShardingPlan):
         self.model, self.optimizer, self.ctx, self.plan = model, optimizer, ctx, plan
         self._meshes: dict[int, DeviceMesh] = {}
         self.names = {id(p): name for name, p in model.named_parameters()}
@@ -63,14 +62,13 @@ class GlobalState:
         state = {}
         for name, tensor in self.model.state_dict().items():  # buffers; per-expert ones sharded like the experts
             state[f"model.{name}"] = self._wrap(name, tensor)
-        params = dict(self.model.named_parameters())
-        for name, param in params.items():
+        held = {id(p): list(self.optimizer.moments(bucket)) for bucket in self.optimizer.buckets for p in bucket.params}
+        for name, param in self.model.named_parameters():
             state[f"model.{name}"] = self._wrap(name, param.detach())
-            for moment in MOMENTS:  # replaced below by the boxes this rank holds, if any
+            for moment in held.get(id(param), ()):  # replaced below by the boxes this rank holds, if any
                 state[f"optim.{moment}.{name}"] = BoxedTensor(torch.Size(self._global(name, param.shape)[0]), [])
         for bucket in self.optimizer.buckets:
-            for moment in MOMENTS:
-                flat = self.optimizer.moment(bucket, moment)
+            for moment, flat in self.optimizer.moments(bucket).items():
                 for param, lo, hi, at in bucket.pieces():
                     name = self.names[id(param)]
                     global_shape, offsets = self._global(name, tuple(param.shape))
@@ -80,5 +78,5 @@ class GlobalState:
 
     @torch.no_grad()
     def after_load(self, step: int) -> None:
-        """The state was loaded in place: only the Adam step count is left to set."""
+        """The state was loaded in place: only AdamW's step count is left to set."""
         self.optimizer.set_step(step)

@@ -62,9 +62,16 @@ def _describe(err: BaseException, rank: int) -> list[str]:
         lines = []
         for failed_rank, cause in sorted(failures.items()):
             exc = cause[0] if isinstance(cause, tuple) else cause
-            lines.append(f"rank {failed_rank}: {type(exc).__name__}: {exc}")
+            lines.append(f"rank {failed_rank}: {type(exc).__name__}: {exc}{_optimizer_hint(exc)}")
         return lines
-    return [f"rank {rank}: {type(err).__name__}: {err}"]
+    return [f"rank {rank}: {type(err).__name__}: {err}{_optimizer_hint(err)}"]
+
+
+def _optimizer_hint(err: BaseException) -> str:
+    """What a missing optimizer moment means: AdamW keeps exp_avg / exp_avg_sq, Muon momentum, per parameter."""
+    missing = "Missing key in checkpoint state_dict: optim."
+    return (" (the checkpoint holds another optimizer's state: was it saved with another optim.name?)"
+            if missing in str(err) else "")
 
 
 Entries = dict[str, dict[str, Any]]

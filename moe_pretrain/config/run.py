@@ -154,6 +154,13 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter. muon: Per-Head Muon for the blocks' matrices (Q / K / V per head,
+    experts per expert; training/muon_params.py), AdamW (beta1, beta2, eps) for embeddings, head, vectors and
+    the rest; both take lr, the schedule and weight_decay (Muon's update is scaled to AdamW's RMS, Moonlight's
+    0.2 sqrt(max(rows, columns)))."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum."""
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -179,6 +186,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         require_positive("optim", lr=self.lr, vision_lr_scale=self.vision_lr_scale)
+        require(0 <= self.muon_momentum < 1, f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
         require(self.vision_warmup_steps >= 0, f"optim.vision_warmup_steps={self.vision_warmup_steps} must be >= 0")
         require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")

@@ -45,7 +45,7 @@ from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
 from parallel.context_parallel import ContextParallel, NoContextParallel, mla_exchange
 from parallel.context_parallel_mixers import apply_context_parallel
-from parallel.optimizer import ShardedAdamW
+from parallel.optimizer import ShardedOptimizer
 from parallel.state import ParallelContext, resolve_layout
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Trainer:
         return self.state.model
 
     @property
-    def optimizer(self) -> ShardedAdamW:
+    def optimizer(self) -> ShardedOptimizer:
         return self.state.optimizer
 
     @property
