@@ -123,6 +123,9 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
               f"{gigabytes(result['first']['vision_bytes'])} {gigabytes(w['total_bytes'])} "
               f"{gigabytes(result['host_bytes'])} {'yes' if fits else 'NO':>5s} |               "
               + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
+        if w["muon_flops"]:
+            print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step, its exchange "
+                  f"in dp's column; its step holds {w['muon_step_bytes'] / 1e9:.1f} GB after the activations are freed")
     return all_fit
 
 

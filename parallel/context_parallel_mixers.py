@@ -51,6 +51,14 @@ class UlyssesMLA(GatedMLA):
         q, k, v = (cp.heads_to_sequence(t) for t in (q, k, v))
         return cp.sequence_to_heads(super()._core(q, k, v, layout))
 
+    def _note_max_logits(self, maxima: torch.Tensor, layout: DocumentLayout) -> None:
+        """This rank attended with head block cp.rank of its heads: the others are recorded as -inf here and
+        filled by the maximum over the context group (model/qk_clip.py)."""
+        cp, h = layout.context, maxima.shape[0]
+        placed = maxima.new_full((h * cp.size,), float("-inf"))
+        placed[cp.rank * h:(cp.rank + 1) * h] = maxima
+        super()._note_max_logits(placed, layout)
+
 
 class LatentExchangeMLA(GatedMLA):
     """MLA whose queries attend over every position's gathered latent, keys and values expanded a block at
@@ -76,9 +84,13 @@ class LatentExchangeMLA(GatedMLA):
                 k_rope = rotate(k_rope, key_positions[start:end], self.rope_theta)
             return torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, H, Dr)], dim=-1), v
 
+        record = self.max_logits is not None and torch.is_grad_enabled()
         out = latent_causal_attention(q.reshape(B * T_local, H, Dn + Dr), layout.context.global_index(B, T),
                                       every.reshape(B * T, -1), layout.document_bounds, expand,
-                                      (up, self.kv_norm.weight), self.scale)
+                                      (up, self.kv_norm.weight), self.scale, max_logits=record)
+        if record:
+            out, maxima = out
+            self.max_logits.note(maxima)
         return out.reshape(B, T_local, H, Dv)
 
 

@@ -29,6 +29,11 @@ import torch.distributed as dist
 from moe_pretrain.ops.newton_schulz import muon_update
 from parallel.collectives import all_gather_into_async, all_to_all_flat, group_size
 
+BATCH_ELEMENTS = 2**24
+"""Matrices of one shape are orthogonalised in batches of at most this many elements (one matrix if larger), so
+the step's working memory beyond the received and returned pieces stays a few batches (planning/
+stage_memory.py's MUON_STEP_BYTES), not copies of every matrix a rank owns."""
+
 
 @dataclass(frozen=True)
 class MatrixSpec:
@@ -150,15 +155,16 @@ class MuonExchange:
         received = all_to_all_flat(send, self.recv_splits, self.send_splits, self.group)
         back = torch.empty_like(received)
         joined = self._joined_slices(received)
-        for key, matrices in self.shapes.items():
-            if key[2] is not None and self.tp > 1:
-                whole = torch.stack([joined[m.start] for m in matrices])
-                dim = whole.dim() + key[2]
-                for m, u in zip(matrices, muon_update(whole).chunk(self.tp, dim)[self.tp_rank]):
-                    self._scatter(m, u, back)
-            else:
-                stacked = torch.stack([self._gather(m, received).view(m.rows, m.columns) for m in matrices])
-                for m, u in zip(matrices, muon_update(stacked)):
+        for (rows, columns, tensor_dim), matrices in self.shapes.items():
+            per_batch = max(1, BATCH_ELEMENTS // (rows * columns * (self.tp if tensor_dim is not None else 1)))
+            for first in range(0, len(matrices), per_batch):
+                batch = matrices[first:first + per_batch]
+                if tensor_dim is not None and self.tp > 1:
+                    whole = torch.stack([joined[m.start] for m in batch])
+                    updates = muon_update(whole).chunk(self.tp, whole.dim() + tensor_dim)[self.tp_rank]
+                else:
+                    updates = muon_update(torch.stack([self._gather(m, received).view(rows, columns) for m in batch]))
+                for m, u in zip(batch, updates):
                     self._scatter(m, u, back)
         returned = all_to_all_flat(back, self.send_splits, self.recv_splits, self.group)
         result = torch.zeros_like(direction)

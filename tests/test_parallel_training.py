@@ -91,18 +91,24 @@ def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     assert_layout_matches_single_process(tmp_path, world_size, overrides)
 
 
+QK_CLIP = "optim.qk_clip_threshold=0.03"
+"""Below the tiny model's largest MLA logits (0.034-0.036 in its first steps): heads are clipped every step."""
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("world_size", "overrides"), [
     (4, ["parallel.ep=2"]),
-    (4, ["parallel.tp=2", "parallel.ep=2"]),
-    (2, ["parallel.pp=2", "data.micro_batches=2"]),
-    (2, ["parallel.cp=2", *IMAGES]),
-], ids=["dp4xep2", "tp2xep2", "pp2", "images-cp2"])
+    (4, ["parallel.tp=2", "parallel.ep=2", QK_CLIP]),
+    (2, ["parallel.pp=2", "data.micro_batches=2", QK_CLIP]),
+    (2, ["parallel.cp=2", *IMAGES, QK_CLIP]),
+    (4, ["parallel.cp=2", "parallel.ep=2", "parallel.cp_mla=latent", QK_CLIP]),
+], ids=["dp4xep2", "tp2xep2-qkclip", "pp2-qkclip", "images-cp2-ulysses-qkclip", "cp2xep2-latent-qkclip"])
 def test_muon_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     """Per-Head Muon under ZeRO-1: whole matrices assembled on their owners from every data-parallel rank's
     slice (dp4xep2: dense matrices over 4 ranks, experts over 2), tensor-parallel slices of whole-matrix rules
     joined (tp2xep2), pipeline stages and context-parallel ranks (with the vision tower's matrices) each
-    equal to one process."""
+    equal to one process. With QK-clip: each head's maximum is complete after the reduction over data and
+    context parallelism (Ulysses heads, latent-exchange queries), so every layout clips as one process does."""
     assert_layout_matches_single_process(tmp_path, world_size, ["optim.name=muon", *overrides])
 
 

@@ -161,6 +161,9 @@ class OptimConfig:
     0.2 sqrt(max(rows, columns)))."""
     muon_momentum: float = 0.95
     """Muon's Nesterov momentum."""
+    qk_clip_threshold: float = 0.0
+    """QK-clip (model/qk_clip.py; Kimi K2 used 100): after each step, every MLA head whose largest attention logit
+    of the step exceeded this has its query and key weights scaled so it would not. 0 = off (no recording)."""
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -187,6 +190,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require_positive("optim", lr=self.lr, vision_lr_scale=self.vision_lr_scale)
         require(0 <= self.muon_momentum < 1, f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
+        require(self.qk_clip_threshold >= 0, f"optim.qk_clip_threshold={self.qk_clip_threshold} must be >= 0 (0: off)")
         require(self.vision_warmup_steps >= 0, f"optim.vision_warmup_steps={self.vision_warmup_steps} must be >= 0")
         require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")

@@ -23,6 +23,7 @@ from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.qk_clip import MaxLogitRecord, document_max_logits
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.ops.document_attention import document_causal_attention
 
@@ -60,6 +61,9 @@ class GatedMLA(nn.Module):
         self.o_proj = make_linear(H * cfg.v_head_dim, dim, init_std=out_std)
         self.recompute_core = False
         """Recompute the attention core in backward (train.recompute=selective)."""
+        self.max_logits: MaxLogitRecord | None = None
+        """Each head's largest logit of the step's training forwards, for QK-clip (model/qk_clip.py); None: not
+        recorded (optim.qk_clip_threshold = 0)."""
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         cfg = self.cfg
@@ -95,4 +99,11 @@ class GatedMLA(nn.Module):
             out = flex_document_attention(*flat, layout.attention_mask, self.scale)
         else:
             out = document_causal_attention(*flat, layout.document_bounds, self.scale)
+        if self.max_logits is not None and torch.is_grad_enabled():
+            self._note_max_logits(document_max_logits(flat[0], flat[1], layout.document_bounds, self.scale), layout)
         return out.reshape(rows, positions, heads, -1)
+
+    def _note_max_logits(self, maxima: torch.Tensor, layout: DocumentLayout) -> None:
+        """Record the maxima of the heads this core saw: all of this rank's (a variant that splits heads
+        places them)."""
+        self.max_logits.note(maxima)

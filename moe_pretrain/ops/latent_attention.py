@@ -62,7 +62,7 @@ def _masked_scores(q: torch.Tensor, k: torch.Tensor, scale: float, q_index: torc
 
 class _LatentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_NHD, latent_MC, q_index, q_doc, k_doc, visibility, expand, scale, *params):
+    def forward(ctx, q_NHD, latent_MC, q_index, q_doc, k_doc, visibility, expand, scale, maxima, *params):
         compute = torch.promote_types(q_NHD.dtype, torch.float32)
         N, H, _ = q_NHD.shape
         k_index = torch.arange(latent_MC.shape[0], device=latent_MC.device)
@@ -89,6 +89,8 @@ class _LatentAttention(torch.autograd.Function):
                 running_max[q0:q1] = safe_max
         out = (out / total[..., None]).to(q_NHD.dtype)  # every query sees at least itself: total > 0
         lse = running_max + torch.log(total)
+        if maxima is not None:  # each head's largest score over these queries (QK-clip's record)
+            maxima.append(running_max.amax(0).detach())
         ctx.save_for_backward(q_NHD, latent_MC, q_index, q_doc, k_doc, out, lse, *params)
         ctx.visibility, ctx.expand, ctx.scale, ctx.compute = visibility, expand, scale, compute
         device = latent_MC.device.type
@@ -138,13 +140,16 @@ class _LatentAttention(torch.autograd.Function):
                     if grad is not None:
                         dparams[index] += grad
         return (dq.to(q_NHD.dtype), dlatent if latent_MC.requires_grad else None, None, None, None, None, None,
-                None, *dparams)
+                None, None, *dparams)
 
 
 def latent_causal_attention(q_NHD: torch.Tensor, query_index: Sequence[int], latent_MC: torch.Tensor,
                             bounds: Sequence[int], expand: Expand, params: Sequence[torch.Tensor], scale: float,
-                            *, query_block: int = 1024, key_block: int = 1024) -> torch.Tensor:
-    """Each query's softmax attention over the keys of its document at or before its position -> [N, H, Dv].
+                            *, query_block: int = 1024, key_block: int = 1024, max_logits: bool = False
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each query's softmax attention over the keys of its document at or before its position -> [N, H, Dv];
+    with max_logits also each head's largest score over these queries, [H] (from the online softmax's running
+    maximum: no extra pass).
 
     query_index: each query's position in the key sequence (host integers); bounds: the key sequence's
     cu_seqlens (host integers, [0, ..., M]); params: every tensor `expand` reads that needs a gradient (its
@@ -160,4 +165,7 @@ def latent_causal_attention(q_NHD: torch.Tensor, query_index: Sequence[int], lat
                                       torch.tensor([e - s for s, e in itertools.pairwise(bounds)], device=device))
     query_doc = key_doc[index]
     visibility = _Visibility(query_index, bounds, query_block, key_block, M)
-    return _LatentAttention.apply(q_NHD, latent_MC, index, query_doc, key_doc, visibility, expand, scale, *params)
+    maxima = [] if max_logits else None
+    out = _LatentAttention.apply(q_NHD, latent_MC, index, query_doc, key_doc, visibility, expand, scale, maxima,
+                                 *params)
+    return (out, maxima[0]) if max_logits else out

@@ -4,7 +4,9 @@ For each pipeline rank (stage), the worst rank of that stage holds: parameters (
 of the stage's layers, in the parameter dtype: fp32 under bf16 training), gradients (one buffer of the same
 size: parallel/optimizer.py keeps them flat), and Adam's two moments for its ZeRO-1 slice, i.e. each
 parameter's moments divided over its gradient-reduce group (data parallel for tensor shards, tensor x data
-parallel for replicated parameters, expert-data parallel for routed experts). The optimizer's master slice
+parallel for replicated parameters, expert-data parallel for routed experts); with optim.name=muon, one
+momentum for the parameters Muon takes (training/muon_params.py), and Muon's work per step: its Newton-Schulz
+FLOPs and the bytes its exchange sends (parallel/muon.py), both per rank of the stage. The optimizer's master slice
 is a view of the parameters and costs nothing. Activations, communication buffers and the allocator's
 slack are not counted. Within a stage every rank holds the same amounts (even splits), so a stage's worst
 rank is any of them; the first global rank of the stage is reported (megatron-core orders ranks
@@ -18,6 +20,8 @@ import torch
 
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.ops.newton_schulz import STEPS
+from moe_pretrain.training.muon_params import as_matrices, muon_rule
 from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks, pipeline_rank_of
 from parallel.state import ParallelLayout, resolve_layout
 
@@ -70,22 +74,55 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
     chunks = pipeline_chunks(cfg)
     params = [0] * layout.pp
     reduced = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
+    muon = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
+    """Per stage and reduction group: elements Muon takes (one momentum instead of two moments)."""
+    flops = [0.0] * layout.pp
+    """Per stage: Newton-Schulz FLOPs of a step, per rank (owners balance the group's matrices)."""
+    joins = [0.0] * layout.pp
+    """Per stage: elements a rank receives joining tensor-parallel slices of whole-matrix rules."""
     for name, shape in shapes.items():
         pp_rank = pipeline_rank_of(name, chunks, layout.pp)
         placement = plan.placement(name)
-        numel = math.prod(placement.local_shape(shape, layout.tp, layout.ep))
+        local = placement.local_shape(shape, layout.tp, layout.ep)
+        numel = math.prod(local)
         params[pp_rank] += numel
         reduced[pp_rank][placement.reduce_group] += numel
+        rule = muon_rule(name, torch.empty(local, device="meta"), cfg.model) if cfg.optim.name == "muon" else None
+        if rule is not None:
+            muon[pp_rank][placement.reduce_group] += numel
+            joined = placement.tensor_dim is not None and rule.head_rows == 0
+            matrices = as_matrices(torch.empty(shape if joined else local, device="meta"))
+            rows, columns = matrices.shape[-2:]
+            blocks = math.prod(matrices.shape[:-2]) * (rows // (rule.head_rows or rows))
+            # A joined matrix is orthogonalised whole on each of its tp owners: its cost is not divided by tp.
+            flops[pp_rank] += blocks * newton_schulz_flops(rule.head_rows or rows, columns) / group_size[
+                placement.reduce_group]
+            if joined and layout.tp > 1:
+                joins[pp_rank] += numel * (layout.tp - 1) / group_size[placement.reduce_group]
     stages = []
     for pp_rank in range(layout.pp):
-        moments = sum(2 * math.ceil(n / group_size[g]) for g, n in reduced[pp_rank].items())
+        moments = sum(2 * math.ceil(n / group_size[g]) - math.ceil(muon[pp_rank][g] / group_size[g])
+                      for g, n in reduced[pp_rank].items())
+        # Each all-to-all sends the slice's pieces owned elsewhere, (size - 1) / size of it, twice a step; the
+        # joins receive the other tp slices of the whole-matrix rules' matrices a rank owns.
+        exchange = joins[pp_rank] + sum(2 * math.ceil(n / size) * (size - 1) / size
+                                        for g, n in muon[pp_rank].items() if (size := group_size[g]) > 1)
         stage = {"pp_rank": pp_rank, "rank": pp_rank * layout.world_size // layout.pp,
                  "layers": [i for c in chunks_of_rank(len(chunks), layout.pp, pp_rank) for i in chunks[c]],
                  "params": params[pp_rank], "param_bytes": params[pp_rank] * width,
-                 "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width}
+                 "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width,
+                 "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
+                 "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
     return stages
+
+
+def newton_schulz_flops(rows: int, columns: int) -> float:
+    """FLOPs of Newton-Schulz on one [rows, columns] matrix (ops/newton_schulz.py): per step the Gram matrix
+    (2 m^2 n), its square (2 m^3) and the product with X (2 m^2 n), m <= n the sides."""
+    m, n = sorted((rows, columns))
+    return STEPS * (4 * m * m * n + 2 * m**3)
 
 
 def describe(result: dict) -> str:

@@ -33,6 +33,7 @@ from moe_pretrain.planning.step_activations import (
     vision_activations,
 )
 from parallel.context_parallel import mla_exchange
+from parallel.muon import BATCH_ELEMENTS
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelLayout, derive_micro_batches
 
@@ -43,6 +44,9 @@ HEADROOM = 0.10
 HOST_BYTES_PER_GPU = 2e12 / 8
 """Host memory for one GPU's offloaded layer inputs: an 8-GPU H100 / H200 node (DGX) has about 2 TB."""
 LATENT_BLOCK = 1024
+MUON_STEP_BYTES = 8 * BATCH_ELEMENTS * 4
+"""Muon's step beyond its received and returned pieces (2 x its momentum): a batch's stacked matrices, Newton-
+Schulz's float32 iterate, Gram matrix and products (parallel/muon.py's BATCH_ELEMENTS), a few copies."""
 """ops.latent_attention's default query tile and key block."""
 
 
@@ -177,12 +181,16 @@ class MemoryPlanner:
             # Routers see this tensor rank's sequence-parallel share of the positions.
             balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, layout.micro_batches)
             vision = self.vision_bytes(stage, layout, rows, in_flight, act_bytes, run.tp) if p == 0 else 0.0
-            total = state["total_bytes"] + act.peak + buffers + balancing + vision
+            # Muon's step runs after the backward freed the activations: the pieces it received and sends back
+            # (its momentum's size each) and one batch's Newton-Schulz work.
+            muon_step = 2 * state["muon_momentum_bytes"] + MUON_STEP_BYTES if state["muon_momentum_bytes"] else 0
+            total = state["total_bytes"] + max(act.peak + buffers + balancing + vision, muon_step)
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
                    "balancing_bytes": balancing, "vision_bytes": vision, "total_bytes": total,
-                   "in_flight": in_flight, "host_bytes": act.host}
+                   "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
+                   "muon_step_bytes": muon_step}
             most_host = max(most_host, act.host)
             if worst is None or total > worst["total_bytes"]:
                 worst = row
@@ -229,7 +237,7 @@ class MemoryPlanner:
                                    * 4 * tokens * layout.cp / stage.seq_len)
         cp = M * (mla * mla_bytes + kda * kda_bytes)
         dp_cp = run.gpus // (run.tp * run.pp)
-        dp = 2 * _sent(dp_cp, state["param_bytes"])
+        dp = 2 * _sent(dp_cp, state["param_bytes"]) + state["muon_exchange_bytes"]
         return {"tp": tp, "ep": ep, "pp": pp, "cp": cp, "dp": dp}
 
     def fits(self, run: RunLayout, stage: StageConfig, layout: StageLayout, gpu_bytes: float,

@@ -27,6 +27,7 @@ from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.fp8 import advance_amax_histories
 from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.qk_clip import clip_heads, start_recording
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
@@ -110,6 +111,8 @@ class Trainer:
         self.saved_inputs: SavedInputs | None = None
         """The store of the layers' saved inputs under full recomputation (its ledger: model/saved_inputs.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
+        self.max_logits: torch.Tensor | None = None
+        """QK-clip's maxima of the last step, this rank's MLA layers x heads (optim.qk_clip_threshold)."""
         self.last_checkpoint: Path | None = None
         self.peak_flops = peak_flops(cfg.logging.peak_tflops, self.device, self.dtype) * self.ctx.layout.world_size
         self._flops_per_token: dict[int, float] = {}
@@ -223,6 +226,8 @@ class Trainer:
         lr = plan.lr
         self.optimizer.set_lr(lr, self.step)
         self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
+        if cfg.optim.qk_clip_threshold:
+            start_recording(self.model)
         ce_sum = self.runner.forward_backward(plan, batches, loss_tokens)
         if self.pipeline is None:
             loss = all_reduce_sum(ce_sum, ctx.dp_group) / loss_tokens
@@ -235,6 +240,9 @@ class Trainer:
             self.async_saver.before_update()  # a background save's copy of the state must be complete
         if not skipped:
             self.optimizer.update(cfg.optim.grad_clip, grad_norm)
+            if cfg.optim.qk_clip_threshold:
+                self.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
+                self.max_logits = clip_heads(self.model, cfg.optim.qk_clip_threshold, ctx.dp_group)
         advance_amax_histories(self.model, self.ctx.edp_group if self.ctx.distributed else None, discard=skipped)
         if skipped:
             self.model.discard_balancing()
@@ -285,7 +293,17 @@ class Trainer:
             "step_time_s": result.seconds,
             "data_wait_s": result.data_wait_s,
             "moe": self._moe_stats(),
+            **self._max_logit(),
         }
+
+    def _max_logit(self) -> dict[str, float]:
+        """With QK-clip on, the step's largest MLA attention logit over every layer and head (before the clip):
+        a maximum over all ranks (a stage without MLA layers gives -inf)."""
+        if not self.cfg.optim.qk_clip_threshold:
+            return {}
+        local = self.max_logits.max() if self.max_logits is not None else torch.tensor(float("-inf"))
+        group = dist.group.WORLD if self.ctx.distributed else None
+        return {"max_logit": all_reduce_max(local.reshape(1).to(self.device, torch.float64), group).item()}
 
     def _records_loads(self) -> bool:
         every = self.cfg.logging.expert_load_every

@@ -1,0 +1,81 @@
+"""QK-clip: Kimi K2's weight clipping of attention heads whose logits grew too large (the K3 report's §3.3).
+
+Muon lets attention logits grow without bound in a few heads (the K2 report's "MuonClip"). The forward records
+each MLA head's largest pre-softmax logit (scaled q . k over pairs within a document, past and present only);
+after the optimizer step the maxima are max-reduced over the data- and context-parallel group (each rank saw its
+rows and positions), and every head whose maximum exceeded optim.qk_clip_threshold has its weights scaled by
+gamma = threshold / max, so that the same inputs would give it exactly the threshold: the head's query rows of
+q_up (its nope part) and key rows of kv_up by sqrt(gamma) each, its rope query rows by gamma (the rope key is
+shared by every head and stays; K2's rule for MLA). Other heads are untouched. Everything stays on the device:
+no host read. Under tensor parallelism a rank clips its own heads (q_up and kv_up are split by head).
+
+Recording costs one more q . k pass over every causal pair of the plain and Ulysses paths (no softmax, no
+values: a blockwise max, never a [T, T] tensor); the latent exchange takes it from its online softmax's running
+maximum for free.
+"""
+
+import itertools
+
+import torch
+from torch import nn
+
+from parallel.collectives import all_reduce_max
+
+
+@torch.no_grad()
+def document_max_logits(q_NHD: torch.Tensor, k_NHD: torch.Tensor, bounds: list[int], scale: float,
+                        block: int = 256) -> torch.Tensor:
+    """Each head's largest scale q . k over (query, key) pairs of the same document with the key at or before
+    the query -> [H] (float32 or wider), a block of queries at a time."""
+    compute = torch.promote_types(q_NHD.dtype, torch.float32)
+    best = q_NHD.new_full((q_NHD.shape[1],), float("-inf"), dtype=compute)
+    for start, end in itertools.pairwise(bounds):
+        for q0 in range(start, end, block):
+            q1 = min(q0 + block, end)
+            scores = torch.einsum("qhd,khd->hqk", q_NHD[q0:q1].to(compute), k_NHD[start:q1].to(compute)) * scale
+            causal = torch.arange(q0, q1, device=q_NHD.device)[:, None] >= torch.arange(start, q1,
+                                                                                         device=q_NHD.device)
+            best = torch.maximum(best, scores.masked_fill(~causal, float("-inf")).amax(dim=(1, 2)))
+    return best
+
+
+class MaxLogitRecord:
+    """A mixer's running per-head maximum over the step's forwards (micro-batches, recomputations)."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def note(self, maxima: torch.Tensor) -> None:
+        maxima = maxima.detach()
+        self.value = maxima if self.value is None else torch.maximum(self.value, maxima)
+
+
+def _mla_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "max_logits")]
+
+
+def start_recording(model: nn.Module) -> None:
+    """Forget the previous step's maxima: every MLA layer records this step's."""
+    for layer in _mla_layers(model):
+        layer.max_logits = MaxLogitRecord()
+
+
+@torch.no_grad()
+def clip_heads(model: nn.Module, threshold: float, group) -> torch.Tensor | None:
+    """Scale the weights of every head whose step maximum (reduced over `group`, data x context parallel)
+    exceeded `threshold`; returns the reduced maxima [MLA layers here, heads here] (None: no MLA layer recorded)."""
+    layers = [layer for layer in _mla_layers(model)
+              if layer.max_logits is not None and layer.max_logits.value is not None]
+    if not layers:
+        return None
+    maxima = all_reduce_max(torch.stack([layer.max_logits.value for layer in layers]), group)
+    gamma = torch.where(maxima > threshold, threshold / maxima, torch.ones_like(maxima))
+    for layer, g in zip(layers, gamma):
+        cfg, heads = layer.cfg, g.shape[0]
+        nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        root = g.sqrt().to(layer.q_up.weight.dtype)[:, None, None]
+        q = layer.q_up.weight.view(heads, nope + rope, -1)
+        q[:, :nope] *= root
+        q[:, nope:] *= g.to(q.dtype)[:, None, None]
+        layer.kv_up.weight.view(heads, nope + cfg.v_head_dim, -1)[:, :nope] *= root
+    return maxima
