@@ -28,13 +28,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoints_tool import ImportWorkerError
 from moe_pretrain.checkpoint import committed_checkpoints, prune, read_trainer_state, verify
 from moe_pretrain.checkpoint.directory import LATEST
-from moe_pretrain.checkpoint.export import LAYOUTS, export
+from moe_pretrain.checkpoint.export import EXTRAS, LAYOUTS, export
 from moe_pretrain.checkpoint.kimi_k3 import EXPERT_FORMATS
 from moe_pretrain.checkpoint.manifest import MANIFEST, read_manifest
 from moe_pretrain.checkpoint.store import CheckpointError
@@ -215,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
             raise ToolError(f"{args.out} exists; export never overwrites")
         for file in export(source, args.out, int(args.max_shard_mb * 2**20), args.format, args.experts, args.workers):
             print(f"wrote {file}")
+        if (extras := args.out / EXTRAS).exists():
+            print(kept_aside(extras, args.format))
         return 0
     if args.keep_last < 1:
         raise ToolError("--keep-last must be >= 1")
@@ -223,6 +226,18 @@ def run(args: argparse.Namespace) -> int:
     for path in prune(args.dir, args.keep_last, args.keep_every, background=False):
         print(f"deleted {path}")
     return 0
+
+
+def kept_aside(extras: Path, layout: str) -> str:
+    """What an export put beside the layout's files, said: the multi-token-prediction blocks by name."""
+    with safe_open(str(extras), framework="pt") as f:
+        names = list(f.keys())
+    blocks = sorted({name.split(".")[1] for name in names if name.startswith("mtp.")})
+    line = f"kept {len(names)} tensors the {layout} layout has no place for in {extras}"
+    if blocks:
+        line += (f", among them the {len(blocks)} multi-token-prediction block(s) (mtp.*): the release has "
+                 f"num_nextn_predict_layers 0, so serving engines load the backbone without them")
+    return line
 
 
 if __name__ == "__main__":

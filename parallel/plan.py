@@ -62,7 +62,8 @@ MODEL_PLAN: tuple[tuple[str, Style], ...] = (
     ("layers.*.mlp.experts", Style.EXPERTS),
 )
 """Pattern -> style. A pattern names a module (its own parameters take the style) or one parameter; `*`
-stands for one path component. The first match wins."""
+stands for one path component. The first match wins. A multi-token-prediction block's decoder layer
+(mtp.<k>.layer) is placed as the backbone's layers are (backbone_path)."""
 
 REPLICATED: tuple[str, ...] = (
     # The vision tower and projector: every tensor- and context-parallel rank encodes its rows' images whole.
@@ -75,12 +76,15 @@ REPLICATED: tuple[str, ...] = (
     # The MoE's router and latent projections (every rank routes and projects its own tokens).
     "layers.*.mlp.router.gate", "layers.*.mlp.latent_down", "layers.*.mlp.latent_norm", "layers.*.mlp.latent_up",
 )
+REPLICATED += (
+    # A multi-token-prediction block's input norms and projection and its norm before the shared head.
+    "mtp.*.hidden_norm", "mtp.*.embedding_norm", "mtp.*.projection", "mtp.*.norm")
 """Modules (with everything below them) or parameters meant to stay whole on every tensor- and expert-parallel
 rank; the same pattern syntax."""
 
 TENSOR_DIM = {Style.COLUMN: 0, Style.ROW: 1, Style.VOCAB: 0, Style.HEADS: 0}
 FIRST_STAGE_MODULES = ("embedding", "vision_tower", "mm_projector")
-LAST_STAGE_MODULES = ("final_mix", "final_norm", "head")
+LAST_STAGE_MODULES = ("final_mix", "final_norm", "head", "mtp")
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,15 @@ class ParamPlacement:
         return tuple(offsets)
 
 
+MTP_LAYER = re.compile(r"^mtp\.(\d+)\.layer\.")
+
+
+def backbone_path(path: str) -> str:
+    """A multi-token-prediction block's layer under the name a backbone layer would have (mtp.<k>.layer.x ->
+    layers.mtp<k>.x), so the layers' rules place it; any other path as it is."""
+    return MTP_LAYER.sub(lambda m: f"layers.mtp{m.group(1)}.", path)
+
+
 def _compile(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
 
@@ -153,6 +166,7 @@ class ShardingPlan:
 
     def style(self, path: str) -> Style | None:
         """The style declared for the module or parameter at `path` (global name), None when replicated."""
+        path = backbone_path(path)
         for pattern, style in self._patterns:
             if pattern.match(path):
                 return style
@@ -160,12 +174,13 @@ class ShardingPlan:
 
     def unplanned(self, names: list[str]) -> list[str]:
         """Parameters (global names) that no rule places and REPLICATED does not declare."""
-        return [name for name in names if not any(_places(regex, name) for regex, _ in self._patterns)
-                and not any(_contains(regex, name) for regex in self._replicated)]
+        return [name for name in names if not any(_places(regex, backbone_path(name)) for regex, _ in self._patterns)
+                and not any(_contains(regex, backbone_path(name)) for regex in self._replicated)]
 
     def unused(self, names: list[str]) -> list[str]:
         """Rules and REPLICATED entries that match none of these parameters (of a model that has every
         component: a renamed module leaves its rule behind)."""
+        names = [backbone_path(name) for name in names]
         rules = [pattern for (pattern, _), (regex, _) in zip(self.rules, self._patterns)
                  if not any(_places(regex, name) for name in names)]
         return rules + [pattern for pattern, regex in zip(self.replicated, self._replicated)
@@ -219,8 +234,8 @@ LAYER = re.compile(r"^layers\.(\d+)\.")
 
 def pipeline_rank_of(name: str, chunks: list[list[int]], pp: int) -> int:
     """The pipeline rank that holds the parameter with this global name (chunks: pipeline_chunks): its
-    layer's chunk owner, the first chunk's for the embeddings, the last chunk's for the final mix, norm
-    and head."""
+    layer's chunk owner, the first chunk's for the embeddings, the last chunk's for the final mix, norm,
+    head and the multi-token-prediction blocks."""
     if match := LAYER.match(name):
         layer = int(match.group(1))
         return next(c for c, layers in enumerate(chunks) if layer in layers) % pp

@@ -15,11 +15,12 @@ def test_full_size_rules():
     cfg = load_config("configs/full.yaml")
     model, _ = meta_model(cfg)
     rules = {re.sub(r"\.\d+\.", ".N.", name): muon_rule(name, p, cfg.model) for name, p in model.named_parameters()}
-    adamw = sorted(name for name, rule in rules.items() if rule is None)
+    adamw = sorted(name for name, rule in rules.items() if rule is None and not name.startswith("mtp."))
     per_head = {name: rule.head_rows for name, rule in rules.items() if rule and rule.head_rows}
     assert per_head == {"layers.N.mixer.q_proj.weight": 128, "layers.N.mixer.k_proj.weight": 128,
                         "layers.N.mixer.v_proj.weight": 128, "layers.N.mixer.q_up.weight": 192,
-                        "layers.N.mixer.kv_up.weight": 256}
+                        "layers.N.mixer.kv_up.weight": 256,  # and the multi-token-prediction block's MLA layer:
+                        "mtp.N.layer.mixer.q_up.weight": 192, "mtp.N.layer.mixer.kv_up.weight": 256}
     assert adamw == sorted([
         "embedding.weight", "head.weight", "final_mix.norm_weight", "final_mix.pseudo_query.weight",
         "final_norm.weight", "layers.N.attn_mix.norm_weight", "layers.N.attn_mix.pseudo_query.weight",
@@ -30,6 +31,13 @@ def test_full_size_rules():
         "mm_projector.post_norm.weight", "vision_tower.patch_embed.pos_emb.weight",
         "vision_tower.encoder.blocks.N.norm0.weight", "vision_tower.encoder.blocks.N.norm1.weight",
         "vision_tower.encoder.final_layernorm.weight"])
+    # The multi-token-prediction block's vectors and its layer's, as the backbone's (its projection is a matrix).
+    assert sorted(name for name, rule in rules.items() if rule is None and name.startswith("mtp.")) == sorted([
+        "mtp.N.hidden_norm.weight", "mtp.N.embedding_norm.weight", "mtp.N.norm.weight",
+        *(f"mtp.N.layer.{name}" for name in (
+            "attn_mix.norm_weight", "attn_mix.pseudo_query.weight", "attn_norm.weight", "mlp_mix.norm_weight",
+            "mlp_mix.pseudo_query.weight", "mlp_norm.weight", "mixer.q_norm.weight", "mixer.kv_norm.weight",
+            "mlp.latent_norm.weight"))])
     muon = sum(p.numel() for name, p in model.named_parameters() if muon_rule(name, p, cfg.model))
     total = sum(p.numel() for p in model.parameters())
     assert 0.99 < muon / total < 1.0  # all but the embeddings, head and vectors

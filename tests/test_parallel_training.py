@@ -44,7 +44,7 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
         everyone = [torch.empty_like(biases) for _ in range(dist.get_world_size(ctx.tp_dp_group))]
         dist.all_gather(everyone, biases, group=ctx.tp_dp_group)
         identical = all(torch.equal(b, everyone[0]) for b in everyone)
-        losses = [(h["loss"], h["grad_norm"]) for h in history]
+        losses = [(h["loss"], h["grad_norm"], *h.get("mtp_loss", ())) for h in history]
         return losses, state, identical, trainer.optimizer.state_bytes(), expert_loads(history)
     finally:
         destroy_parallel()
@@ -112,11 +112,24 @@ def test_muon_layout_matches_single_process_float64(tmp_path, world_size, overri
     assert_layout_matches_single_process(tmp_path, world_size, ["optim.name=muon", *overrides])
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "overrides"), [
+    (2, ["parallel.pp=2", "data.micro_batches=2"]),
+    (4, ["parallel.tp=2", "parallel.ep=2"]),
+    (4, ["parallel.cp=2", "parallel.ep=2", *IMAGES]),
+], ids=["pp2", "tp2xep2", "images-cp2xep2"])
+def test_mtp_layout_matches_single_process_float64(tmp_path, world_size, overrides):
+    """Two multi-token-prediction blocks (model/mtp.py): the embeddings ahead cross the pipeline to the last
+    stage, the blocks' layers are split as the backbone's (tensor, expert, context parallel) and their logits go
+    through the vocabulary-parallel head; every layout equals one process."""
+    assert_layout_matches_single_process(tmp_path, world_size, ["model.mtp.layers=2", *overrides])
+
+
 def assert_layout_matches_single_process(tmp_path, world_size, overrides):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))
     ref_history = trainer.run()
-    ref_losses = [(h["loss"], h["grad_norm"]) for h in ref_history]
+    ref_losses = [(h["loss"], h["grad_norm"], *h.get("mtp_loss", ())) for h in ref_history]
     ref_state = trainer.model.state_dict()
     losses, state, identical, _, loads = run_distributed(
         train_worker, world_size, str(tmp_path / "parallel"), "float64", overrides)

@@ -20,8 +20,10 @@ def test_every_rule_places_something_and_every_parameter_is_planned(full_size_na
     plan = ShardingPlan()
     assert plan.unused(full_size_names) == []
     assert plan.unplanned(full_size_names) == []
-    # 93 layers: the full model's names, not a stage's; 168 of them the vision tower's and projector's (the release's)
-    assert len(full_size_names) == 2812
+    # 93 layers: the full model's names, not a stage's; 168 of them the vision tower's and projector's (the release's);
+    # 28 the multi-token-prediction block's (an MLA + MoE layer, placed by the layers' rules, and 4 of its own)
+    assert len(full_size_names) == 2840
+    assert sum(name.startswith("mtp.0.") for name in full_size_names) == 28
     assert sum(name.startswith(("vision_tower.", "mm_projector.")) for name in full_size_names) == 168
 
 

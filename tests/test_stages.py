@@ -197,7 +197,7 @@ def test_full_schedule_validates_on_its_stated_layout():
     cfg = load_config(["configs/full.yaml", "configs/stages/full.yaml"])
     layout = resolve_layout(cfg, 2048)
     assert (layout.tp, layout.pp, layout.ep) == (4, 4, 128)
-    assert cfg.parallel.pipeline_layers == [21, 25, 25, 22]  # the first stage holds the vision tower
+    assert cfg.parallel.pipeline_layers == [22, 25, 25, 21]  # the first holds the tower, the last the MTP block
     assert [stage.cp for stage in cfg.stages] == [1, 4, 16, 64]
 
 

@@ -108,7 +108,8 @@ def release_config(m: ModelConfig, quantized: bool, tokens: dict[str, int] | Non
 _TEXT_FIXED = {"model_type": TEXT_MODEL_TYPE, "hidden_act": "situ", "tie_word_embeddings": False, "moe_layer_freq": 1,
                "mla_use_output_gate": True, "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
                "moe_renormalize": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc"}
-_WHY_FIXED = {"num_nextn_predict_layers": "multi-token-prediction layers (not in the model yet)"}
+_WHY_FIXED = {"num_nextn_predict_layers": "multi-token-prediction layers (ours, model.mtp, have no place in the "
+                                          "released layout: an export keeps them in its extras file)"}
 # text_config key -> our model key (dotted under model.).
 _TEXT_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
               "rms_norm_eps": "norm_eps", "initializer_range": "init_std", "first_k_dense_replace": "dense_layers",

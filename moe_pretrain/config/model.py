@@ -164,6 +164,24 @@ class VisionConfig:
         return self.patch_size * self.patch_size * self.channels
 
 
+@dataclass
+class MTPConfig:
+    """Multi-token prediction (the K3 report's §4.1.4; DeepSeek-V3's sequential MTP modules): block k = 1..layers
+    takes the previous block's output (the backbone's last hidden state for k = 1) and the embedding of token
+    t + k, mixes them (two norms and a projection of their concatenation), runs one decoder layer of the
+    backbone's structure (the kind of its last layer) and predicts token t + k + 1 through the shared output
+    head. Trained with the model; serving and evaluation use the backbone only."""
+
+    layers: int = 0
+    """0: no multi-token prediction."""
+    loss_weight: float = 0.1
+    """Each block's mean cross-entropy is added to the loss times this (DeepSeek-V3: 0.3, then 0.1)."""
+
+    def __post_init__(self) -> None:
+        require(self.layers >= 0, f"model.mtp.layers={self.layers} must be >= 0 (0: off)")
+        require(self.loss_weight >= 0, f"model.mtp.loss_weight={self.loss_weight} must be >= 0")
+
+
 # The full-size stack: MLA at 1-based positions 4, 8, ..., 92 and 93 (MODEL.md).
 FULL_LAYER_PATTERN = "KKKM" * 23 + "M"
 
@@ -186,6 +204,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     attn_res: AttnResConfig = field(default_factory=AttnResConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
     def __post_init__(self) -> None:
         require_positive("model", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -200,7 +219,9 @@ class ModelConfig:
                  "model.dense_intermediate must be > 0 when model.dense_layers > 0")
 
     def layer_kind(self, index: int) -> Literal["kda", "mla"]:
-        return "kda" if self.layer_pattern[index] == "K" else "mla"
+        """Layer index's mixer; indices from num_layers on are the multi-token-prediction blocks' layers, which
+        mirror the backbone's last."""
+        return "kda" if self.layer_pattern[min(index, self.num_layers - 1)] == "K" else "mla"
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.dense_layers

@@ -1,6 +1,7 @@
 """The model: modules over the functional core in moe_pretrain.ops (no torch.distributed here)."""
 
+from moe_pretrain.model.decoder_layer import DecoderLayer
 from moe_pretrain.model.layout import DocumentLayout
-from moe_pretrain.model.transformer import DecoderLayer, MoETransformer
+from moe_pretrain.model.transformer import MoETransformer
 
 __all__ = ["DecoderLayer", "DocumentLayout", "MoETransformer"]

@@ -17,69 +17,20 @@ from kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
+from moe_pretrain.model.decoder_layer import DecoderLayer
 from moe_pretrain.model.init import Normal
-from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
-from moe_pretrain.model.mla import GatedMLA
-from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.model.mtp import MTPBlock, tokens_ahead
 from moe_pretrain.model.norm import RMSNorm
-from moe_pretrain.model.recompute import Recompute, maybe_recompute
+from moe_pretrain.model.recompute import Recompute
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.saved_inputs import SavedInputs, SavedInputsPolicy
 from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
 from parallel.context_parallel import NoContextParallel
 from parallel.image_split import ImageSplit, PlacedImage
 from parallel.sequence import NoSequenceParallel
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, kernels: Kernels = REFERENCES):
-        super().__init__()
-        d, std = cfg.hidden_size, cfg.init_std
-        out_std = std / (2 * cfg.num_layers) ** 0.5
-        self.attn_mix = AttnResMix(d, cfg.norm_eps)
-        self.attn_norm = RMSNorm(d, cfg.norm_eps)
-        if cfg.layer_kind(index) == "kda":
-            self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std,
-                                            kernels=kernels)
-        else:
-            self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std, kernels=kernels)
-        self.mlp_mix = AttnResMix(d, cfg.norm_eps)
-        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
-        moe = cfg.moe
-        if cfg.is_moe_layer(index):
-            self.mlp = LatentMoE(d, moe, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std, kernels=kernels)
-        else:
-            self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate, beta=moe.situ_beta,
-                                  linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std, kernels=kernels)
-        self.index = index
-        self.recompute = False
-        """Recompute the whole layer in backward (train.recompute=full)."""
-        self.saved_inputs = SavedInputs()
-        """Where the recomputed layer's inputs wait for its backward (train.saved_inputs; the model's store)."""
-
-    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (new partial block sum, balancing loss or None)."""
-        if not self.recompute:
-            return self._forward(bank, partial, layout)
-        with self.saved_inputs.layer(self.index):  # the bank's tensors as arguments: the checkpoint saves them
-            return maybe_recompute(True, self._forward_flat, partial, layout, *bank)
-
-    def _forward_flat(self, partial, layout, *bank):
-        return self._forward(list(bank), partial, layout)
-
-    def _forward(self, bank, partial, layout):
-        visible = bank if partial is None else [*bank, partial]
-        out = self.mixer(self.attn_norm(self.attn_mix(visible)), layout)
-        partial = out if partial is None else partial + out
-        mlp_out = self.mlp(self.mlp_norm(self.mlp_mix([*bank, partial])))
-        balance_loss = None
-        if isinstance(mlp_out, tuple):
-            mlp_out, balance_loss = mlp_out
-        return partial + mlp_out, balance_loss
 
 
 class MoETransformer(nn.Module):
@@ -99,6 +50,8 @@ class MoETransformer(nn.Module):
         self.final_mix = AttnResMix(d, cfg.norm_eps)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
+        self.mtp = nn.ModuleDict({str(k): MTPBlock(cfg, k + 1, kernels) for k in range(cfg.mtp.layers)})
+        """The multi-token-prediction blocks (model/mtp.py), after the head on the last pipeline stage."""
         self.sequence = NoSequenceParallel()
         """Set by the parallel set-up: activations between layers hold this rank's shard of T."""
         self.context = NoContextParallel()
@@ -117,10 +70,23 @@ class MoETransformer(nn.Module):
         (h/m)(w/m) tokens go to its positions, which image_mask [B, T] marks.
         -> (logits [B, T, V] (V / tp with tensor parallelism; T / cp, this rank's positions, with context
         parallelism), summed balancing loss (0 unless moe.balancing = aux_loss))."""
+        _, bank, partial, balance_loss = self.backbone(tokens, doc_ids, patches, image_mask, images)
+        return self.logits(bank, partial), balance_loss
+
+    def forward_with_mtp(self, tokens: torch.Tensor, *inputs) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """forward's inputs -> (logits, each multi-token-prediction block's logits (the same shape), summed
+        balancing loss of the backbone and the blocks): the training forward when model.mtp.layers > 0."""
+        layout, bank, partial, balance_loss = self.backbone(tokens, *inputs)
+        logits, ahead, mtp_loss = self.logits_with_mtp(bank, partial, self.embed_ahead(tokens), layout)
+        return logits, ahead, balance_loss + mtp_loss
+
+    def backbone(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, patches: torch.Tensor | None = None,
+                 image_mask: torch.Tensor | None = None, images: list[PlacedImage] | None = None
+                 ) -> tuple[DocumentLayout, list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """Embeddings and every layer: (layout, AttnRes bank, partial block sum, summed balancing loss)."""
         layout = self.layout(tokens, doc_ids)
         x = self.embed(tokens, layout, patches, image_mask, images)
-        bank, partial, balance_loss = self.run_layers([x], None, layout)
-        return self.logits(bank, partial), balance_loss
+        return layout, *self.run_layers([x], None, layout)
 
     def layout(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> DocumentLayout:
         B, T = tokens.shape
@@ -180,6 +146,27 @@ class MoETransformer(nn.Module):
         h = self.final_mix(bank if partial is None else [*bank, partial])
         return self.head(self.final_norm(h))
 
+    def embed_ahead(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """The embeddings the multi-token-prediction blocks read, e_{t+k} for block k: [B, T, D] each (this
+        rank's positions), from the tokens [B, T] of every position."""
+        return [self.sequence.scatter(self.embedding(self.context.local(tokens_ahead(tokens, k))))
+                for k in range(1, self.cfg.mtp.layers + 1)]
+
+    def logits_with_mtp(self, bank: list[torch.Tensor], partial: torch.Tensor | None, ahead: list[torch.Tensor],
+                        layout: DocumentLayout) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """logits(), and the blocks' logits through the shared head from the same final mix (h_0), with
+        their summed balancing loss."""
+        hidden = self.final_mix(bank if partial is None else [*bank, partial])
+        logits = self.head(self.final_norm(hidden))
+        balance_loss = hidden.new_zeros((), dtype=torch.float32)
+        predicted = []
+        for block, embedded in zip(self.mtp.values(), ahead, strict=True):
+            hidden, block_loss = block(hidden, embedded.to(hidden.dtype), layout)
+            if block_loss is not None:
+                balance_loss = balance_loss + block_loss
+            predicted.append(self.head(block.norm(hidden)))
+        return logits, predicted, balance_loss
+
     @classmethod
     def stage_of(cls, full: "MoETransformer", layers: list[int], *, first: bool, last: bool) -> "MoETransformer":
         """A pipeline stage's view of `full`: the given layers (global indices kept), the embeddings when
@@ -192,7 +179,7 @@ class MoETransformer(nn.Module):
         stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
         for name in ("embedding", "vision_tower", "mm_projector") if first else ():
             setattr(stage, name, getattr(full, name))
-        for name in ("final_mix", "final_norm", "head") if last else ():
+        for name in ("final_mix", "final_norm", "head", "mtp") if last else ():
             setattr(stage, name, getattr(full, name))
         return stage
 
@@ -202,7 +189,7 @@ class MoETransformer(nn.Module):
         store = SavedInputs(saved_inputs)
         if hasattr(self, "vision_tower"):  # a pipeline's first stage, or the whole model
             self.vision_tower.encoder.recompute = mode == "full"
-        for layer in self.layers.values():
+        for layer in self.decoder_layers().values():
             layer.saved_inputs = store
             layer.recompute = mode == "full"
             layer.mixer.recompute_core = mode == "selective"
@@ -210,9 +197,17 @@ class MoETransformer(nn.Module):
                 layer.mlp.recompute_experts = mode == "selective"
         return store
 
+    def decoder_layers(self) -> dict[int, DecoderLayer]:
+        """Every decoder layer this module holds by global index: the backbone's, then the multi-token-prediction
+        blocks' (num_layers + k - 1 for block k, on the last stage)."""
+        layers = {int(name): layer for name, layer in self.layers.items()}
+        for block in getattr(self, "mtp", {}).values():
+            layers[block.layer.index] = block.layer
+        return layers
+
     def routers(self) -> dict[int, Router]:
-        """The router of every MoE layer, by global layer index."""
-        return {int(name): layer.mlp.router for name, layer in self.layers.items()
+        """The router of every MoE layer, by global layer index (the multi-token-prediction blocks' included)."""
+        return {index: layer.mlp.router for index, layer in self.decoder_layers().items()
                 if isinstance(layer.mlp, LatentMoE)}
 
     def discard_balancing(self) -> None:

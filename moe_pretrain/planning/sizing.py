@@ -99,12 +99,16 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
         "mm_projector": vision_projector_params(cfg.vision.encoder, d),
         "head": d * cfg.vocab_size,
         "final_mix_and_norm": 3 * d,
-        "layer_norms_and_mixes": cfg.num_layers * per_layer_vectors,
+        "layer_norms_and_mixes": (cfg.num_layers + cfg.mtp.layers) * per_layer_vectors,
         "kda": 0, "mla": 0, "dense_mlp": 0,
         "router": 0, "latent_projections": 0, "routed_experts": 0, "shared_experts": 0,
+        # Each multi-token-prediction block: two input norms, the projection, the norm before the shared head;
+        # its decoder layer is counted with the backbone's (indices num_layers on).
+        "mtp_blocks": cfg.mtp.layers * (2 * d * d + 3 * d),
     }
     moe_layers = 0
-    for i in range(cfg.num_layers):
+    layers = range(cfg.num_layers + cfg.mtp.layers)
+    for i in layers:
         if cfg.layer_kind(i) == "kda":
             breakdown["kda"] += kda_params(d, cfg.kda)
         else:
@@ -119,14 +123,16 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
     idle_experts = moe_layers * (cfg.moe.num_experts - cfg.moe.top_k) * routed_expert_params(cfg.moe)
     active = total - idle_experts
 
-    kda_layers = cfg.layer_pattern.count("K")
-    mla_layers = cfg.num_layers - kda_layers
+    kda_layers = sum(cfg.layer_kind(i) == "kda" for i in layers)
+    mla_layers = len(layers) - kda_layers
     m = cfg.mla
     mla_flops = 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len / 2
     k = cfg.kda
     C, K, V = k.chunk_size, k.head_dim, k.head_dim
     kda_flops = 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
-    matmul_active = active - breakdown["embedding"] - breakdown["vision_tower"] - breakdown["mm_projector"]
+    # The shared head runs once more per multi-token-prediction block.
+    matmul_active = active - breakdown["embedding"] - breakdown["vision_tower"] - breakdown["mm_projector"] \
+        + cfg.mtp.layers * breakdown["head"]
     flops = 6 * matmul_active + mla_layers * mla_flops + kda_layers * kda_flops
     return {
         "total_params": total,

@@ -162,15 +162,17 @@ class MemoryPlanner:
                 else layout.micro_batches
             if run.vpp > 1:
                 in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)
-            act = activation_bytes(m, state["layers"], layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
+            # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
+            layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * (p == run.pp - 1)
+            act = activation_bytes(m, layers, layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
                                    in_flight=in_flight, last=p == run.pp - 1,
                                    layer_of=lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp),
                                    saved_inputs=layout.saved_inputs)
-            moe_layers = [i for i in state["layers"] if m.is_moe_layer(i)]
+            moe_layers = [i for i in layers if m.is_moe_layer(i)]
             buffers = 0.0
             if run.ep > 1 and moe_layers:
                 buffers += 2 * m.moe.top_k * tokens / run.tp * m.moe.latent_size * act_bytes
-            if layout.cp > 1 and any(m.layer_kind(i) == "mla" for i in state["layers"]):
+            if layout.cp > 1 and any(m.layer_kind(i) == "mla" for i in layers):
                 a = m.mla
                 qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads / run.tp
                 if layout.mla == "latent":  # one key block expanded, one tile's scores (fp32, x3 in backward)

@@ -174,10 +174,13 @@ def largest_image_patches(m: ModelConfig, seq_len: int, max_pixels: int) -> tupl
 
 
 def head_activations(m: ModelConfig, vocab_shard: int) -> float:
-    """The final mix and norm, the head's input, the logits and the loss's fp32 log-probabilities, per token."""
+    """The final mix and norm, the head's input, the logits and the loss's fp32 log-probabilities, per token; and
+    per multi-token-prediction block (its decoder layer is counted as a layer) its two input norms, their
+    concatenation, the projection, the residual sum, its norm, logits and log-probabilities."""
     d = m.hidden_size
     final_entries = 1 + m.num_layers // m.attn_res.block_size + (m.num_layers % m.attn_res.block_size != 0)
-    return _mix(d, final_entries) + 2 * d + 1 + 1.26 * d + 2 * vocab_shard
+    return _mix(d, final_entries) + 2 * d + 1 + 1.26 * d + 2 * vocab_shard \
+        + m.mtp.layers * (7 * d + 2 * vocab_shard)
 
 
 @dataclass(frozen=True)

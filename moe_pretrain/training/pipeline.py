@@ -4,9 +4,11 @@ The layers are cut into pp x vpp contiguous chunks (parallel/plan.py, pipeline_c
 chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
 boundary need not align with an AttnRes block: the bank (its first entry, the embeddings, [B, T, D], and
 the block sums after it stacked as [B, N - 1, T, D]) and, unless a block closes at the boundary, the running
-block sum. Each crosses in the dtype it has in the model: under bf16 autocast the embeddings are fp32 (the
-embedding runs outside autocast) and the block sums bf16, so a pipeline computes what one process does and
-sends half the bytes fp32 would. Only floating-point tensors that the receiver uses
+block sum; with multi-token prediction (model.mtp.layers) the embeddings of the tokens ahead, looked up on
+the first stage, travel beside the bank's first entry to the last stage, whose output is then the logits and
+each block's logits (model/mtp.py). Each crosses in the dtype it has in the model: under bf16 autocast the
+embeddings are fp32 (the embedding runs outside autocast) and the block sums bf16, so a pipeline computes
+what one process does and sends half the bytes fp32 would. Only floating-point tensors that the receiver uses
 cross: torch 2.10 and 2.11 (the GPU image has 2.10) make every received buffer require grad, which an
 integer tensor cannot, and refuse to send back a gradient that is None. The document ids every stage
 needs for its masks come from each rank's own batch instead (every stage reads its rows, without
@@ -91,6 +93,8 @@ class StageForward(nn.Module):
         """The block sums' and the partial sum's (bf16 under bf16 autocast)."""
         self.images: deque[list[PlacedImage]] = deque()
         """First stage: each coming micro-batch's images, rows counted within it (Pipeline.feed_images)."""
+        self.ahead = chunk.cfg.mtp.layers
+        """Multi-token-prediction blocks: as many embeddings of tokens ahead cross every boundary."""
 
     def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor):
         chunk = self.chunk
@@ -102,15 +106,20 @@ class StageForward(nn.Module):
             layout = chunk.layout(tokens, doc_ids)
             patches = patches_from_rows(patch_rows, images) if images else None
             bank, partial = [chunk.embed(tokens, layout, patches, image_mask if images else None, images)], None
+            ahead = chunk.embed_ahead(tokens)
         else:
             embedded, *rest = inputs  # no partial sum when a block closed right before this chunk
+            ahead, rest = rest[:self.ahead], rest[self.ahead:]
             layout = chunk.layout(doc_ids, doc_ids)
             bank = [embedded, *(rest.pop(0).unbind(1) if self.receives_blocks else ())]
             partial = rest[0] if rest else None
         bank, partial, _ = chunk.run_layers(bank, partial, layout)  # aux_loss is refused with pp > 1
+        if self.last and self.ahead:
+            logits, predicted, _ = chunk.logits_with_mtp(bank, partial, list(ahead), layout)
+            return tuple(t.to(self.boundary_dtype) for t in (logits, *predicted))
         if self.last:
             return chunk.logits(bank, partial).to(self.boundary_dtype)
-        outputs = [bank[0].to(self.boundary_dtype)]
+        outputs = [bank[0].to(self.boundary_dtype), *(a.to(self.boundary_dtype) for a in ahead)]
         if len(bank) > 1:
             outputs.append(torch.stack([b.to(self.compute_dtype) for b in bank[1:]], dim=1))
         if self.sends_partial:
@@ -141,7 +150,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
 
     def boundary(last_layer_before):
         positions = local // ctx.layout.tp
-        tensors = [meta(rows, positions, D)]
+        tensors = [meta(rows, positions, D) for _ in range(1 + cfg.model.mtp.layers)]  # embeddings, those ahead
         if blocks := (last_layer_before + 1) // block:
             tensors.append(meta(rows, blocks, positions, D, dtype=compute_dtype))
         if closes_no_block(last_layer_before, block):
@@ -153,8 +162,9 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.bool), patch_rows)
     else:
         inputs = boundary(layers[0] - 1)
-    if last:
-        outputs = (meta(rows, local, cfg.model.vocab_size // ctx.layout.tp),)
+    if last:  # the logits, and each multi-token-prediction block's
+        vocab = cfg.model.vocab_size // ctx.layout.tp
+        outputs = tuple(meta(rows, local, vocab) for _ in range(1 + cfg.model.mtp.layers))
     else:
         outputs = boundary(layers[-1])
     return inputs, outputs

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from moe_pretrain.config import Config
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
@@ -58,8 +59,9 @@ class StepRunner:
         self.dtype = DTYPES[cfg.train.dtype]
         self.boundary_dtype = parameter_dtype(cfg)
         self.pipeline = Pipeline(model, cfg, ctx, self._pipeline_loss) if ctx.layout.pp > 1 else None
-        self._pipeline_score: Scorer | None = None
-        """What the pipeline's loss function returns during the pass under way (set by this runner only)."""
+        self._pipeline_score = None
+        """What the pipeline's loss function returns during the pass under way (set by this runner only):
+        score(logits, labels, [(block logits, block labels)])."""
 
     def autocast(self):
         if self.dtype == torch.bfloat16:
@@ -77,27 +79,52 @@ class StepRunner:
         per_token = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.ctx.tp_group)
         return (per_token * valid).sum()
 
-    def forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this rank's micro-batches, every loss over the step's global count of loss
-        tokens; returns this rank's summed next-token loss (float64, on the device): without a pipeline the
-        rank's micro-batches' sum, with one its share of the global mean (non-zero on the last stage's first
-        tensor rank only)."""
-        if self.pipeline is not None:
-            def mean_share(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                return self.cross_entropy_sum(logits, labels) / loss_tokens
+    def ahead_labels(self, batch: Batch) -> torch.Tensor:
+        """The multi-token-prediction blocks' targets of a batch, [B, model.mtp.layers, T] (model/mtp.py)."""
+        return mtp_labels(batch.labels, batch.doc_ids, self.cfg.model.mtp.layers)
 
-            return self._run_pipeline(plan, Batch.concatenate(batches), plan.rows, mean_share, train=True)
-        ce_total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+    def forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor,
+                         ahead_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches, every loss over the step's global count of loss
+        tokens (each multi-token-prediction block's over its own, ahead_tokens [model.mtp.layers], weighted by
+        model.mtp.loss_weight); returns [1 + model.mtp.layers] (float64, on the device): this rank's next-token
+        loss (without a pipeline the rank's micro-batches' sum, with one its share of the global mean, non-zero
+        on the last stage's first tensor rank only), then each block's summed cross-entropy (on the same ranks)."""
+        weight, depth = self.cfg.model.mtp.loss_weight, self.cfg.model.mtp.layers
+
+        def objective(logits: torch.Tensor, labels: torch.Tensor, ahead: list[tuple[torch.Tensor, torch.Tensor]],
+                      parts: list[torch.Tensor], share: bool) -> torch.Tensor:
+            """The loss to differentiate; appends its parts (next-token, then each block's sum) to `parts`."""
+            ce_sum = self.cross_entropy_sum(logits, labels)
+            sums = [self.cross_entropy_sum(block_logits, block_labels) for block_logits, block_labels in ahead]
+            loss = ce_sum / loss_tokens + sum(weight * s / ahead_tokens[k] for k, s in enumerate(sums))
+            parts.append(torch.stack([(ce_sum / loss_tokens if share else ce_sum).to(torch.float64),
+                                      *(s.to(torch.float64) for s in sums)]).detach())
+            return loss
+
+        parts: list[torch.Tensor] = []
+        if self.pipeline is not None:
+            batch = Batch.concatenate(batches)
+            self._run_pipeline(plan, batch, plan.rows, lambda *a: objective(*a, parts=parts, share=True), train=True,
+                               ahead=self.ahead_labels(batch) if depth else None)
+            if not parts or not self.pipeline.holds_last or self.ctx.tp_rank != 0:
+                return torch.zeros(1 + depth, dtype=torch.float64, device=self.ctx.device)
+            return torch.stack(parts).sum(0)
+        local = self.model.context.local
         with reused_in_step():  # the parameters do not change before the optimizer step
             for batch in batches:
+                inputs = (batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                          placed_images(batch.grids, batch.starts))
                 with self.autocast():
-                    logits, balance_loss = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
-                                                      placed_images(batch.grids, batch.starts))
-                ce_sum = self.cross_entropy_sum(logits, self.model.context.local(batch.labels))
-                loss = ce_sum / loss_tokens + balance_loss / len(batches)
+                    if depth:
+                        logits, predicted, balance_loss = self.model.forward_with_mtp(*inputs)
+                    else:
+                        (logits, balance_loss), predicted = self.model(*inputs), []
+                ahead = self.ahead_labels(batch) if depth else None
+                pairs = [(block_logits, local(ahead[:, k])) for k, block_logits in enumerate(predicted)]
+                loss = objective(logits, local(batch.labels), pairs, parts, share=False) + balance_loss / len(batches)
                 loss.backward()
-                ce_total += ce_sum.detach().to(torch.float64)
-        return ce_total
+        return torch.stack(parts).sum(0)
 
     @torch.no_grad()
     def score(self, plan: StepPlan, batch: Batch, rows: int, scorer: Scorer) -> torch.Tensor:
@@ -105,13 +132,18 @@ class StepRunner:
         the sum of scorer over them (float64 on the device; with a pipeline zero except on the last stage's
         first tensor rank)."""
         if self.pipeline is not None:
-            return self._run_pipeline(plan, batch, rows, scorer, train=False)
+            return self._run_pipeline(plan, batch, rows, lambda logits, labels, _: scorer(logits, labels), train=False)
         with self.autocast():
             logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
                                    placed_images(batch.grids, batch.starts))
         return scorer(logits, self.model.context.local(batch.labels)).to(torch.float64)
 
-    def _run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, scorer: Scorer, train: bool) -> torch.Tensor:
+    def _run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, score, train: bool,
+                      ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the schedule; `score(logits, labels, [(block logits, block labels)])` gives each micro-batch's
+        loss (this rank's positions; the blocks' pairs only with multi-token prediction, whose targets `ahead`
+        [B, depth, T] travel with the labels). Returns the sum of the scores on the last stage's first tensor
+        rank, zero elsewhere (float64)."""
         pipeline = self.pipeline
         shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
                           plan.cp)
@@ -120,10 +152,14 @@ class StepRunner:
             pipeline.feed_images(batch.grids, batch.starts, plan.micro_batches)
         else:
             args = ()
-        target = batch.labels if pipeline.holds_last else None
+        depth = self.cfg.model.mtp.layers
+        if ahead is None and depth:  # evaluation: the blocks' outputs are there, without targets
+            ahead = torch.full_like(batch.labels, IGNORE_INDEX).unsqueeze(1).expand(-1, depth, -1)
+        target = (torch.cat([batch.labels.unsqueeze(1), ahead], dim=1) if depth else batch.labels) \
+            if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
         schedule = pipeline.schedule(shape)
-        self._pipeline_score = scorer
+        self._pipeline_score = score
         try:
             with self.autocast(), reused_in_step():  # every stage takes its own rows' document ids
                 (schedule.step if train else schedule.eval)(*args, target=target, losses=losses,
@@ -134,5 +170,12 @@ class StepRunner:
             return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._pipeline_score(logits, self.model.context.local(labels))
+    def _pipeline_loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the last stage's output (the logits, or with multi-token prediction
+        the logits and each block's) against the micro-batch's labels ([B, T], or [B, 1 + depth, T])."""
+        local = self.model.context.local
+        if not self.cfg.model.mtp.layers:
+            return self._pipeline_score(output, local(target), [])
+        logits, *predicted = output
+        pairs = [(block_logits, local(target[:, 1 + k])) for k, block_logits in enumerate(predicted)]
+        return self._pipeline_score(logits, local(target[:, 0]), pairs)

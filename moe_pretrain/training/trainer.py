@@ -64,6 +64,8 @@ class StepResult:
     cp: int = 1
     data_wait_s: float = 0.0
     """Seconds the step waited for its batches (near zero when they were prepared in the background)."""
+    mtp_losses: tuple[float, ...] = ()
+    """Each multi-token-prediction block's mean cross-entropy (model.mtp.layers)."""
 
 
 def check_vocabulary(cfg: Config, data: PretrainingData) -> None:
@@ -223,18 +225,27 @@ class Trainer:
         # rank counts (and later scores) only its own positions.
         local_tokens = torch.stack([(self.model.context.local(b.labels) != IGNORE_INDEX).sum() for b in batches])
         loss_tokens = all_reduce_sum(local_tokens.sum(), ctx.dp_group).clamp_min(1)
+        ahead_tokens = None
+        if cfg.model.mtp.layers:  # each block's targets, counted as the next-token loss's are
+            ahead = [self.runner.ahead_labels(b) for b in batches]
+            counts = torch.stack([(self.model.context.local(a[:, k]) != IGNORE_INDEX).sum()
+                                  for a in ahead for k in range(a.shape[1])]).view(len(ahead), -1)
+            ahead_tokens = all_reduce_sum(counts.sum(0), ctx.dp_group).clamp_min(1)
         lr = plan.lr
         self.optimizer.set_lr(lr, self.step)
         self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
         if cfg.optim.qk_clip_threshold:
             start_recording(self.model)
-        ce_sum = self.runner.forward_backward(plan, batches, loss_tokens)
+        sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead_tokens)
         if self.pipeline is None:
-            loss = all_reduce_sum(ce_sum, ctx.dp_group) / loss_tokens
+            sums = all_reduce_sum(sums, ctx.dp_group)
+            loss = sums[0] / loss_tokens
         else:  # each rank's share of the mean (non-zero on the last stage's first tensor rank)
-            loss = all_reduce_sum(ce_sum, dist.group.WORLD)
+            sums = all_reduce_sum(sums, dist.group.WORLD)
+            loss = sums[0]
+        mtp = sums[1:] / ahead_tokens if ahead_tokens is not None else sums[1:]
         norm = self.optimizer.reduce_gradients()
-        loss_value, grad_norm = torch.stack([loss, norm.to(loss.dtype)]).tolist()  # the step's host read
+        loss_value, grad_norm, *mtp_losses = torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]).tolist()
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if self.async_saver is not None:
             self.async_saver.before_update()  # a background save's copy of the state must be complete
@@ -254,7 +265,7 @@ class Trainer:
         step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
-                          plan.stage, skipped, plan.cp, self.batches.wait_s)
+                          plan.stage, skipped, plan.cp, self.batches.wait_s, tuple(mtp_losses))
 
     def _count_skip(self, loss: float, grad_norm: float) -> None:
         self.skipped_total += 1
@@ -293,6 +304,7 @@ class Trainer:
             "step_time_s": result.seconds,
             "data_wait_s": result.data_wait_s,
             "moe": self._moe_stats(),
+            **({"mtp_loss": list(result.mtp_losses)} if result.mtp_losses else {}),
             **self._max_logit(),
         }
 
@@ -312,7 +324,8 @@ class Trainer:
     def _moe_stats(self) -> dict[str, dict[str, float | list[int]]]:
         """Every MoE layer's health, combined over the pipeline stages (collective over the pp group)."""
         group = self.ctx.pp_group if self.ctx.layout.pp > 1 else None
-        return combine_moe_stats(self.model.routers(), self.cfg.model.num_layers, self.cfg.model.moe.num_experts,
+        m = self.cfg.model  # the multi-token-prediction blocks' layers follow the backbone's
+        return combine_moe_stats(self.model.routers(), m.num_layers + m.mtp.layers, m.moe.num_experts,
                                  self._records_loads(), group, self.device)
 
     def save_checkpoint(self) -> Path | None:

@@ -1,0 +1,69 @@
+"""One decoder layer of the backbone (MODEL.md): AttnRes mix, norm and sequence mixer (KDA or gated MLA by the
+layer's kind), AttnRes mix, norm and MLP (LatentMoE, or the dense SiTU-GLU MLP in the first dense_layers).
+
+The layer reads the AttnRes state (the bank of block sums and the running partial sum of the current block,
+model/transformer.py) and returns the partial sum with its two sublayer outputs added.
+"""
+
+import torch
+from torch import nn
+
+from kernels.choice import REFERENCES, Kernels
+from moe_pretrain.config import ModelConfig
+from moe_pretrain.model.attn_res import AttnResMix
+from moe_pretrain.model.kda import KimiDeltaAttention
+from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.mlp import SiTUGLUMLP
+from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.recompute import maybe_recompute
+from moe_pretrain.model.saved_inputs import SavedInputs
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, kernels: Kernels = REFERENCES):
+        super().__init__()
+        d, std = cfg.hidden_size, cfg.init_std
+        out_std = std / (2 * cfg.num_layers) ** 0.5
+        self.attn_mix = AttnResMix(d, cfg.norm_eps)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps)
+        if cfg.layer_kind(index) == "kda":
+            self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std,
+                                            kernels=kernels)
+        else:
+            self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std, kernels=kernels)
+        self.mlp_mix = AttnResMix(d, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        moe = cfg.moe
+        if cfg.is_moe_layer(index):
+            self.mlp = LatentMoE(d, moe, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std, kernels=kernels)
+        else:
+            self.mlp = SiTUGLUMLP(d, cfg.dense_intermediate, beta=moe.situ_beta,
+                                  linear_beta=moe.situ_linear_beta, init_std=std, out_std=out_std, kernels=kernels)
+        self.index = index
+        self.recompute = False
+        """Recompute the whole layer in backward (train.recompute=full)."""
+        self.saved_inputs = SavedInputs()
+        """Where the recomputed layer's inputs wait for its backward (train.saved_inputs; the model's store)."""
+
+    def forward(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (new partial block sum, balancing loss or None)."""
+        if not self.recompute:
+            return self._forward(bank, partial, layout)
+        with self.saved_inputs.layer(self.index):  # the bank's tensors as arguments: the checkpoint saves them
+            return maybe_recompute(True, self._forward_flat, partial, layout, *bank)
+
+    def _forward_flat(self, partial, layout, *bank):
+        return self._forward(list(bank), partial, layout)
+
+    def _forward(self, bank, partial, layout):
+        visible = bank if partial is None else [*bank, partial]
+        out = self.mixer(self.attn_norm(self.attn_mix(visible)), layout)
+        partial = out if partial is None else partial + out
+        mlp_out = self.mlp(self.mlp_norm(self.mlp_mix([*bank, partial])))
+        balance_loss = None
+        if isinstance(mlp_out, tuple):
+            mlp_out, balance_loss = mlp_out
+        return partial + mlp_out, balance_loss
