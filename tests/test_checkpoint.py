@@ -144,18 +144,19 @@ def test_save_on_tp2_ep2_four_processes_resume_on_pp2_dp2(tmp_path):
 def test_muon_momentum_resumes_bitwise_and_reshards(tmp_path):
     """Muon's momentum is saved per parameter like Adam's moments: a resume on the same layout is bitwise, and a
     run saved on 4 processes (dense momentum in 4 slices, experts over ep=2, tensor-parallel o_proj joined)
-    resumes on one process equal to one process throughout (1e-9)."""
-    muon = "optim.name=muon"
-    straight = Trainer(config(tmp_path / "straight", muon))
+    resumes on one process equal to one process throughout (1e-9); with a multi-token-prediction block, whose
+    tensor- and expert-parallel shards reshard as the backbone's."""
+    muon = "optim.name=muon model.mtp.layers=1"
+    straight = Trainer(config(tmp_path / "straight", *muon.split()))
     expected = losses_of(straight.run())
-    first = losses_of(Trainer(config(tmp_path / "same", muon, "train.exit_at_step=3")).run())
-    resumed = Trainer(config(tmp_path / "same", muon))
+    first = losses_of(Trainer(config(tmp_path / "same", *muon.split(), "train.exit_at_step=3")).run())
+    resumed = Trainer(config(tmp_path / "same", *muon.split()))
     assert first + losses_of(resumed.run()) == expected
     for name, tensor in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
     saved, _ = run_distributed(layout_worker, 4, str(tmp_path / "moved"), [
-        muon, "parallel.tp=2", "parallel.ep=2", "train.exit_at_step=3"])
-    moved = Trainer(config(tmp_path / "moved", muon))
+        *muon.split(), "parallel.tp=2", "parallel.ep=2", "train.exit_at_step=3"])
+    moved = Trainer(config(tmp_path / "moved", *muon.split()))
     assert saved + losses_of(moved.run()) == pytest.approx(expected, rel=1e-9)
     for name, tensor in straight.model.state_dict().items():
         assert rel_rms(moved.model.state_dict()[name], tensor) < 1e-9, name
