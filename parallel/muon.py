@@ -151,8 +151,10 @@ class MuonExchange:
 
     def update(self, direction: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the bucket's Muon update, from its slice of the direction (both [shard_numel])."""
+        # At most two slice-sized buffers besides the direction live at once (planning/stage_memory.py).
         send = torch.cat([direction[a:b] for a, b in self.send_pieces]) if self.send_pieces else direction[:0]
         received = all_to_all_flat(send, self.recv_splits, self.send_splits, self.group)
+        del send
         back = torch.empty_like(received)
         joined = self._joined_slices(received)
         for (rows, columns, tensor_dim), matrices in self.shapes.items():
@@ -166,7 +168,9 @@ class MuonExchange:
                     updates = muon_update(torch.stack([self._gather(m, received).view(rows, columns) for m in batch]))
                 for m, u in zip(batch, updates):
                     self._scatter(m, u, back)
+        del received, joined
         returned = all_to_all_flat(back, self.send_splits, self.recv_splits, self.group)
+        del back
         result = torch.zeros_like(direction)
         at = 0
         for a, b in self.send_pieces:

@@ -45,7 +45,7 @@ HOST_BYTES_PER_GPU = 2e12 / 8
 """Host memory for one GPU's offloaded layer inputs: an 8-GPU H100 / H200 node (DGX) has about 2 TB."""
 LATENT_BLOCK = 1024
 MUON_STEP_BYTES = 8 * BATCH_ELEMENTS * 4
-"""Muon's step beyond its received and returned pieces (2 x its momentum): a batch's stacked matrices, Newton-
+"""Muon's step beyond its direction and exchange buffers (3 x its momentum): a batch's stacked matrices, Newton-
 Schulz's float32 iterate, Gram matrix and products (parallel/muon.py's BATCH_ELEMENTS), a few copies."""
 """ops.latent_attention's default query tile and key block."""
 
@@ -183,9 +183,9 @@ class MemoryPlanner:
             # Routers see this tensor rank's sequence-parallel share of the positions.
             balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, layout.micro_batches)
             vision = self.vision_bytes(stage, layout, rows, in_flight, act_bytes, run.tp) if p == 0 else 0.0
-            # Muon's step runs after the backward freed the activations: the pieces it received and sends back
-            # (its momentum's size each) and one batch's Newton-Schulz work.
-            muon_step = 2 * state["muon_momentum_bytes"] + MUON_STEP_BYTES if state["muon_momentum_bytes"] else 0
+            # Muon's step runs after the backward freed the activations: the direction and two exchange buffers
+            # (its momentum's size each: parallel/muon.py) and one batch's Newton-Schulz work.
+            muon_step = 3 * state["muon_momentum_bytes"] + MUON_STEP_BYTES if state["muon_momentum_bytes"] else 0
             total = state["total_bytes"] + max(act.peak + buffers + balancing + vision, muon_step)
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
