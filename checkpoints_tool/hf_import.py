@@ -134,16 +134,23 @@ def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", 
     params = dict(model.named_parameters())
     sources = by_source(released)
     planned = []  # (key, global shape, dtype, offsets, sizes, produce)
+    absent_blocks: set[str] = set()
     for name, meta in model.state_dict().items():
         dtype = parameter_dtype(cfg) if name in params else meta.dtype
         if name in sources:
             pieces = _pieces(name, tuple(meta.shape), sources[name], files, cfg, dtype)
         elif name in weight_map:  # in the side file, under our own name
             pieces = [((0,) * meta.dim(), tuple(meta.shape), lambda n=name, d=dtype: files.read(n).to(d))]
+        elif name.startswith("mtp."):  # the release has no multi-token-prediction block: training initializes ours
+            absent_blocks.add(name.split(".")[1])
+            continue
         else:
             raise ValueError(f"{directory}: nothing holds our model's {name} (the released layout has no place "
                              f"for it and {EXTRAS} is absent or lacks it)")
         planned += [(f"model.{name}", meta.shape, dtype, *piece) for piece in pieces]
+    if absent_blocks:
+        stats.notes.append(f"model.mtp.layers={len(absent_blocks)}: {directory} holds no multi-token-prediction "
+                           f"block; the run that resumes this checkpoint starts them from their initialization")
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     boxes: dict[str, list] = {}
     producers = {}

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.model.mtp import mtp_labels
@@ -15,7 +16,7 @@ from moe_pretrain.training import Trainer
 from parallel.image_split import placed_images
 from tests.models import tiny_config
 from tests.test_checkpoints_tool import tool
-from tests.test_kimi_k3_export import MXFP4_TINY
+from tests.test_kimi_k3_export import MXFP4_TINY, config_file_of
 
 
 def config(tmp_path, *overrides):
@@ -99,11 +100,14 @@ def test_loss_weight_trains_the_blocks_and_zero_leaves_the_backbone_alone(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_release_export_keeps_the_blocks_aside_and_says_so(tmp_path):
+def test_release_export_keeps_the_blocks_aside_and_a_release_without_them_starts_them_fresh(tmp_path):
     """The released layout has no multi-token-prediction layer (num_nextn_predict_layers 0): its files and index
-    hold the backbone only, the block's tensors go to the extras file whole, and the export says so."""
-    Trainer(config(tmp_path / "run", *MXFP4_TINY, "model.mtp.layers=1", "train.steps=1",
-                   "train.dtype=float32")).run()
+    hold the backbone only, the block's tensors go to the extras file whole, and the export says so. A release
+    without them (the extras file stripped of mtp.*) imports with a note, and a run with the block resumes it:
+    the backbone as imported, the block at its initial values."""
+    cfg = config(tmp_path / "run", *MXFP4_TINY, "model.mtp.layers=1", "train.steps=1", "train.dtype=float32")
+    trained = Trainer(cfg)
+    trained.run()
     done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "hf", "--format", "kimi-k3-hf")
     assert done.returncode == 0, done.stderr
     assert "1 multi-token-prediction block(s) (mtp.*)" in done.stdout and "num_nextn_predict_layers 0" in done.stdout
@@ -113,3 +117,20 @@ def test_release_export_keeps_the_blocks_aside_and_says_so(tmp_path):
     with safe_open(str(tmp_path / "hf" / "moe_pretrain_extras.safetensors"), framework="pt") as f:
         kept = [name for name in f.keys() if name.startswith("mtp.0.")]
     assert "mtp.0.projection.weight" in kept and "mtp.0.layer.mlp.experts.w_gate" in kept
+    extras = tmp_path / "hf" / "moe_pretrain_extras.safetensors"
+    with safe_open(str(extras), framework="pt") as f:
+        rest = {name: f.get_tensor(name) for name in f.keys() if not name.startswith("mtp.")}
+    save_file(rest, str(extras))
+    done = tool("import", tmp_path / "hf", tmp_path / "imported", "--config", config_file_of(cfg, tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "holds no multi-token-prediction block" in done.stdout
+    resumed = Trainer(config(tmp_path / "again", *MXFP4_TINY, "model.mtp.layers=1", "train.dtype=float32",
+                             f"train.resume={tmp_path / 'imported' / 'step_00000000'}",
+                             f"checkpoint.dir={tmp_path / 'imported'}"))
+    resumed.resume()
+    fresh = Trainer(config(tmp_path / "fresh", *MXFP4_TINY, "model.mtp.layers=1", "train.dtype=float32"))
+    ours, initial, imported = (dict(t.model.named_parameters()) for t in (resumed, fresh, trained))
+    assert all(torch.equal(p, initial[name]) for name, p in ours.items() if name.startswith("mtp."))
+    q_up = "layers.2.mixer.q_up.weight"  # the release stores it in bf16
+    assert torch.equal(ours[q_up], imported[q_up].detach().to(torch.bfloat16).float())
+    assert not torch.equal(ours[q_up], initial[q_up])

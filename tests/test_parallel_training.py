@@ -117,11 +117,13 @@ def test_muon_layout_matches_single_process_float64(tmp_path, world_size, overri
     (2, ["parallel.pp=2", "data.micro_batches=2"]),
     (4, ["parallel.tp=2", "parallel.ep=2"]),
     (4, ["parallel.cp=2", "parallel.ep=2", *IMAGES]),
-], ids=["pp2", "tp2xep2", "images-cp2xep2"])
+    (2, ["parallel.cp=2", "model.layer_pattern=KKMKMK"]),
+], ids=["pp2", "tp2xep2", "images-cp2xep2", "kda-block-cp2"])
 def test_mtp_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     """Two multi-token-prediction blocks (model/mtp.py): the embeddings ahead cross the pipeline to the last
     stage, the blocks' layers are split as the backbone's (tensor, expert, context parallel) and their logits go
-    through the vocabulary-parallel head; every layout equals one process."""
+    through the vocabulary-parallel head; every layout equals one process. The blocks' layers are MLA as the
+    tiny model's last; kda-block-cp2 ends the backbone with KDA, so the blocks run context-parallel KDA."""
     assert_layout_matches_single_process(tmp_path, world_size, ["model.mtp.layers=2", *overrides])
 
 

@@ -83,11 +83,17 @@ class TrainingState:
 
     def load(self, path: Path) -> dict[str, Any]:
         """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state.
-        A model-only checkpoint (an import of released weights) fills the model; the optimizer starts fresh."""
+        A model-only checkpoint (an import of released weights) fills the model; the optimizer starts fresh, and
+        multi-token-prediction blocks it lacks (the release has none) keep their initialization."""
         tensors = self.tensors.state_dict()
+        saved = model_tensor_metadata(path)
         if checkpoint.read_trainer_state(path).get("model_only"):
             tensors = {key: value for key, value in tensors.items() if key.startswith("model.")}
-        saved = model_tensor_metadata(path)
+            absent = [key for key in tensors if key.startswith("model.mtp.") and key not in saved]
+            if absent:  # released weights have no multi-token-prediction block: ours starts from its initialization
+                log.info(f"{path} holds no multi-token-prediction blocks ({len(absent)} tensors): model.mtp.* keep "
+                         f"their initial values")
+                tensors = {key: value for key, value in tensors.items() if key not in absent}
         fresh = [key for key in tensors if key.endswith(FP8_HISTORY) and key not in saved]
         if fresh:  # written without delayed FP8 scaling: the histories start empty (current scaling first)
             log.info(f"{path} holds no FP8 amax histories ({len(fresh)} expert modules): they start empty")
