@@ -8,9 +8,15 @@ Configs and overrides are taken as by every command (moe_pretrain/config/cli.py)
 
 The script runs one `srun` task per node, each a torchrun joining a c10d rendezvous on the first node.
 It asks SLURM for the preemption signal launch.signal_lead_s before the time limit (--signal=B:...),
-forwards it through srun and torchrun to the training processes (which checkpoint and exit), then reads
-<run_dir>/status.json: preempted -> `scontrol requeue` (the job comes back and resumes from the
-checkpoint), finished -> exit 0, failed (bad config or data: permanent) -> exit 78, never requeued.
+forwards it (also on SIGTERM, which a preemption with GraceTime or `scancel --signal=TERM` sends the batch
+shell: srun would take a SIGTERM of its own as "terminate the step") through srun and torchrun to the training
+processes (which checkpoint and exit), then reads
+<run_dir>/status.json with the shell alone (a container setup may have no Python on the batch host):
+preempted -> `scontrol requeue` (the job comes back and resumes from the checkpoint), finished -> exit 0,
+failed (bad config or data: permanent) -> exit 78, never requeued. srun gets the CPUs per task (SLURM 22.05-23.02
+do not pass sbatch's on) and --wait, so one node's torchrun dying ends the others after launch.signal_lead_s
+instead of leaving them in the rendezvous. The layout is checked for nodes x processes per node as training
+checks it, before anything is rendered.
 
 Every value that reaches the shell is quoted with shlex.quote; values that go into #SBATCH lines (which
 sbatch parses itself) must be plain tokens and are otherwise refused.
@@ -28,6 +34,7 @@ from pathlib import Path
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, add_config_arguments, load_config
 from moe_pretrain.config.cli import config_sources
 from moe_pretrain.training.outcome import PERMANENT
+from parallel.state import resolve_layout
 
 SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.,:=/@+%-]+$")
 TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
@@ -74,6 +81,7 @@ def render(request: JobRequest, cfg: Config) -> str:
     if not TIME.match(request.time):
         raise ValueError(f"--time={request.time!r} must be HH:MM:SS or D-HH:MM:SS")
     cpus = launch.cpus_per_task or (8 * request.gpus_per_node if request.gpus_per_node else procs)
+    resolve_layout(cfg, request.nodes * procs)  # ConfigError naming the key: refused now, not after the queue
     run_dir = Path(cfg.train.run_dir)
     header = [
         f"--job-name={_header_value('--job-name', request.job_name)}",
@@ -87,6 +95,8 @@ def render(request: JobRequest, cfg: Config) -> str:
         "--open-mode=append",
         f"--signal=B:{launch.signal}@{launch.signal_lead_s}",
     ]
+    if launch.exclusive:
+        header += ["--exclusive", "--mem=0"]
     if request.gpus_per_node:
         header.append(f"--gpus-per-node={request.gpus_per_node}")
     if request.partition:
@@ -110,10 +120,12 @@ def render(request: JobRequest, cfg: Config) -> str:
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launch.signal_lead_s),
         **launch.env,
     }
+    port = str(launch.rdzv_port) if launch.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    signals = list(dict.fromkeys([launch.signal, "TERM"]))
     train_args = " ".join(q(arg) for config in request.configs for arg in ("--config", config))
     train_args += "".join(" " + q(override) for override in request.overrides)
     torchrun = (f"{q(launch.python)} -m torch.distributed.run --nnodes={request.nodes} --nproc-per-node={procs} "
-                f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:{launch.rdzv_port}\" "
+                f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:$port\" "
                 f"--max-restarts={launch.max_restarts} --signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
                 f"-m launch.train {train_args}")
     lines = ["#!/bin/bash", *(f"#SBATCH {h}" for h in header), "",
@@ -125,20 +137,25 @@ def render(request: JobRequest, cfg: Config) -> str:
              'mkdir -p "$run_dir"',
              f"mkdir -p {q(str(hang_dir))}",
              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-             'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on $head)"',
+             f"port={port}",
+             'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on '
+             '$head:$port)"',
              'rm -f "$run_dir/status.json"  # written again by this run: finished, preempted or failed',
              "srun_pid=",
+             "# srun treats a SIGTERM of its own as 'terminate the step' (the tasks are killed after KillWait):",
+             f"# whichever signal the script gets, srun is sent SIG{launch.signal}, which it passes to the tasks.",
              "forward() {",
-             f'  echo "job $SLURM_JOB_ID: SIG{launch.signal} received, forwarding it to the training processes"',
+             f'  echo "job $SLURM_JOB_ID: SIG$1 received, forwarding SIG{launch.signal} to the training processes"',
              f'  [ -n "$srun_pid" ] && kill -s {launch.signal} "$srun_pid"',
              "}",
-             f"trap forward {launch.signal}",
-             f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 {torchrun} &",
+             *(f"trap 'forward {name}' {name}" for name in signals),
+             f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=0 --wait={launch.signal_lead_s} "
+             f"{torchrun} &",
              "srun_pid=$!",
              "# wait returns early when the trap runs: keep waiting until srun has really ended.",
              'while true; do wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
-             f"state=$({q(launch.python)} -c 'import json, sys; print(json.load(open(sys.argv[1]))[\"state\"])' "
-             '"$run_dir/status.json" 2>/dev/null)',
+             # The shell alone reads the state (status.json holds one '"state": "<word>",' line).
+             'state=$(sed -n \'s/^ *"state": *"\\([a-z]*\\)".*/\\1/p\' "$run_dir/status.json" 2>/dev/null | head -n 1)',
              'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
              'case "$state" in',
              "  finished) exit 0 ;;",
@@ -193,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         request = JobRequest(configs, overrides, args.nodes, args.gpus_per_node, args.time, args.procs_per_node,
                              args.partition, args.account, args.job_name, args.extra_sbatch)
         script = render(request, cfg)
+    except ConfigError as err:  # the layout cannot run on these nodes: said now, not after the queue
+        print(f"launch.slurm: config error: {err}", file=sys.stderr)
+        return EX_CONFIG
     except ValueError as err:
         print(f"launch.slurm: {err}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ and ends at the same loss as the uninterrupted one."""
 
 import json
 import os
+import signal as signal_module
 import stat
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launch.slurm import JobRequest, main, render, submit
-from moe_pretrain.config import load_config
+from moe_pretrain.config import EX_CONFIG, load_config
 from tests.helpers import final_loss, steps_done
 from tests.models import TINY
 from tests.slurm_cluster import Cluster, ClusterUnavailableError
@@ -81,6 +82,76 @@ def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
     assert seen["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run/hang/nccl_trace_rank_"
     assert (tmp_path / "run" / "hang").is_dir()
     assert seen["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(cfg.launch.signal_lead_s)
+
+
+def test_a_four_by_eight_script_carries_the_multi_node_flags():
+    """configs/full.yaml on 4 nodes x 8 GPUs, line by line: whole nodes, srun given the CPUs (SLURM 22.05-23.02 do
+    not pass sbatch's on) and --wait, both signals trapped, the port from the job id, no Python to read the state."""
+    job, cfg = JobRequest(["configs/full.yaml"], [], 4, 8, "04:00:00"), load_config("configs/full.yaml")
+    lines = render(job, cfg).splitlines()
+    for expected in ("#SBATCH --nodes=4", "#SBATCH --cpus-per-task=64", "#SBATCH --gpus-per-node=8",
+                     "#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --signal=B:USR2@300",
+                     "trap 'forward USR2' USR2", "trap 'forward TERM' TERM", "port=$((20000 + SLURM_JOB_ID % 20000))"):
+        assert expected in lines, expected
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert srun.startswith("srun --ntasks-per-node=1 --cpus-per-task=64 --kill-on-bad-exit=0 --wait=300 ")
+    assert "--nnodes=4 --nproc-per-node=8" in srun and '--rdzv-endpoint="$head:$port"' in srun
+    state = next(line for line in lines if line.startswith("state="))
+    assert "python" not in state and "sed" in state
+
+
+def test_a_layout_the_nodes_cannot_hold_is_refused_at_render(capsys):
+    assert main(["render", "configs/full.yaml", "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
+                 "parallel.tp=3"]) == EX_CONFIG
+    err = capsys.readouterr().err
+    assert "world size 32 is not divisible by parallel.tp" in err and "Traceback" not in err
+
+
+STAND_IN_SRUN = """#!/bin/bash
+on_signal() {
+  echo "srun got $1" > TMP/signal
+  mkdir -p RUN
+  printf '{\\n "state": "preempted",\\n "exit_code": 75\\n}\\n' > RUN/status.json
+  exit 75
+}
+trap 'on_signal USR2' USR2
+touch TMP/started
+while true; do sleep 0.1; done
+"""
+"""srun as the workers answer a preemption signal: status.json says preempted, exit 75."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signal", ["USR2", "TERM"])
+def test_the_script_forwards_the_signal_and_requeues_without_python(tmp_path, signal):
+    """Stand-ins for srun (records the signal it is forwarded, then writes status.json as the workers would) and
+    scontrol (records its arguments); launch.python names no interpreter at all: the state is read by the shell,
+    and the job requeues itself, after SIGUSR2 (the time-limit signal) or SIGTERM (GraceTime preemption, which
+    reaches srun as SIGUSR2)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    run_dir = tmp_path / "run"
+    stand_ins = {"srun": STAND_IN_SRUN.replace("TMP", str(tmp_path)).replace("RUN", str(run_dir)),
+                 "scontrol": f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol\necho node1\n'}
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    job, cfg = request(f"train.run_dir={run_dir}", "launch.python=/nonexistent/python", workdir=str(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(job, cfg))
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists():
+        assert time.time() < deadline and shell.poll() is None, "the stand-in srun did not start"
+        time.sleep(0.1)
+    shell.send_signal(getattr(signal_module, f"SIG{signal}"))
+    out, _ = shell.communicate(timeout=30)
+    assert shell.returncode == 0, out
+    assert (tmp_path / "signal").read_text().strip() == "srun got USR2"  # srun would end the step on a TERM
+    assert "requeue 7" in (tmp_path / "scontrol").read_text()
+    assert f"SIG{signal} received, forwarding SIGUSR2" in out and "training ended with state preempted" in out
 
 
 CLI = [sys.executable, "-m", "launch.slurm"]
@@ -152,14 +223,17 @@ def test_a_job_runs_to_the_end_and_checkpoints(finished_job):
 
 
 @pytest.mark.timeout(600)
-def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job, tmp_path):
+@pytest.mark.parametrize("signal", ["USR2", "TERM"], ids=["time-limit-USR2", "TERM"])
+def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job, tmp_path, signal):
+    """USR2 (the time limit's --signal=B:USR2) or TERM to the batch script: the script survives it and forwards
+    USR2, the workers checkpoint, the job requeues itself, resumes and ends at the uninterrupted run's loss."""
     run_dir = tmp_path / "run"
     job_id = start_job(cluster, run_dir)
     deadline = time.time() + 240
     while steps_done(run_dir) < 8:
         assert time.time() < deadline, "the job did not get going"
         time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], env=cluster.env, check=True)
+    subprocess.run(["scancel", f"--signal={signal}", "--batch", job_id], env=cluster.env, check=True)
     cluster.wait(job_id, {"PENDING"}, timeout=120)  # requeued by its own script
     # slurmctld holds a requeued job for 120 s (its BeginTime); release it sooner, as the rest is ours to test,
     # but not within the second of the requeue: slurmd revoked the first run's credential then, and refuses
@@ -171,6 +245,7 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job,
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{log[-3000:]}\n{cluster.log_tails()}"
     step = int(log.split("preempted by SIGUSR2 at step ")[1].split(";")[0])
     assert 8 <= step < 30
+    assert f"job {job_id}: SIG{signal} received, forwarding SIGUSR2" in log
     assert f"job {job_id}: requeueing" in log and f"job {job_id} restart 1" in log
     assert f"resumed from {run_dir}/checkpoints/step_{step:08d} at step {step}" in log
     assert final_loss(run_dir) == pytest.approx(final_loss(finished_job[2]), rel=1e-6)

@@ -282,7 +282,11 @@ class LaunchConfig:
     """Seconds before the limit: enough for one step and a synchronous checkpoint."""
     max_restarts: int = 3
     """torchrun restarts of the workers after a crash, within one allocation (they resume automatically)."""
-    rdzv_port: int = 29500
+    rdzv_port: int = 0
+    """The c10d rendezvous port on the first node; 0 = 20000 + the job id modulo 20000, so that two jobs sharing a
+    node (or a requeued job meeting its predecessor's lingering store) do not meet on one fixed port."""
+    exclusive: bool = True
+    """Whole nodes with all their memory (sbatch --exclusive --mem=0), as multi-node GPU training expects."""
     cpus_per_task: int = 0
     """CPUs per node for the training processes; 0 = 8 per GPU (or 1 per process on CPU)."""
     python: str = "python"
@@ -293,7 +297,9 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         require(self.signal.isalnum() and self.signal.isupper(),
                 f"launch.signal={self.signal!r} must be a signal name such as USR2 or TERM")
-        require_positive("launch", signal_lead_s=self.signal_lead_s, rdzv_port=self.rdzv_port)
+        require_positive("launch", signal_lead_s=self.signal_lead_s)
+        require(0 <= self.rdzv_port < 65536,
+                f"launch.rdzv_port={self.rdzv_port} must be a port, or 0 (derived from the job id)")
         require(self.max_restarts >= 0 and self.cpus_per_task >= 0,
                 "launch.max_restarts and launch.cpus_per_task must be >= 0")
         for name in self.env:
