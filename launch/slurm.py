@@ -23,6 +23,7 @@ sbatch parses itself) must be plain tokens and are otherwise refused.
 """
 
 import argparse
+import hashlib
 import re
 import shlex
 import shutil
@@ -53,7 +54,9 @@ class JobRequest:
     """Training processes per node; 0 = gpus_per_node (set it for CPU-only jobs)."""
     partition: str = ""
     account: str = ""
-    job_name: str = "moe-pretrain"
+    job_name: str = ""
+    """Default: moe-<run_dir's name>-<8 hex of its absolute path> (job_name_of): with --dependency=singleton one
+    job per run directory runs at a time, so a second submission waits instead of writing beside the first."""
     extra_sbatch: list[str] = field(default_factory=list)
     workdir: str = "."
 
@@ -70,6 +73,13 @@ def _extra(option: str) -> str:
     return option
 
 
+def job_name_of(run_dir: Path, workdir: str) -> str:
+    """The job's name from its run directory: one name per directory (--dependency=singleton serialises its jobs)."""
+    path = (Path(workdir) / run_dir).resolve()
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", path.name)[:40]
+    return f"moe-{name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
 def render(request: JobRequest, cfg: Config) -> str:
     """The sbatch script (text). Raises ValueError for anything that cannot be put in it safely."""
     launch, q = cfg.launch, shlex.quote
@@ -84,7 +94,8 @@ def render(request: JobRequest, cfg: Config) -> str:
     resolve_layout(cfg, request.nodes * procs)  # ConfigError naming the key: refused now, not after the queue
     run_dir = Path(cfg.train.run_dir)
     header = [
-        f"--job-name={_header_value('--job-name', request.job_name)}",
+        f"--job-name={_header_value('--job-name', request.job_name or job_name_of(run_dir, request.workdir))}",
+        "--dependency=singleton",
         f"--chdir={_header_value('working directory', str(Path(request.workdir).resolve()))}",
         f"--nodes={request.nodes}",
         "--ntasks-per-node=1",
@@ -149,8 +160,9 @@ def render(request: JobRequest, cfg: Config) -> str:
              f'  [ -n "$srun_pid" ] && kill -s {launch.signal} "$srun_pid"',
              "}",
              *(f"trap 'forward {name}' {name}" for name in signals),
-             f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=0 --wait={launch.signal_lead_s} "
-             f"{torchrun} &",
+             "# --label: every line of the job log starts with its node's task number (the header line maps them).",
+             f"srun --label --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=0 "
+             f"--wait={launch.signal_lead_s} {torchrun} &",
              "srun_pid=$!",
              "# wait returns early when the trap runs: keep waiting until srun has really ended.",
              'while true; do wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time", required=True, help="HH:MM:SS or D-HH:MM:SS")
     parser.add_argument("--partition", default="")
     parser.add_argument("--account", default="")
-    parser.add_argument("--job-name", default="moe-pretrain")
+    parser.add_argument("--job-name", default="", help="default: from the run directory (one job per directory)")
     parser.add_argument("--extra-sbatch", action="append", default=[], help="one extra option, --name=value")
     parser.add_argument("--dry-run", action="store_true", help="submit: print the script, do not run sbatch")
     args = parser.parse_intermixed_args(argv)

@@ -1,4 +1,7 @@
-"""Log lines of training processes: `2026-11-30 14:40:01 [rank 3] WARNING message`.
+"""Log lines of training processes: `2026-11-30 14:40:01 node17 [rank 3] WARNING message`.
+
+The host is in every line: c10d gives node ranks in the order nodes join, so the rank alone does not say
+which machine a line (a hang, a crash) came from.
 
 With hundreds of ranks, informational lines come from rank 0 only (every rank says the same); warnings
 and errors come from every rank, since they are usually about that rank. Information goes to stdout,
@@ -10,6 +13,7 @@ product (a table, a script, JSON) on stdout with print: that is output, not a lo
 
 import logging
 import os
+import socket
 import sys
 
 from moe_pretrain.config.errors import ConfigError
@@ -54,7 +58,8 @@ def setup_logging(rank: int = 0, level: str = "info", all_ranks: bool = False) -
     """(Re)configure our packages' loggers for this process; safe to call again (e.g. once the config,
     and so logging.level, is known)."""
     numeric = resolve_level(level)
-    formatter = logging.Formatter("%(asctime)s [rank %(rank)s] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    formatter = logging.Formatter(f"%(asctime)s {socket.gethostname()} [rank %(rank)s] %(levelname)s %(message)s",
+                                  "%Y-%m-%d %H:%M:%S")
     rank_filter = _RankFilter(rank, all_ranks)
     info = logging.StreamHandler(sys.stdout)
     info.addFilter(_Below(logging.WARNING))

@@ -4,6 +4,7 @@ checkpoints all fail verification."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,8 +62,12 @@ def test_watchdog_dumps_stacks_and_names_the_stuck_rank(tmp_path):
                                    "train.hang_min_s=3", f"train.run_dir={run_dir}"),
                           capture_output=True, text=True, timeout=200)
     assert done.returncode != 0
-    assert "watchdog (rank 1): step 5 has run" in done.stderr and f"exiting with code {HUNG}" in done.stderr
+    # The host in the message and in every log line: node ranks follow the order nodes joined the rendezvous.
+    host = socket.gethostname()
+    assert f"watchdog (rank 1 on {host}): step 5 has run" in done.stderr and f"exiting with code {HUNG}" in done.stderr
+    assert f" {host} [rank 1] CRITICAL watchdog" in done.stderr
     dump = (run_dir / "hang" / "rank1.txt").read_text()
+    assert dump.startswith(f"watchdog (rank 1 on {host})")
     assert "train.hang_multiple=5 x the median step" in dump
     assert "hang_worker.py" in dump and "train_step" in dump  # the stuck frame, from faulthandler
     print(dump[:2000])

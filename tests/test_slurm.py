@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.local import free_port
 from launch.slurm import JobRequest, main, render, submit
 from moe_pretrain.config import EX_CONFIG, load_config
 from tests.helpers import final_loss, steps_done
@@ -85,8 +86,9 @@ def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
 
 
 def test_a_four_by_eight_script_carries_the_multi_node_flags():
-    """configs/full.yaml on 4 nodes x 8 GPUs, line by line: whole nodes, srun given the CPUs (SLURM 22.05-23.02 do
-    not pass sbatch's on) and --wait, both signals trapped, the port from the job id, no Python to read the state."""
+    """configs/full.yaml on 4 nodes x 8 GPUs, line by line: whole nodes, one job per run directory at a time, srun
+    given the CPUs (SLURM 22.05-23.02 do not pass sbatch's on), --wait and --label (per-node lines), both signals
+    trapped, the port from the job id, no Python to read the state."""
     job, cfg = JobRequest(["configs/full.yaml"], [], 4, 8, "04:00:00"), load_config("configs/full.yaml")
     lines = render(job, cfg).splitlines()
     for expected in ("#SBATCH --nodes=4", "#SBATCH --cpus-per-task=64", "#SBATCH --gpus-per-node=8",
@@ -94,7 +96,9 @@ def test_a_four_by_eight_script_carries_the_multi_node_flags():
                      "trap 'forward USR2' USR2", "trap 'forward TERM' TERM", "port=$((20000 + SLURM_JOB_ID % 20000))"):
         assert expected in lines, expected
     srun = next(line for line in lines if line.startswith("srun "))
-    assert srun.startswith("srun --ntasks-per-node=1 --cpus-per-task=64 --kill-on-bad-exit=0 --wait=300 ")
+    assert srun.startswith("srun --label --ntasks-per-node=1 --cpus-per-task=64 --kill-on-bad-exit=0 --wait=300 ")
+    name = next(line for line in lines if line.startswith("#SBATCH --job-name="))
+    assert name.startswith("#SBATCH --job-name=moe-full-") and "#SBATCH --dependency=singleton" in lines
     assert "--nnodes=4 --nproc-per-node=8" in srun and '--rdzv-endpoint="$head:$port"' in srun
     state = next(line for line in lines if line.startswith("state="))
     assert "python" not in state and "sed" in state
@@ -191,8 +195,10 @@ def cluster(tmp_path_factory):
 
 
 def job_overrides(run_dir: Path) -> list[str]:
+    """A free rendezvous port of its own: under pytest-xdist two workers may each run a cluster whose job ids
+    (and so the ports derived from them) coincide on this one machine."""
     return [*TINY, "train.steps=30", "logging.progress=false", f"train.run_dir={run_dir}",
-            f"launch.python={sys.executable}", "launch.signal_lead_s=60"]
+            f"launch.python={sys.executable}", "launch.signal_lead_s=60", f"launch.rdzv_port={free_port()}"]
 
 
 def start_job(cluster: Cluster, run_dir: Path) -> str:

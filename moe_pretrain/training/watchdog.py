@@ -10,6 +10,7 @@ says which rank and step, and ends the process with outcome.HUNG so the launcher
 import faulthandler
 import logging
 import os
+import socket
 import statistics
 import threading
 import time
@@ -73,7 +74,8 @@ class StepWatchdog:
     def _fire(self, step: int, elapsed: float, why: str) -> None:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / f"rank{self.rank}.txt"
-        message = (f"watchdog (rank {self.rank}): step {step} has run {elapsed:.1f} s, more than {why}; "
+        message = (f"watchdog (rank {self.rank} on {socket.gethostname()}): step {step} has run {elapsed:.1f} s, "
+                   f"more than {why}; "
                    f"the stacks of every thread are in {path}; exiting with code {HUNG}")
         with path.open("w") as dump:
             dump.write(message + "\n\n")
