@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_pretrain.config import EX_CONFIG, Config, ConfigError, add_config_arguments, load_config
+from moe_pretrain.config import EX_CONFIG, Config, ConfigError, LaunchConfig, add_config_arguments, load_config
 from moe_pretrain.config.cli import config_sources
 from moe_pretrain.training.outcome import PERMANENT
 from parallel.state import resolve_layout
@@ -78,6 +78,20 @@ def job_name_of(run_dir: Path, workdir: str) -> str:
     path = (Path(workdir) / run_dir).resolve()
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", path.name)[:40]
     return f"moe-{name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+def container_flags(launch: LaunchConfig, workdir: str) -> str:
+    """pyxis / enroot options of the srun line (quoted: an image may hold `#`), '' without a container."""
+    if not launch.container_image:
+        return ""
+    q = shlex.quote
+    flags = [f"--container-image={q(launch.container_image)}",
+             f"--container-workdir={q(launch.container_workdir or str(Path(workdir).resolve()))}"]
+    if launch.container_mounts:
+        flags.append(f"--container-mounts={q(launch.container_mounts)}")
+    if not launch.container_mount_home:
+        flags.append("--no-container-mount-home")
+    return " ".join(flags) + " "
 
 
 def render(request: JobRequest, cfg: Config) -> str:
@@ -162,7 +176,7 @@ def render(request: JobRequest, cfg: Config) -> str:
              *(f"trap 'forward {name}' {name}" for name in signals),
              "# --label: every line of the job log starts with its node's task number (the header line maps them).",
              f"srun --label --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=0 "
-             f"--wait={launch.signal_lead_s} {torchrun} &",
+             f"--wait={launch.signal_lead_s} {container_flags(launch, request.workdir)}{torchrun} &",
              "srun_pid=$!",
              "# wait returns early when the trap runs: keep waiting until srun has really ended.",
              'while true; do wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',

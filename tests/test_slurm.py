@@ -104,6 +104,20 @@ def test_a_four_by_eight_script_carries_the_multi_node_flags():
     assert "python" not in state and "sed" in state
 
 
+def test_containers_go_on_the_srun_line_only():
+    """pyxis flags from the launch section on srun, quoted (an nvcr.io#... image holds a `#`), none at the sbatch
+    level (pyxis there would wrap the script's own srun and scontrol); the home directory is left out."""
+    job, cfg = request("launch.container_image=nvcr.io#nvidia/pytorch:25.12-py3",
+                       "launch.container_mounts=/lustre:/lustre,/data:/data", workdir="/lustre/moe")
+    lines = render(job, cfg).splitlines()
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert ("--container-image='nvcr.io#nvidia/pytorch:25.12-py3' --container-workdir=/lustre/moe "
+            "--container-mounts=/lustre:/lustre,/data:/data --no-container-mount-home python -m torch.distributed.run"
+            ) in srun
+    assert not [line for line in lines if line.startswith("#SBATCH") and "container" in line]
+    assert "--container" not in next(line for line in render(*request()).splitlines() if line.startswith("srun "))
+
+
 def test_a_layout_the_nodes_cannot_hold_is_refused_at_render(capsys):
     assert main(["render", "configs/full.yaml", "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00",
                  "parallel.tp=3"]) == EX_CONFIG

@@ -290,7 +290,18 @@ class LaunchConfig:
     cpus_per_task: int = 0
     """CPUs per node for the training processes; 0 = 8 per GPU (or 1 per process on CPU)."""
     python: str = "python"
-    """The interpreter on the compute nodes (e.g. /shared/venvs/moe/bin/python)."""
+    """The interpreter on the compute nodes (e.g. /shared/venvs/moe/bin/python), or in the container."""
+    container_image: str = ""
+    """Run the training in this container through pyxis / enroot (e.g. nvcr.io#nvidia/pytorch:25.12-py3 or a
+    .sqsh file): srun's --container-image and the flags below. Only the srun line: pyxis at the sbatch level
+    would also wrap the script's own srun and scontrol. Empty: no container."""
+    container_mounts: str = ""
+    """srun --container-mounts (SRC:DST[,SRC:DST...]): the shared file system holding the code, run_dir and data."""
+    container_workdir: str = ""
+    """srun --container-workdir; empty = the job's working directory (its path must exist in the container)."""
+    container_mount_home: bool = False
+    """Mount the user's home in the container (pyxis does by default; off, --no-container-mount-home, keeps a
+    home directory's Python packages and configuration out of the run)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the training processes, e.g. NCCL_IB_HCA: mlx5, NCCL_SOCKET_IFNAME: ib0."""
 
