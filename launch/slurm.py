@@ -80,6 +80,12 @@ def job_name_of(run_dir: Path, workdir: str) -> str:
     return f"moe-{name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
+def join_timeout_s(nodes: int) -> int:
+    """How long torchrun waits for every node to join the rendezvous: c10d's default 600 s plus 2 s a node, as a
+    large allocation's nodes start over minutes (image pulls, file-system mounts): 4 nodes 608 s, 512 nodes 1624 s."""
+    return 600 + 2 * nodes
+
+
 def container_flags(launch: LaunchConfig, workdir: str) -> str:
     """pyxis / enroot options of the srun line (quoted: an image may hold `#`), '' without a container."""
     if not launch.container_image:
@@ -151,6 +157,7 @@ def render(request: JobRequest, cfg: Config) -> str:
     train_args += "".join(" " + q(override) for override in request.overrides)
     torchrun = (f"{q(launch.python)} -m torch.distributed.run --nnodes={request.nodes} --nproc-per-node={procs} "
                 f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:$port\" "
+                f"--rdzv-conf=join_timeout={join_timeout_s(request.nodes)} "
                 f"--max-restarts={launch.max_restarts} --signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
                 f"-m launch.train {train_args}")
     lines = ["#!/bin/bash", *(f"#SBATCH {h}" for h in header), "",

@@ -100,6 +100,7 @@ def test_a_four_by_eight_script_carries_the_multi_node_flags():
     name = next(line for line in lines if line.startswith("#SBATCH --job-name="))
     assert name.startswith("#SBATCH --job-name=moe-full-") and "#SBATCH --dependency=singleton" in lines
     assert "--nnodes=4 --nproc-per-node=8" in srun and '--rdzv-endpoint="$head:$port"' in srun
+    assert "--rdzv-conf=join_timeout=608 " in srun  # c10d's 600 s, plus 2 s a node
     state = next(line for line in lines if line.startswith("state="))
     assert "python" not in state and "sed" in state
 
