@@ -46,8 +46,7 @@ def measure(rank: int, world_size: int, steps: int, overrides: list[str]) -> tup
 
             optimizer.update = timed
             trainer.run()
-            sent = sum(2 * (sum(b.exchange.send_splits) - b.exchange.send_splits[b.rank]) * b.data.element_size()
-                       for b in optimizer.buckets if b.exchange is not None)
+            sent = optimizer.exchange_bytes()
         finally:
             destroy_parallel()
     return statistics.median(seconds[1:]), sent

@@ -116,38 +116,45 @@ class MuonExchange:
                  group: dist.ProcessGroup | None, loads: list[int], tp_group: dist.ProcessGroup | None):
         self.group, self.tp_group = group, tp_group
         size, rank = group_size(group), 0 if group is None else dist.get_rank(group)
+        self.rank = rank
         self.tp, self.tp_rank = group_size(tp_group), 0 if tp_group is None else dist.get_rank(tp_group)
         matrices = bucket_matrices(specs, offsets)
         owners = assign_owners(matrices, loads, self.tp)
-        ranges = [(q * shard_numel, min((q + 1) * shard_numel, numel)) for q in range(size)]
-        lo, hi = ranges[rank]
+        lo, hi = rank * shard_numel, min((rank + 1) * shard_numel, numel)
         # What this rank sends: its slice's pieces, grouped by owner (flat order within), as slice-local ranges.
+        # Only the matrices overlapping the slice are visited, and each matrix only with the ranks its elements
+        # lie on: set-up is linear in the bucket's matrices, not in matrices x ranks.
         self.send_pieces: list[tuple[int, int]] = []
         self.send_splits = [0] * size
-        for owner in range(size):
-            for m, o in zip(matrices, owners):
-                a, b = max(m.start, lo), min(m.end, hi)
-                if o == owner and a < b:
-                    self.send_pieces.append((a - lo, b - lo))
-                    self.send_splits[owner] += b - a
+        overlapping = [(o, m) for m, o in zip(matrices, owners) if m.start < hi and m.end > lo]
+        for owner, m in sorted(overlapping, key=lambda pair: pair[0]):  # stable: flat order within an owner
+            a, b = max(m.start, lo), min(m.end, hi)
+            self.send_pieces.append((a - lo, b - lo))
+            self.send_splits[owner] += b - a
         # What it receives: from each rank q in order, the pieces of its own matrices within q's slice.
         self.mine = [m for m, o in zip(matrices, owners) if o == rank]
+        arriving = sorted(((q, m) for m in self.mine for q in range(m.start // shard_numel,
+                                                                      (m.end - 1) // shard_numel + 1)),
+                          key=lambda pair: pair[0])
         self.pieces: dict[int, list[tuple[int, int]]] = {m.start: [] for m in self.mine}
         """Matrix start -> its pieces (offset in the received buffer, length), in flat order."""
         self.recv_splits = [0] * size
         at = 0
-        for q, (qlo, qhi) in enumerate(ranges):
-            for m in self.mine:
-                a, b = max(m.start, qlo), min(m.end, qhi)
-                if a < b:
-                    self.pieces[m.start].append((at, b - a))
-                    at += b - a
-                    self.recv_splits[q] += b - a
+        for q, m in arriving:
+            a, b = max(m.start, q * shard_numel), min(m.end, (q + 1) * shard_numel)
+            self.pieces[m.start].append((at, b - a))
+            at += b - a
+            self.recv_splits[q] += b - a
         self.shapes: dict[tuple[int, int, int | None], list[_Matrix]] = {}
         for m in self.mine:
             self.shapes.setdefault((m.rows, m.columns, m.tensor_dim), []).append(m)
         self.joined = [m for m in self.mine if m.tensor_dim is not None and self.tp > 1]
         """The owned matrices whose tensor-parallel slices are joined for the iteration."""
+
+    @property
+    def sent_elements(self) -> int:
+        """Elements this rank sends to other ranks per step: its pieces owned elsewhere, out and back."""
+        return 2 * (sum(self.send_splits) - self.send_splits[self.rank])
 
     def update(self, direction: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the bucket's Muon update, from its slice of the direction (both [shard_numel])."""

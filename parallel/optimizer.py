@@ -318,6 +318,10 @@ class ShardedOptimizer:
         slice is a view of the parameters)."""
         return sum(t.numel() * t.element_size() for bucket in self.buckets for t in self.moments(bucket).values())
 
+    def exchange_bytes(self) -> int:
+        """Bytes this rank's Muon exchanges send to other ranks per step (0 without Muon)."""
+        return sum(b.exchange.sent_elements * b.data.element_size() for b in self.buckets if b.exchange is not None)
+
     def moments(self, bucket: "_Bucket") -> dict[str, torch.Tensor]:
         """This rank's slices of a bucket's optimizer state, [shard_numel] each: AdamW's "exp_avg" and
         "exp_avg_sq", or Muon's "momentum"."""

@@ -47,8 +47,7 @@ def allocated_state(rank, world_size, overrides):
         trainer.train_step()
         params = sum(p.numel() for p in trainer.model.parameters())
         grads = sum(b.grad_data.numel() for b in trainer.optimizer.buckets)
-        exchanged = sum(2 * (sum(b.exchange.send_splits) - b.exchange.send_splits[b.rank]) * b.data.element_size()
-                        for b in trainer.optimizer.buckets if b.exchange is not None)
+        exchanged = trainer.optimizer.exchange_bytes()
         return [(ctx.pp_rank, params, grads, trainer.optimizer.state_bytes(), exchanged)]
     finally:
         destroy_parallel()

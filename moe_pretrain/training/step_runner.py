@@ -52,6 +52,16 @@ class StepPlan:
     """Where full recomputation keeps the layers' inputs (model/saved_inputs.py)."""
 
 
+@dataclass(frozen=True)
+class AheadTargets:
+    """The multi-token-prediction blocks' targets of a step, made once (StepRunner.ahead_labels)."""
+
+    labels: list[torch.Tensor]
+    """Per micro-batch, [B, model.mtp.layers, T]."""
+    tokens: torch.Tensor
+    """Per block, the step's global count of targets (each block's loss is a mean over them)."""
+
+
 class StepRunner:
     def __init__(self, cfg: Config, ctx: ParallelContext, model: MoETransformer, data: PretrainingData):
         """model: this rank's model (the whole model, or its pipeline chunks under their global names)."""
@@ -84,20 +94,20 @@ class StepRunner:
         return mtp_labels(batch.labels, batch.doc_ids, self.cfg.model.mtp.layers)
 
     def forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor,
-                         ahead_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                         ahead: AheadTargets | None = None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches, every loss over the step's global count of loss
-        tokens (each multi-token-prediction block's over its own, ahead_tokens [model.mtp.layers], weighted by
-        model.mtp.loss_weight); returns [1 + model.mtp.layers] (float64, on the device): this rank's next-token
+        tokens (each multi-token-prediction block's over its own, `ahead`'s, weighted by model.mtp.loss_weight);
+        returns [1 + model.mtp.layers] (float64, on the device): this rank's next-token
         loss (without a pipeline the rank's micro-batches' sum, with one its share of the global mean, non-zero
         on the last stage's first tensor rank only), then each block's summed cross-entropy (on the same ranks)."""
         weight, depth = self.cfg.model.mtp.loss_weight, self.cfg.model.mtp.layers
 
-        def objective(logits: torch.Tensor, labels: torch.Tensor, ahead: list[tuple[torch.Tensor, torch.Tensor]],
+        def objective(logits: torch.Tensor, labels: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                       parts: list[torch.Tensor], share: bool) -> torch.Tensor:
             """The loss to differentiate; appends its parts (next-token, then each block's sum) to `parts`."""
             ce_sum = self.cross_entropy_sum(logits, labels)
-            sums = [self.cross_entropy_sum(block_logits, block_labels) for block_logits, block_labels in ahead]
-            loss = ce_sum / loss_tokens + sum(weight * s / ahead_tokens[k] for k, s in enumerate(sums))
+            sums = [self.cross_entropy_sum(block_logits, block_labels) for block_logits, block_labels in pairs]
+            loss = ce_sum / loss_tokens + sum(weight * s / ahead.tokens[k] for k, s in enumerate(sums))
             parts.append(torch.stack([(ce_sum / loss_tokens if share else ce_sum).to(torch.float64),
                                       *(s.to(torch.float64) for s in sums)]).detach())
             return loss
@@ -106,13 +116,13 @@ class StepRunner:
         if self.pipeline is not None:
             batch = Batch.concatenate(batches)
             self._run_pipeline(plan, batch, plan.rows, lambda *a: objective(*a, parts=parts, share=True), train=True,
-                               ahead=self.ahead_labels(batch) if depth else None)
+                               ahead=torch.cat(ahead.labels) if depth else None)
             if not parts or not self.pipeline.holds_last or self.ctx.tp_rank != 0:
                 return torch.zeros(1 + depth, dtype=torch.float64, device=self.ctx.device)
             return torch.stack(parts).sum(0)
         local = self.model.context.local
         with reused_in_step():  # the parameters do not change before the optimizer step
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 inputs = (batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
                           placed_images(batch.grids, batch.starts))
                 with self.autocast():
@@ -120,8 +130,7 @@ class StepRunner:
                         logits, predicted, balance_loss = self.model.forward_with_mtp(*inputs)
                     else:
                         (logits, balance_loss), predicted = self.model(*inputs), []
-                ahead = self.ahead_labels(batch) if depth else None
-                pairs = [(block_logits, local(ahead[:, k])) for k, block_logits in enumerate(predicted)]
+                pairs = [(block_logits, local(ahead.labels[index][:, k])) for k, block_logits in enumerate(predicted)]
                 loss = objective(logits, local(batch.labels), pairs, parts, share=False) + balance_loss / len(batches)
                 loss.backward()
         return torch.stack(parts).sum(0)

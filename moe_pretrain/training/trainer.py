@@ -40,7 +40,7 @@ from moe_pretrain.training.peak_flops import peak_flops
 from moe_pretrain.training.preemption import StopSignals
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
-from moe_pretrain.training.step_runner import StepPlan, StepRunner
+from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
@@ -225,25 +225,25 @@ class Trainer:
         # rank counts (and later scores) only its own positions.
         local_tokens = torch.stack([(self.model.context.local(b.labels) != IGNORE_INDEX).sum() for b in batches])
         loss_tokens = all_reduce_sum(local_tokens.sum(), ctx.dp_group).clamp_min(1)
-        ahead_tokens = None
+        ahead = None
         if cfg.model.mtp.layers:  # each block's targets, counted as the next-token loss's are
-            ahead = [self.runner.ahead_labels(b) for b in batches]
+            labels = [self.runner.ahead_labels(b) for b in batches]
             counts = torch.stack([(self.model.context.local(a[:, k]) != IGNORE_INDEX).sum()
-                                  for a in ahead for k in range(a.shape[1])]).view(len(ahead), -1)
-            ahead_tokens = all_reduce_sum(counts.sum(0), ctx.dp_group).clamp_min(1)
+                                  for a in labels for k in range(a.shape[1])]).view(len(labels), -1)
+            ahead = AheadTargets(labels, all_reduce_sum(counts.sum(0), ctx.dp_group).clamp_min(1))
         lr = plan.lr
         self.optimizer.set_lr(lr, self.step)
         self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
         if cfg.optim.qk_clip_threshold:
             start_recording(self.model)
-        sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead_tokens)
+        sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead)
         if self.pipeline is None:
             sums = all_reduce_sum(sums, ctx.dp_group)
             loss = sums[0] / loss_tokens
         else:  # each rank's share of the mean (non-zero on the last stage's first tensor rank)
             sums = all_reduce_sum(sums, dist.group.WORLD)
             loss = sums[0]
-        mtp = sums[1:] / ahead_tokens if ahead_tokens is not None else sums[1:]
+        mtp = sums[1:] / ahead.tokens if ahead is not None else sums[1:]
         norm = self.optimizer.reduce_gradients()
         loss_value, grad_norm, *mtp_losses = torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]).tolist()
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
