@@ -6,15 +6,15 @@
 
 Configs and overrides are taken as by every command (moe_pretrain/config/cli.py).
 
-The script runs one `srun` task per node, each a torchrun joining a c10d rendezvous on the first node.
-It asks SLURM for the preemption signal launch.signal_lead_s before the time limit (--signal=B:...),
-forwards it (also on SIGTERM, which a preemption with GraceTime or `scancel --signal=TERM` sends the batch
-shell: srun would take a SIGTERM of its own as "terminate the step") through srun and torchrun to the training
-processes (which checkpoint and exit), then reads
-<run_dir>/status.json with the shell alone (a container setup may have no Python on the batch host):
-preempted -> `scontrol requeue` (the job comes back and resumes from the checkpoint), finished -> exit 0,
-failed (bad config or data: permanent) -> exit 78, never requeued. srun gets the CPUs per task (SLURM 22.05-23.02
-do not pass sbatch's on) and --wait, so one node's torchrun dying ends the others after launch.signal_lead_s
+The script runs one `srun` task per node, each a torchrun joining a c10d rendezvous on the first node (bound to
+its GPUs' NUMA nodes by torchrun --numa-binding). It asks SLURM for the preemption signal the signal lead before
+the time limit (--signal=B:...; the lead derived from the largest rank's checkpoint, launch/signal_lead.py), and
+gives the training processes the same moment as a clock time to stop by (MOE_PRETRAIN_STOP_AT, from the job's end
+time): either way they save and exit as preempted. The signal is forwarded (also on SIGTERM, which a preemption
+with GraceTime or `scancel --signal=TERM` sends the batch shell: srun would take a SIGTERM of its own as
+"terminate the step") through srun and torchrun to the training processes. What follows the run (requeue, exit,
+or the node check and exclusion of sick nodes) is launch/slurm_outcome.py. srun gets the CPUs per task (SLURM
+22.05-23.02 do not pass sbatch's on) and --wait, so one node's torchrun dying ends the others after the lead
 instead of leaving them in the rendezvous. The layout is checked for nodes x processes per node as training
 checks it, before anything is rendered.
 
@@ -32,13 +32,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.signal_lead import signal_lead
+from launch.slurm_outcome import outcome_lines
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, LaunchConfig, add_config_arguments, load_config
 from moe_pretrain.config.cli import config_sources
-from moe_pretrain.training.outcome import PERMANENT
+from moe_pretrain.training.preemption import STOP_AT_VARIABLE
 from parallel.state import resolve_layout
 
 SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.,:=/@+%-]+$")
-TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})$")
+MAX_SIGNAL_LEAD_S = 65535
+"""SLURM's --signal takes at most this many seconds."""
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 FR_TRACE_ENTRIES = 20000
 
@@ -71,6 +75,36 @@ def _extra(option: str) -> str:
     if not option.startswith("--") or not SBATCH_TOKEN.match(option):
         raise ValueError(f"--extra-sbatch {option!r}: give one long option as --name=value, made of plain characters")
     return option
+
+
+def time_limit_s(text: str) -> int:
+    """--time's HH:MM:SS or D-HH:MM:SS in seconds."""
+    match = TIME.match(text)
+    if not match:
+        raise ValueError(f"--time={text!r} must be HH:MM:SS or D-HH:MM:SS")
+    days, hours, minutes, seconds = (int(group or 0) for group in match.groups())
+    return ((24 * days + hours) * 60 + minutes) * 60 + seconds
+
+
+def default_environment(cpus: int, procs: int) -> dict[str, str]:
+    """What every job sets before launch.env (which may override any of it): the flight recorder, the shutdown
+    time, threads per rank, and settings every NCCL cluster wants; the fabric's own (NCCL_IB_HCA,
+    NCCL_SOCKET_IFNAME, ...) come from launch.env, e.g. configs/clusters/infiniband.yaml."""
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",   # a failed collective aborts the process instead of hanging
+        # NCCL's flight recorder keeps the last FR_TRACE_ENTRIES collectives of every rank (it records
+        # nothing with a buffer of 0, the default) and, on a collective timeout or when the watchdog fires,
+        # dumps them beside the watchdog's stack dumps: <run_dir>/hang/nccl_trace_rank_<rank>.
+        "TORCH_FR_BUFFER_SIZE": str(FR_TRACE_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "OMP_NUM_THREADS": str(max(1, cpus // procs)),
+        # Tensors of asynchronous collectives are kept alive by the process group, not by allocator record_stream
+        # (which holds their memory until a later sync): lower peak memory, megatron-core's setting.
+        "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+        # Triton's compiled kernels on the node's own disk: the default under $HOME is the shared file system,
+        # where thousands of ranks compiling at once contend and can read each other's half-written files.
+        "TRITON_CACHE_DIR": "/tmp/moe-pretrain-triton-cache",
+    }
 
 
 def job_name_of(run_dir: Path, workdir: str) -> str:
@@ -108,10 +142,15 @@ def render(request: JobRequest, cfg: Config) -> str:
     procs = request.procs_per_node or request.gpus_per_node
     if procs < 1:
         raise ValueError("--procs-per-node is needed when --gpus-per-node is 0 (a CPU job)")
-    if not TIME.match(request.time):
-        raise ValueError(f"--time={request.time!r} must be HH:MM:SS or D-HH:MM:SS")
+    limit_s = time_limit_s(request.time)
     cpus = launch.cpus_per_task or (8 * request.gpus_per_node if request.gpus_per_node else procs)
     resolve_layout(cfg, request.nodes * procs)  # ConfigError naming the key: refused now, not after the queue
+    lead = signal_lead(cfg, request.nodes * procs)
+    if lead.seconds >= limit_s or lead.seconds > MAX_SIGNAL_LEAD_S:
+        raise ValueError(f"the signal lead of {lead.seconds} s ({lead.why}) leaves no time to train within "
+                         f"--time={request.time}" if lead.seconds >= limit_s else
+                         f"the signal lead of {lead.seconds} s ({lead.why}) is more than SLURM's --signal takes "
+                         f"({MAX_SIGNAL_LEAD_S} s): raise checkpoint.io_floor_mb_s to what the storage delivers")
     run_dir = Path(cfg.train.run_dir)
     header = [
         f"--job-name={_header_value('--job-name', request.job_name or job_name_of(run_dir, request.workdir))}",
@@ -124,7 +163,7 @@ def render(request: JobRequest, cfg: Config) -> str:
         f"--output={_header_value('train.run_dir', str(run_dir))}/slurm-%j.out",  # run_dir exists: submit makes it
         "--requeue",
         "--open-mode=append",
-        f"--signal=B:{launch.signal}@{launch.signal_lead_s}",
+        f"--signal=B:{launch.signal}@{lead.seconds}",
     ]
     if launch.exclusive:
         header += ["--exclusive", "--mem=0"]
@@ -137,28 +176,24 @@ def render(request: JobRequest, cfg: Config) -> str:
     header += [_extra(option) for option in request.extra_sbatch]
     hang_dir = Path(request.workdir).resolve() / run_dir / "hang"
     environment = {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",   # a failed collective aborts the process instead of hanging
-        # NCCL's flight recorder keeps the last FR_TRACE_ENTRIES collectives of every rank (it records
-        # nothing with a buffer of 0, the default) and, on a collective timeout, dumps them beside the
-        # watchdog's stack dumps: <run_dir>/hang/nccl_trace_rank_<rank> (read with torch's fr_trace tool).
-        "TORCH_FR_BUFFER_SIZE": str(FR_TRACE_ENTRIES),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        **default_environment(cpus, procs),
         "TORCH_FR_DUMP_TEMP_FILE": str(hang_dir / "nccl_trace_rank_"),
-        "OMP_NUM_THREADS": str(max(1, cpus // procs)),
         # How long torchrun lets the workers save after forwarding the signal, before SIGKILL. The variable,
         # not torchrun's shutdown-timeout flag: torch < 2.11 has none (it would refuse to start) and ignores the
         # variable, keeping its 30 s (too short for a full-size save; README, "Operations").
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launch.signal_lead_s),
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(lead.seconds),
         **launch.env,
     }
     port = str(launch.rdzv_port) if launch.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
     signals = list(dict.fromkeys([launch.signal, "TERM"]))
     train_args = " ".join(q(arg) for config in request.configs for arg in ("--config", config))
     train_args += "".join(" " + q(override) for override in request.overrides)
+    numa = f"--numa-binding={launch.numa_binding} " if request.gpus_per_node and launch.numa_binding != "off" else ""
+    container = container_flags(launch, request.workdir)
     torchrun = (f"{q(launch.python)} -m torch.distributed.run --nnodes={request.nodes} --nproc-per-node={procs} "
                 f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:$port\" "
                 f"--rdzv-conf=join_timeout={join_timeout_s(request.nodes)} "
-                f"--max-restarts={launch.max_restarts} --signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
+                f"--max-restarts={launch.max_restarts} {numa}--signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
                 f"-m launch.train {train_args}")
     lines = ["#!/bin/bash", *(f"#SBATCH {h}" for h in header), "",
              "# Rendered by python -m launch.slurm; every shell value below is quoted.",
@@ -173,29 +208,32 @@ def render(request: JobRequest, cfg: Config) -> str:
              'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on '
              '$head:$port)"',
              'rm -f "$run_dir/status.json"  # written again by this run: finished, preempted or failed',
+             "# The run also stops by the clock, the lead before the job's end (squeue's, which follows a changed",
+             "# time limit; else from --time): should SLURM's signal come late or not at all, it still saves in time.",
+             'end=$(SLURM_TIME_FORMAT=standard squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null | head -n 1)',
+             'case "$end" in [0-9]*) end=$(date -d "$end" +%s 2>/dev/null) || end= ;; *) end= ;; esac',
+             f'[ -n "$end" ] || end=$(( $(date +%s) + {limit_s} ))',
+             f"export {STOP_AT_VARIABLE}=$((end - {lead.seconds}))",
+             f'echo "job $SLURM_JOB_ID: training stops to save by $(date -d @${STOP_AT_VARIABLE} "+%F %T"), '
+             f'{lead.seconds} s before the time limit ({lead.why})"',
              "srun_pid=",
              "# srun treats a SIGTERM of its own as 'terminate the step' (the tasks are killed after KillWait):",
              f"# whichever signal the script gets, srun is sent SIG{launch.signal}, which it passes to the tasks.",
              "forward() {",
+             '  [ -n "$srun_pid" ] || return 0  # training has ended: the requeue\'s own SIGTERM, say',
              f'  echo "job $SLURM_JOB_ID: SIG$1 received, forwarding SIG{launch.signal} to the training processes"',
-             f'  [ -n "$srun_pid" ] && kill -s {launch.signal} "$srun_pid"',
+             f'  kill -s {launch.signal} "$srun_pid"',
              "}",
              *(f"trap 'forward {name}' {name}" for name in signals),
              "# --label: every line of the job log starts with its node's task number (the header line maps them).",
              f"srun --label --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=0 "
-             f"--wait={launch.signal_lead_s} {container_flags(launch, request.workdir)}{torchrun} &",
+             f"--wait={lead.seconds} {container}{torchrun} &",
              "srun_pid=$!",
              "# wait returns early when the trap runs: keep waiting until srun has really ended.",
              'while true; do wait "$srun_pid"; code=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
-             # The shell alone reads the state (status.json holds one '"state": "<word>",' line).
-             'state=$(sed -n \'s/^ *"state": *"\\([a-z]*\\)".*/\\1/p\' "$run_dir/status.json" 2>/dev/null | head -n 1)',
-             'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
-             'case "$state" in',
-             "  finished) exit 0 ;;",
-             '  preempted) echo "job $SLURM_JOB_ID: requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
-             f"  failed) exit {PERMANENT} ;;",
-             '  *) exit "$code" ;;  # a crash torchrun could not restart away: left to a person',
-             "esac", ""]
+             "srun_pid=",
+             *outcome_lines(launch, request.gpus_per_node, Path(request.workdir).resolve() / run_dir, container),
+             ""]
     return "\n".join(lines)
 
 

@@ -46,7 +46,7 @@ class Cluster:
         if subprocess.run(["munge", "-n"], capture_output=True, timeout=30).returncode != 0:
             # No munged answering (never started, or a stale socket a dead one left behind): start one.
             _run("munged", "--force")
-        host = socket.gethostname().split(".")[0]
+        host = self.node = socket.gethostname().split(".")[0]
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         r = self.root

@@ -3,6 +3,7 @@ checkpoints all fail verification."""
 
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -57,10 +58,12 @@ def test_preemption_signal_saves_and_exits_for_requeue(tmp_path):
 @pytest.mark.timeout(240)
 def test_watchdog_dumps_stacks_and_names_the_stuck_rank(tmp_path):
     run_dir = tmp_path / "run"
+    # The flight recorder on, as the SLURM job sets it: the watchdog dumps it too (gloo feeds torch's generic one).
     done = subprocess.run(torchrun("-m", "tests.hang_worker", "1", "5", "--config", "configs/smoke.yaml", *TINY,
                                    "logging.progress=false", "train.steps=50", "train.hang_multiple=5",
                                    "train.hang_min_s=3", f"train.run_dir={run_dir}"),
-                          capture_output=True, text=True, timeout=200)
+                          capture_output=True, text=True, timeout=200,
+                          env={**os.environ, "TORCH_FR_BUFFER_SIZE": "2000"})
     assert done.returncode != 0
     # The host in the message and in every log line: node ranks follow the order nodes joined the rendezvous.
     host = socket.gethostname()
@@ -70,6 +73,13 @@ def test_watchdog_dumps_stacks_and_names_the_stuck_rank(tmp_path):
     assert dump.startswith(f"watchdog (rank 1 on {host})")
     assert "train.hang_multiple=5 x the median step" in dump
     assert "hang_worker.py" in dump and "train_step" in dump  # the stuck frame, from faulthandler
+    trace = run_dir / "hang" / "nccl_trace_rank_1"
+    assert f"the flight recorder's last collectives are in {trace}" in done.stderr
+    entries = pickle.loads(trace.read_bytes())["entries"]
+    # Gloo's recorder keeps each collective as scheduled (NCCL's also marks started / completed, which is what
+    # torch's analyser compares across ranks): here, that rank 1's last steps' collectives were recorded by group.
+    assert len(entries) > 4 and all(entry["profiling_name"].startswith("gloo:") for entry in entries)
+    assert "EXPERT_DATA_PARALLEL_GROUP" in {entry["process_group"][1] for entry in entries}
     print(dump[:2000])
 
 

@@ -5,10 +5,12 @@ and ends at the same loss as the uninterrupted one."""
 import json
 import os
 import signal as signal_module
+import socket
 import stat
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,11 @@ from tests.models import TINY
 from tests.slurm_cluster import Cluster, ClusterUnavailableError
 
 HOSTILE = "$(touch {marker}); `touch {marker}` ' \" ; touch {marker} \n #SBATCH --wrap=x"
+
+
+def training_step(body: str) -> str:
+    """A stand-in srun's body that runs for the training step only (not for the node check after it)."""
+    return f'case "$*" in *torch.distributed.run*) {body} ;; esac'
 
 
 def request(*overrides: str, **fields) -> tuple[JobRequest, object]:
@@ -48,7 +55,7 @@ def test_hostile_values_reach_the_training_command_intact(tmp_path):
     hostile = HOSTILE.format(marker=marker)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": f'printf "%s\\n" "$@" > {tmp_path}/argv; env > {tmp_path}/env',
+    for name, body in {"srun": training_step(f'printf "%s\\n" "$@" > {tmp_path}/argv; env > {tmp_path}/env'),
                        "scontrol": 'echo node1'}.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(stat.S_IRWXU)
@@ -70,7 +77,7 @@ def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
     """NCCL's flight recorder records nothing unless its buffer is > 0; its dumps land in run_dir/hang/."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": f"env > {tmp_path}/env", "scontrol": "echo node1"}.items():
+    for name, body in {"srun": training_step(f"env > {tmp_path}/env"), "scontrol": "echo node1"}.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(stat.S_IRWXU)
     job, cfg = request("train.run_dir=run", workdir=str(tmp_path))
@@ -82,27 +89,56 @@ def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
     assert int(seen["TORCH_FR_BUFFER_SIZE"]) > 0 and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert seen["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run/hang/nccl_trace_rank_"
     assert (tmp_path / "run" / "hang").is_dir()
-    assert seen["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(cfg.launch.signal_lead_s)
+    assert seen["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"  # the derived lead's floor: the smoke model saves fast
 
 
 def test_a_four_by_eight_script_carries_the_multi_node_flags():
-    """configs/full.yaml on 4 nodes x 8 GPUs, line by line: whole nodes, one job per run directory at a time, srun
-    given the CPUs (SLURM 22.05-23.02 do not pass sbatch's on), --wait and --label (per-node lines), both signals
-    trapped, the port from the job id, no Python to read the state."""
-    job, cfg = JobRequest(["configs/full.yaml"], [], 4, 8, "04:00:00"), load_config("configs/full.yaml")
+    """configs/full.yaml on 4 nodes x 8 GPUs (its lead given: the model's whole state on 32 GPUs could never be
+    saved in 4 hours, see the next test), line by line: whole nodes, one job per run directory at a time, srun given
+    the CPUs (SLURM 22.05-23.02 do not pass sbatch's on), --wait and --label (per-node lines), both signals trapped,
+    the port from the job id, ranks bound to their GPUs' NUMA nodes, the clock stop exported, the cluster-wide NCCL
+    and Triton settings and the example cluster config's fabric settings, no Python to read the state, the node
+    check on every node before a failure requeue."""
+    configs, overrides = ["configs/full.yaml", "configs/clusters/infiniband.yaml"], ["launch.signal_lead_s=600"]
+    job, cfg = JobRequest(configs, overrides, 4, 8, "04:00:00"), load_config(configs, overrides)
     lines = render(job, cfg).splitlines()
     for expected in ("#SBATCH --nodes=4", "#SBATCH --cpus-per-task=64", "#SBATCH --gpus-per-node=8",
-                     "#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --signal=B:USR2@300",
-                     "trap 'forward USR2' USR2", "trap 'forward TERM' TERM", "port=$((20000 + SLURM_JOB_ID % 20000))"):
+                     "#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --signal=B:USR2@600",
+                     "trap 'forward USR2' USR2", "trap 'forward TERM' TERM", "port=$((20000 + SLURM_JOB_ID % 20000))",
+                     "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600", "export TORCH_NCCL_AVOID_RECORD_STREAMS=1",
+                     "export TRITON_CACHE_DIR=/tmp/moe-pretrain-triton-cache", "export OMP_NUM_THREADS=8",
+                     "[ -n \"$end\" ] || end=$(( $(date +%s) + 14400 ))", "export MOE_PRETRAIN_STOP_AT=$((end - 600))",
+                     "export NCCL_IB_HCA=mlx5", "export GLOO_SOCKET_IFNAME=ib0",
+                     "if [ \"$requeues\" -ge 3 ]; then", "scontrol requeuehold \"$SLURM_JOB_ID\""):
         assert expected in lines, expected
     srun = next(line for line in lines if line.startswith("srun "))
-    assert srun.startswith("srun --label --ntasks-per-node=1 --cpus-per-task=64 --kill-on-bad-exit=0 --wait=300 ")
+    assert srun.startswith("srun --label --ntasks-per-node=1 --cpus-per-task=64 --kill-on-bad-exit=0 --wait=600 ")
     name = next(line for line in lines if line.startswith("#SBATCH --job-name="))
     assert name.startswith("#SBATCH --job-name=moe-full-") and "#SBATCH --dependency=singleton" in lines
     assert "--nnodes=4 --nproc-per-node=8" in srun and '--rdzv-endpoint="$head:$port"' in srun
     assert "--rdzv-conf=join_timeout=608 " in srun  # c10d's 600 s, plus 2 s a node
+    assert " --numa-binding=node " in srun
     state = next(line for line in lines if line.startswith("state="))
     assert "python" not in state and "sed" in state
+    check = next(line for line in lines if line.startswith("timeout 300 srun "))
+    assert "python -m launch.node_check --gpus=8 --dir=" in check and check.endswith('node_check "$checks"')
+
+
+def test_the_signal_lead_follows_the_checkpoint_size():
+    """launch.signal_lead_s=0 (default): one step's margin plus the largest rank's save at checkpoint.io_floor_mb_s.
+    At full size on 2048 GPUs a rank writes 48.3 GB: 240 + 483 s, rounded up to 780 s (the fixed 300 s would have
+    cut that save short); a slower floor lengthens it; the same model on 4 x 8 GPUs could never save in 4 hours and
+    is refused, naming the figures; the smoke model keeps the 300 s floor."""
+    stages = ["configs/full.yaml", "configs/stages/full.yaml"]
+    full = render(JobRequest(stages, [], 256, 8, "48:00:00"), load_config(stages))
+    assert "#SBATCH --signal=B:USR2@780" in full.splitlines()
+    assert "rank 512's 48.3 GB at checkpoint.io_floor_mb_s=100" in full
+    slow = ["checkpoint.io_floor_mb_s=50"]
+    assert "#SBATCH --signal=B:USR2@1260" in render(JobRequest(stages, slow, 256, 8, "48:00:00"),
+                                                    load_config(stages, slow)).splitlines()
+    with pytest.raises(ValueError, match=r"signal lead of 116160 s .* leaves no time to train within --time=04:00:00"):
+        render(JobRequest(["configs/full.yaml"], [], 4, 8, "04:00:00"), load_config("configs/full.yaml"))
+    assert "#SBATCH --signal=B:USR2@300" in render(*request()).splitlines()
 
 
 def test_containers_go_on_the_srun_line_only():
@@ -216,8 +252,8 @@ def job_overrides(run_dir: Path) -> list[str]:
             f"launch.python={sys.executable}", "launch.signal_lead_s=60", f"launch.rdzv_port={free_port()}"]
 
 
-def start_job(cluster: Cluster, run_dir: Path) -> str:
-    job, cfg = request(*job_overrides(run_dir))
+def start_job(cluster: Cluster, run_dir: Path, *overrides: str, procs_per_node: int = 2) -> str:
+    job, cfg = request(*job_overrides(run_dir), *overrides, procs_per_node=procs_per_node)
     os.environ["SLURM_CONF"] = str(cluster.conf)
     try:
         return submit(render(job, cfg), run_dir)
@@ -241,6 +277,10 @@ def test_a_job_runs_to_the_end_and_checkpoints(finished_job):
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert (run_dir / "checkpoints" / "step_00000030" / "manifest.json").exists()
     assert f"job {job_id}: training ended with state finished" in log
+    # The clock stop is the job's end (its start + --time, as squeue reports it) less the lead.
+    stop = datetime.fromisoformat(info["StartTime"]) + timedelta(seconds=600 - 60)
+    assert (f"job {job_id}: training stops to save by {stop:%Y-%m-%d %H:%M:%S}, 60 s before the time limit "
+            "(launch.signal_lead_s=60)") in log
 
 
 @pytest.mark.timeout(600)
@@ -271,3 +311,62 @@ def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job,
     assert f"resumed from {run_dir}/checkpoints/step_{step:08d} at step {step}" in log
     assert final_loss(run_dir) == pytest.approx(final_loss(finished_job[2]), rel=1e-6)
     print(f"job {job_id}: preempted at step {step}, requeued, resumed, finished; final loss {final_loss(run_dir)}")
+
+
+HUNG_AT_ONCE = ["train.hang_timeout_s=0.001", "launch.max_restarts=0"]
+"""Every step outlives the watchdog's absolute limit: the run ends hung (76) at its first step, and torchrun does
+not restart it. One process per node, so rank 0's watchdog (the one that writes status.json) always fires."""
+
+
+def wait_requeued(cluster: Cluster, job_id: str, timeout: float) -> dict[str, str]:
+    """Wait until the job has run once and is pending again (a new job is PENDING before it first runs)."""
+    deadline = time.time() + timeout
+    while (info := cluster.job(job_id)).get("Restarts") != "1" or info.get("JobState") != "PENDING":
+        assert time.time() < deadline, f"job {job_id} not requeued after {timeout} s: {info.get('JobState')}"
+        time.sleep(1)
+    return info
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_run_excludes_the_node_that_fails_the_check_and_requeues(cluster, tmp_path):
+    """The run hangs; the node check (here `/bin/false`: this node is sick) fails on the one node, which joins the job's
+    ExcNodeList before the job requeues itself: it then waits for another node instead of meeting this one again."""
+    run_dir = tmp_path / "run"
+    job_id = start_job(cluster, run_dir, *HUNG_AT_ONCE, "launch.node_check=/bin/false", procs_per_node=1)
+    wait_requeued(cluster, job_id, timeout=240)
+    host, log_path = cluster.node, run_dir / f"slurm-{job_id}.out"
+    released = f"job {job_id}: released with ExcNodeList={host}: it waits for other nodes"
+    deadline = time.time() + 60
+    while released not in (log := log_path.read_text()):
+        assert time.time() < deadline, log[-3000:]
+        time.sleep(0.5)
+    info = cluster.job(job_id)
+    try:
+        assert f"job {job_id}: training ended with state hung" in log, log[-3000:]
+        assert f"job {job_id}: excluding {host} (failed the node check or did not answer); ExcNodeList={host}" in log
+        assert info["ExcNodeList"] == host and info["Restarts"] == "1", (info, cluster.log_tails())
+        assert "requeueing after a failed run (1 of launch.max_requeues=3)" in log
+        assert (run_dir / f"slurm-{job_id}.failures").read_text() == (
+            f"restart 0: state hung, srun exit 1, excluded: {host}\n")
+        assert "watchdog (rank 0 on" in (run_dir / "hang" / "rank0.txt").read_text()
+    finally:
+        subprocess.run(["scancel", job_id], env=cluster.env, check=True)
+
+
+@pytest.mark.timeout(400)
+def test_failed_runs_requeue_at_most_max_requeues_times(cluster, tmp_path):
+    """The real node check (launch/node_check.py) passes on this node: the hung run requeues without excluding
+    it; the second hung run finds launch.max_requeues=1 used up and ends the job with the run's exit code."""
+    run_dir = tmp_path / "run"
+    job_id = start_job(cluster, run_dir, *HUNG_AT_ONCE, "launch.max_requeues=1", procs_per_node=1)
+    wait_requeued(cluster, job_id, timeout=240)
+    time.sleep(2)  # as in the preemption test: not within the second of the requeue
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
+    info = cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "1", f"{log[-3000:]}\n{cluster.log_tails()}"
+    assert f"node_check on {socket.gethostname()}: fit (0 GPUs, {run_dir} writable)" in log
+    assert f"job {job_id}: every node passed the node check" in log
+    assert info["ExcNodeList"] == "(null)"
+    assert (f"job {job_id}: not requeued: 1 requeues after failed runs already (launch.max_requeues; see "
+            f"{run_dir}/slurm-{job_id}.failures); left to a person") in log

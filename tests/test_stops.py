@@ -1,5 +1,5 @@
 """How runs stop and start again: a relaunch of a finished run, Ctrl-C (SIGINT) on one process and under
-torchrun, and timed checkpoints agreed by all ranks."""
+torchrun, timed checkpoints agreed by all ranks, and the clock stop before a job's time limit."""
 
 import json
 import os
@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_pretrain.config import CheckpointConfig
-from moe_pretrain.training.outcome import INTERRUPTED
-from moe_pretrain.training.preemption import StopSignals
+from moe_pretrain.config import CheckpointConfig, ConfigError
+from moe_pretrain.training.outcome import INTERRUPTED, REQUEUE
+from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from tests.helpers import steps_done
 from tests.test_operations import TRAIN, signal_long_run, torchrun, wait_for_step
 
@@ -141,3 +141,34 @@ def test_every_rank_agrees_on_timed_saves_and_signals():
     mp.spawn(_agreement_worker, args=(port, results), nprocs=2, join=True)
     assert results[0] == (True, True, "SIGINT on another rank")
     assert results[1] == (True, True, "SIGINT")
+
+
+def test_the_clock_stop_comes_before_a_step_that_would_end_past_it(monkeypatch):
+    """MOE_PRETRAIN_STOP_AT (the job script's end time less the lead): a rank stops when the next step, as long
+    as the last one, would end past it; a signal outranks it; a value that is no time is refused naming it."""
+    signals = StopSignals(stop_at=time.time() + 100)
+    try:
+        assert signals.agreed(False, torch.device("cpu"), next_step_s=10).signal_name is None
+        clock = signals.agreed(False, torch.device("cpu"), next_step_s=200)
+        assert clock.signal_name.startswith("the job's time limit (MOE_PRETRAIN_STOP_AT: stop by ")
+        assert not clock.interrupted
+        signals.received = "SIGUSR2"
+        assert signals.agreed(False, torch.device("cpu"), next_step_s=200).signal_name == "SIGUSR2"
+    finally:
+        signals.close()
+    monkeypatch.setenv("MOE_PRETRAIN_STOP_AT", "tomorrow")
+    with pytest.raises(ConfigError, match="MOE_PRETRAIN_STOP_AT='tomorrow' must be a time in unix seconds"):
+        stop_at_from_env()
+
+
+@pytest.mark.timeout(240)
+def test_a_run_past_its_stop_time_saves_and_exits_for_requeue(tmp_path):
+    """The clock stop end to end: a run whose stop time has passed saves after its first step and exits 75 with
+    status preempted, as on the time limit's signal, so the job script requeues it."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run([*TRAIN, "train.steps=50", f"train.run_dir={run_dir}"], capture_output=True, text=True,
+                          timeout=200, env={**os.environ, "MOE_PRETRAIN_STOP_AT": str(time.time() - 1)})
+    assert done.returncode == REQUEUE, done.stderr[-3000:]
+    assert status(run_dir)["state"] == "preempted" and status(run_dir)["step"] == 1
+    assert "preempted by the job's time limit (MOE_PRETRAIN_STOP_AT" in status(run_dir)["message"]
+    assert (run_dir / "checkpoints" / "step_00000001" / "manifest.json").exists()

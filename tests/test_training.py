@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 
@@ -102,6 +103,18 @@ def test_existing_run_dir_is_never_overwritten(tmp_path):
     # With resume=auto the finished run is found complete: nothing to train, nothing rewritten.
     _, history = run(tiny_config("train.steps=1"), tmp_path)
     assert history == [] and (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over_and_keeps_the_metrics(tmp_path):
+    """A run that failed before its first checkpoint leaves config.yaml and metrics.jsonl only; its requeue (the same
+    config, train.resume=auto) starts over, the earlier attempt's metrics kept aside, not refused as another run's."""
+    run(tiny_config("train.steps=2"), tmp_path)
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # as if it had died before saving
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    _, history = run(tiny_config("train.steps=2"), tmp_path)
+    assert [r["step"] for r in history] == [1, 2]
+    assert (tmp_path / "run" / "metrics.attempt1.jsonl").read_text() == before
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 @pytest.mark.parametrize(("override", "message"), [

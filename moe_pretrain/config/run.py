@@ -278,10 +278,24 @@ class LaunchConfig:
     """Signal SLURM sends the job script signal_lead_s before the time limit (sbatch --signal=B:SIG@lead);
     the script forwards it to the training processes, which checkpoint and exit 75. USR2, because NCCL
     may use USR1."""
-    signal_lead_s: int = 300
-    """Seconds before the limit: enough for one step and a synchronous checkpoint."""
+    signal_lead_s: int = 0
+    """Seconds before the time limit at which the run stops to save: one step and a synchronous checkpoint.
+    0 = derived at render time from the largest rank's checkpointed bytes at checkpoint.io_floor_mb_s
+    (launch/signal_lead.py; 300 s at least). The training processes also stop by the clock at this lead
+    (MOE_PRETRAIN_STOP_AT), should SLURM's signal come late or not at all."""
     max_restarts: int = 3
     """torchrun restarts of the workers after a crash, within one allocation (they resume automatically)."""
+    max_requeues: int = 3
+    """Requeues of the job after a run that ended hung, crashed or without a status (each after the node check
+    has excluded the nodes that fail it); past this the job ends with the run's exit code, left to a person.
+    Preemptions and time limits requeue without limit."""
+    node_check: str = ""
+    """The command srun runs once per node after such a run: a node where it fails or does not answer within
+    NODE_CHECK_TIMEOUT_S is excluded from the requeued job (ExcNodeList). Empty = `<launch.python> -m
+    launch.node_check` (GPUs present and computing, run_dir writable)."""
+    numa_binding: Literal["off", "node", "socket", "exclusive", "core-complex"] = "node"
+    """torchrun --numa-binding for GPU jobs (torch >= 2.9, through numactl in the image): each rank on the CPUs
+    of its GPU's NUMA node. Not used for CPU jobs (it binds by GPU)."""
     rdzv_port: int = 0
     """The c10d rendezvous port on the first node; 0 = 20000 + the job id modulo 20000, so that two jobs sharing a
     node (or a requeued job meeting its predecessor's lingering store) do not meet on one fixed port."""
@@ -308,11 +322,11 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         require(self.signal.isalnum() and self.signal.isupper(),
                 f"launch.signal={self.signal!r} must be a signal name such as USR2 or TERM")
-        require_positive("launch", signal_lead_s=self.signal_lead_s)
         require(0 <= self.rdzv_port < 65536,
                 f"launch.rdzv_port={self.rdzv_port} must be a port, or 0 (derived from the job id)")
-        require(self.max_restarts >= 0 and self.cpus_per_task >= 0,
-                "launch.max_restarts and launch.cpus_per_task must be >= 0")
+        require(self.signal_lead_s >= 0, f"launch.signal_lead_s={self.signal_lead_s} must be >= 0 (0: derived)")
+        require(self.max_restarts >= 0 and self.cpus_per_task >= 0 and self.max_requeues >= 0,
+                "launch.max_restarts, launch.max_requeues and launch.cpus_per_task must be >= 0")
         for name in self.env:
             require(name.isidentifier() and name.isascii(),
                     f"launch.env key {name!r} is not a valid environment variable name")

@@ -37,7 +37,7 @@ from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
 from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.peak_flops import peak_flops
-from moe_pretrain.training.preemption import StopSignals
+from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
@@ -371,6 +371,16 @@ class Trainer:
         self.last_checkpoint = Path(path)
         return Path(path)
 
+    def _restart_of_this_run(self, run_dir: Path) -> bool:
+        """Is the run directory's metrics.jsonl, with no checkpoint beside it, this very run's? A requeue or a
+        torchrun restart after a failure before the first checkpoint (train.resume=auto, and the config.yaml the
+        first attempt wrote is this config): that run starts over. Any other run is refused its directory."""
+        written = run_dir / "config.yaml"
+        if self.cfg.train.resume != "auto" or not written.exists():
+            return False
+        this = yaml.safe_load(yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
+        return yaml.safe_load(written.read_text()) == this
+
     def run(self) -> list[dict]:
         """Train to train.steps (or train.exit_at_step), resuming per train.resume and saving checkpoints;
         rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl. Returns the steps' records: empty
@@ -378,7 +388,8 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         run_dir = Path(cfg.train.run_dir)
         resumed = self.resume() is not None
-        if not resumed and (run_dir / "metrics.jsonl").exists():
+        restarted = not resumed and (run_dir / "metrics.jsonl").exists()
+        if restarted and not self._restart_of_this_run(run_dir):
             raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run and no "
                               "checkpoint to resume; choose another train.run_dir (nothing was overwritten)")
         stop = cfg.train.exit_at_step or cfg.train.steps
@@ -391,13 +402,17 @@ class Trainer:
         writer = None
         if ctx.is_logging_rank:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if restarted:
+                kept = _keep_aside(run_dir / "metrics.jsonl")
+                log.warning(f"no checkpoint yet in {run_dir}: this restart of the same run (its config.yaml is "
+                            f"this config) starts over; the earlier attempt's metrics are kept in {kept}")
             (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard,
                                    wandb_run=open_wandb_run(cfg, run_dir))
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
         history = []
         saved_at = self.step if resumed else -1
-        signals = StopSignals()
+        signals = StopSignals(stop_at_from_env())
         save_interval_s = cfg.checkpoint.every_minutes * 60
         last_save_time = time.monotonic()
         t = cfg.train
@@ -425,7 +440,8 @@ class Trainer:
                 if self.async_saver is not None:
                     self.last_checkpoint = self._guard_async(self.async_saver.poll) or self.last_checkpoint
                 time_due = bool(save_interval_s) and time.monotonic() - last_save_time >= save_interval_s
-                agreed = signals.agreed(ctx.distributed, self.device, save_due=time_due)
+                agreed = signals.agreed(ctx.distributed, self.device, save_due=time_due,
+                                        next_step_s=watchdog.durations[-1])
                 at_interval = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
                 if at_boundary or at_interval or agreed.save_due:
                     self.save_checkpoint()
@@ -459,3 +475,12 @@ class Trainer:
     def _wait_for_async_save(self) -> None:
         if self.async_saver is not None:
             self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
+
+
+def _keep_aside(path: Path) -> Path:
+    """Rename path to the first free <stem>.attempt<N><suffix> beside it (nothing saved is lost); -> the new path."""
+    attempt = 1
+    while (kept := path.with_name(f"{path.stem}.attempt{attempt}{path.suffix}")).exists():
+        attempt += 1
+    path.rename(kept)
+    return kept

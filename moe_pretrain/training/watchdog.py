@@ -4,7 +4,12 @@ A collective that never completes (a dead peer, a wedged link, a rank stuck in I
 until the process-group timeout, silently. The watchdog compares the running step's age with a
 multiple of the median of recent steps (kept per stage: longer sequences make slower steps) and with
 an absolute limit; past either it writes every thread's stack (faulthandler) to run_dir/hang/rank<r>.txt,
-says which rank and step, and ends the process with outcome.HUNG so the launcher can restart it.
+and the flight recorder's record of this rank's last collectives (when TORCH_FR_BUFFER_SIZE > 0, as the SLURM
+job sets it) to the file torch's own timeout dump would use (TORCH_FR_DUMP_TEMP_FILE<rank>, by default
+run_dir/hang/nccl_trace_rank_<r>): the watchdog usually fires before the process group's timeout, and os._exit
+leaves no later chance. Read them with `torchfrtrace RUN_DIR/hang -p nccl_trace_rank_`: the rank whose
+collectives stop short of its peers' is the one the others wait for. It says which rank and step, rank 0
+writes status.json ("hung"), and it ends the process with outcome.HUNG so the launcher can restart it.
 """
 
 import faulthandler
@@ -17,7 +22,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-from moe_pretrain.training.outcome import HUNG
+import torch
+import torch.distributed as dist
+
+from moe_pretrain.training.outcome import HUNG, write_status
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +89,25 @@ class StepWatchdog:
             dump.write(message + "\n\n")
             dump.flush()
             faulthandler.dump_traceback(dump, all_threads=True)
-        log.critical(message)
+        trace = self.dump_flight_recorder()
+        log.critical(message + (f"; the flight recorder's last collectives are in {trace}" if trace else ""))
+        if self.rank == 0:
+            write_status(self.dump_dir.parent, HUNG, step, message, None)
         os._exit(HUNG)  # the main thread is stuck: no clean shutdown is possible from here
+
+    def dump_flight_recorder(self) -> Path | None:
+        """Write the flight recorder's entries of this rank (NCCL's on GPUs, else the generic one, which gloo
+        feeds), as torch's analyser reads them; None when it records nothing (TORCH_FR_BUFFER_SIZE unset or 0)."""
+        if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0 or not dist.is_initialized():
+            return None
+        c10d = torch._C._distributed_c10d
+        nccl = "nccl" in str(dist.get_backend()) and hasattr(c10d, "_dump_nccl_trace")
+        trace = c10d._dump_nccl_trace() if nccl else c10d._dump_fr_trace()
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or str(self.dump_dir / "nccl_trace_rank_")
+        path = Path(f"{prefix}{self.rank}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(trace)
+        return path
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,84 @@
+"""What the job script does once training has ended: the lines of shell after srun (launch/slurm.py renders them).
+
+The state comes from <run_dir>/status.json, read by the shell alone (a container setup may have no Python on the
+batch host): finished -> exit 0; preempted (a signal or the clock stop) -> requeue, without limit; failed (bad
+config or data: permanent) -> exit 78; interrupted (Ctrl-C) -> exit 130. Anything else (hung, a crash torchrun
+could not restart away, no status at all) may be a sick node, and the same allocation would meet it again: every
+node runs the node check (launch.node_check, by default launch/node_check.py) under srun, and a node that fails it
+or does not answer within NODE_CHECK_TIMEOUT_S joins the job's ExcNodeList as it requeues (held while the list
+changes: SLURM refuses to change a running job's). Such requeues are
+counted in <run_dir>/slurm-<job>.failures, one line each: past launch.max_requeues the job ends with the run's
+exit code, left to a person (a bug fails on every node alike).
+"""
+
+import shlex
+from pathlib import Path
+
+from moe_pretrain.config import LaunchConfig
+from moe_pretrain.training.outcome import INTERRUPTED, PERMANENT
+
+NODE_CHECK_TIMEOUT_S = 300
+"""The node check's time on every node together (CUDA start-up and one product per GPU take seconds)."""
+
+
+def node_check_command(launch: LaunchConfig, gpus_per_node: int, run_dir: Path) -> list[str]:
+    if launch.node_check:
+        return shlex.split(launch.node_check)
+    return [launch.python, "-m", "launch.node_check", f"--gpus={gpus_per_node}", f"--dir={run_dir}"]
+
+
+def outcome_lines(launch: LaunchConfig, gpus_per_node: int, run_dir: Path, container: str) -> list[str]:
+    """Shell lines run after srun returned with $code; $run_dir is set."""
+    q = shlex.quote
+    check = " ".join(q(word) for word in node_check_command(launch, gpus_per_node, run_dir))
+    # bash -c runs on each node (in the container, if any): the node marks itself fit in the check directory.
+    on_node = q(f'{check} && touch "$1/$SLURMD_NODENAME"')
+    return [
+        # status.json holds one '"state": "<word>",' line.
+        'state=$(sed -n \'s/^ *"state": *"\\([a-z]*\\)".*/\\1/p\' "$run_dir/status.json" 2>/dev/null | head -n 1)',
+        'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
+        'case "$state" in',
+        "  finished) exit 0 ;;",
+        '  preempted) echo "job $SLURM_JOB_ID: requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
+        f"  failed) exit {PERMANENT} ;;",
+        f"  interrupted) exit {INTERRUPTED} ;;",
+        "esac",
+        "# Hung, crashed, or no status: a node may be sick. Ask each one, exclude those that fail, requeue.",
+        'failures="$run_dir/slurm-$SLURM_JOB_ID.failures"',
+        'requeues=$(cat "$failures" 2>/dev/null | wc -l)',
+        f'if [ "$requeues" -ge {launch.max_requeues} ]; then',
+        f'  echo "job $SLURM_JOB_ID: not requeued: {launch.max_requeues} requeues after failed runs already '
+        '(launch.max_requeues; see $failures); left to a person"',
+        '  exit "$code"',
+        "fi",
+        'checks="$run_dir/node_check/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"',
+        'rm -rf "$checks"; mkdir -p "$checks"',
+        f"timeout {NODE_CHECK_TIMEOUT_S} srun --label --ntasks-per-node=1 --kill-on-bad-exit=0 {container}"
+        f'bash -c {on_node} node_check "$checks"',
+        "sick=",
+        'for host in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
+        '  [ -e "$checks/$host" ] || sick="$sick${sick:+,}$host"',
+        "done",
+        'echo "restart ${SLURM_RESTART_COUNT:-0}: state ${state:-unknown}, srun exit $code, excluded: ${sick:-none}" '
+        '>> "$failures"',
+        f'echo "job $SLURM_JOB_ID: requeueing after a failed run ($((requeues + 1)) of launch.max_requeues='
+        f'{launch.max_requeues})"',
+        'if [ -z "$sick" ]; then',
+        '  echo "job $SLURM_JOB_ID: every node passed the node check"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'excluded=$(scontrol show job "$SLURM_JOB_ID" | sed -n \'s/.*ExcNodeList=\\([^ ]*\\).*/\\1/p\' | head -n 1)',
+        'case "$excluded" in ""|"(null)") excluded=$sick ;; *) excluded="$excluded,$sick" ;; esac',
+        'echo "job $SLURM_JOB_ID: excluding $sick (failed the node check or did not answer); ExcNodeList=$excluded"',
+        "# A running job's ExcNodeList cannot change: requeue it held (SLURM then sends this script SIGTERM, which",
+        "# the trap survives, and SIGKILL after KillWait), change it once the job has left RUNNING, release it.",
+        'scontrol requeuehold "$SLURM_JOB_ID"',
+        "for try in $(seq 20); do",
+        '  scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" 2>/dev/null && break',
+        "  sleep 1",
+        "done",
+        'scontrol release "$SLURM_JOB_ID"',
+        'echo "job $SLURM_JOB_ID: released with ExcNodeList=$excluded: it waits for other nodes"',
+        "exit 0",
+    ]
