@@ -9,6 +9,13 @@
 # 25.12: torch 2.10 (pyproject's floor is 2.9), CUDA 13.1, Transformer Engine within megatron-core 0.16.1's range.
 FROM nvcr.io/nvidia/pytorch:25.12-py3
 
+# torchrun --numa-binding (launch.numa_binding: node, the default for GPU jobs) runs each worker under numactl and
+# refuses to start without it. Not pinned: the base image's Ubuntu release decides the version.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends numactl \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /workspace/moe-pretrain
 COPY pyproject.toml README.md ./
 COPY moe_pretrain ./moe_pretrain

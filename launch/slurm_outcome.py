@@ -6,8 +6,8 @@ config or data: permanent) -> exit 78; interrupted (Ctrl-C) -> exit 130. Anythin
 could not restart away, no status at all) may be a sick node, and the same allocation would meet it again: every
 node runs the node check (launch.node_check, by default launch/node_check.py) under srun, and a node that fails it
 or does not answer within NODE_CHECK_TIMEOUT_S joins the job's ExcNodeList as it requeues (held while the list
-changes: SLURM refuses to change a running job's). Such requeues are
-counted in <run_dir>/slurm-<job>.failures, one line each: past launch.max_requeues the job ends with the run's
+changes: SLURM refuses to change a running job's); unless all of several nodes fail, a shared cause. Such requeues
+are counted in <run_dir>/slurm-<job>.failures, one line each: past launch.max_requeues the job ends with the run's
 exit code, left to a person (a bug fails on every node alike).
 """
 
@@ -55,16 +55,23 @@ def outcome_lines(launch: LaunchConfig, gpus_per_node: int, run_dir: Path, conta
         'rm -rf "$checks"; mkdir -p "$checks"',
         f"timeout {NODE_CHECK_TIMEOUT_S} srun --label --ntasks-per-node=1 --kill-on-bad-exit=0 {container}"
         f'bash -c {on_node} node_check "$checks"',
-        "sick=",
+        "sick=; nodes=0; failing=0",
         'for host in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
-        '  [ -e "$checks/$host" ] || sick="$sick${sick:+,}$host"',
+        "  nodes=$((nodes + 1))",
+        '  [ -e "$checks/$host" ] || { sick="$sick${sick:+,}$host"; failing=$((failing + 1)); }',
         "done",
+        "# Every node of several failing is a shared cause (the file system, the fabric), not sick machines: excluding",
+        "# them all would leave the job nowhere to run.",
+        'if [ "$nodes" -gt 1 ] && [ "$failing" -eq "$nodes" ]; then',
+        '  echo "job $SLURM_JOB_ID: all $nodes nodes failed the node check: a shared cause, no node excluded"',
+        "  sick=",
+        "fi",
         'echo "restart ${SLURM_RESTART_COUNT:-0}: state ${state:-unknown}, srun exit $code, excluded: ${sick:-none}" '
         '>> "$failures"',
         f'echo "job $SLURM_JOB_ID: requeueing after a failed run ($((requeues + 1)) of launch.max_requeues='
         f'{launch.max_requeues})"',
         'if [ -z "$sick" ]; then',
-        '  echo "job $SLURM_JOB_ID: every node passed the node check"',
+        '  [ "$failing" -gt 0 ] || echo "job $SLURM_JOB_ID: every node passed the node check"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",

@@ -209,6 +209,54 @@ def test_the_script_forwards_the_signal_and_requeues_without_python(tmp_path, si
     assert f"SIG{signal} received, forwarding SIGUSR2" in out and "training ended with state preempted" in out
 
 
+CHECKING_SRUN = """#!/bin/bash
+case "$*" in
+  *torch.distributed.run*) exit 1 ;;  # the run crashes: no status
+  *) for fit in FIT; do touch "${@: -1}/$fit"; done; echo "$*" > TMP/check ;;  # the node check, per node
+esac
+"""
+"""srun as a crashed run, then as the node check that finds the FIT nodes fit (the check directory is its last
+argument)."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("fit", "excluded"), [("node2 node3", "node1"), ("", "")], ids=["one-sick", "all-failing"])
+def test_a_crashed_run_excludes_the_nodes_that_fail_the_check(tmp_path, fit, excluded):
+    """Three nodes; stand-ins for srun (see CHECKING_SRUN) and scontrol (records its arguments): one failing node is
+    excluded (requeuehold, ExcNodeList, release); all three failing is a shared cause, and the job requeues as it is."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = f"""#!/bin/bash
+echo "$@" >> {tmp_path}/scontrol
+case "$*" in
+  "show hostnames"*) printf "node1\\nnode2\\nnode3\\n" ;;
+  "show job"*) echo "JobId=7 ExcNodeList=(null) Restarts=0" ;;
+esac
+"""
+    stand_ins = {"srun": CHECKING_SRUN.replace("TMP", str(tmp_path)).replace("FIT", fit), "scontrol": scontrol}
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    job, cfg = request(f"train.run_dir={tmp_path}/run", workdir=str(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(job, cfg))
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node[1-3]"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = (tmp_path / "scontrol").read_text().splitlines()
+    assert "python -m launch.node_check --gpus=0" in (tmp_path / "check").read_text()
+    if excluded:
+        assert calls[-3:] == ["requeuehold 7", f"update JobId=7 ExcNodeList={excluded}", "release 7"]
+        assert f"excluding {excluded} (failed the node check or did not answer)" in done.stdout
+    else:
+        assert calls[-1] == "requeue 7" and not [call for call in calls if call.startswith("update")]
+        assert "all 3 nodes failed the node check: a shared cause, no node excluded" in done.stdout
+        assert "every node passed" not in done.stdout
+    assert (tmp_path / "run" / "slurm-7.failures").read_text() == (
+        f"restart 0: state unknown, srun exit 1, excluded: {excluded or 'none'}\n")
+
+
 CLI = [sys.executable, "-m", "launch.slurm"]
 JOB = ["--nodes", "1", "--gpus-per-node", "0", "--procs-per-node", "2", "--time", "00:10:00"]
 

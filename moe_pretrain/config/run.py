@@ -294,8 +294,9 @@ class LaunchConfig:
     NODE_CHECK_TIMEOUT_S is excluded from the requeued job (ExcNodeList). Empty = `<launch.python> -m
     launch.node_check` (GPUs present and computing, run_dir writable)."""
     numa_binding: Literal["off", "node", "socket", "exclusive", "core-complex"] = "node"
-    """torchrun --numa-binding for GPU jobs (torch >= 2.9, through numactl in the image): each rank on the CPUs
-    of its GPU's NUMA node. Not used for CPU jobs (it binds by GPU)."""
+    """torchrun --numa-binding for GPU jobs (torch >= 2.9): each rank on the CPUs of its GPU's NUMA node. torch runs
+    the workers under numactl and refuses to start without it: the Dockerfile installs it; `off` for an image
+    without. Not used for CPU jobs (it binds by GPU)."""
     rdzv_port: int = 0
     """The c10d rendezvous port on the first node; 0 = 20000 + the job id modulo 20000, so that two jobs sharing a
     node (or a requeued job meeting its predecessor's lingering store) do not meet on one fixed port."""
