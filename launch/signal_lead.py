@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from moe_pretrain.config import Config
 from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
-from parallel.state import resolve_layout
+from parallel.state import ParallelLayout
 
 STEP_MARGIN_S = 240
 """One more training step (the run stops at a step boundary), the commit's gathers, and SLURM's signal timing."""
@@ -28,12 +28,12 @@ class SignalLead:
     why: str
 
 
-def signal_lead(cfg: Config, world_size: int) -> SignalLead:
+def signal_lead(cfg: Config, layout: ParallelLayout) -> SignalLead:
     """launch.signal_lead_s when set; else the margin plus the largest rank's save at checkpoint.io_floor_mb_s,
     rounded up to a minute."""
     if cfg.launch.signal_lead_s:
         return SignalLead(cfg.launch.signal_lead_s, f"launch.signal_lead_s={cfg.launch.signal_lead_s}")
-    stages = stage_state_bytes(cfg, parameter_shapes(cfg), resolve_layout(cfg, world_size))
+    stages = stage_state_bytes(cfg, parameter_shapes(cfg), layout)
     largest = max(stages, key=lambda s: s["param_bytes"] + s["optimizer_bytes"])
     saved = largest["param_bytes"] + largest["optimizer_bytes"]
     floor = cfg.checkpoint.io_floor_mb_s * 1e6

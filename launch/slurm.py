@@ -37,6 +37,7 @@ from launch.slurm_outcome import outcome_lines
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, LaunchConfig, add_config_arguments, load_config
 from moe_pretrain.config.cli import config_sources
 from moe_pretrain.training.preemption import STOP_AT_VARIABLE
+from moe_pretrain.training.watchdog import FR_TRACE_PREFIX
 from parallel.state import resolve_layout
 
 SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.,:=/@+%-]+$")
@@ -144,12 +145,13 @@ def render(request: JobRequest, cfg: Config) -> str:
         raise ValueError("--procs-per-node is needed when --gpus-per-node is 0 (a CPU job)")
     limit_s = time_limit_s(request.time)
     cpus = launch.cpus_per_task or (8 * request.gpus_per_node if request.gpus_per_node else procs)
-    resolve_layout(cfg, request.nodes * procs)  # ConfigError naming the key: refused now, not after the queue
-    lead = signal_lead(cfg, request.nodes * procs)
-    if lead.seconds >= limit_s or lead.seconds > MAX_SIGNAL_LEAD_S:
+    # ConfigError naming the key: refused now, not after the queue.
+    lead = signal_lead(cfg, resolve_layout(cfg, request.nodes * procs))
+    if lead.seconds >= limit_s:
         raise ValueError(f"the signal lead of {lead.seconds} s ({lead.why}) leaves no time to train within "
-                         f"--time={request.time}" if lead.seconds >= limit_s else
-                         f"the signal lead of {lead.seconds} s ({lead.why}) is more than SLURM's --signal takes "
+                         f"--time={request.time}")
+    if lead.seconds > MAX_SIGNAL_LEAD_S:
+        raise ValueError(f"the signal lead of {lead.seconds} s ({lead.why}) is more than SLURM's --signal takes "
                          f"({MAX_SIGNAL_LEAD_S} s): raise checkpoint.io_floor_mb_s to what the storage delivers")
     run_dir = Path(cfg.train.run_dir)
     header = [
@@ -177,7 +179,7 @@ def render(request: JobRequest, cfg: Config) -> str:
     hang_dir = Path(request.workdir).resolve() / run_dir / "hang"
     environment = {
         **default_environment(cpus, procs),
-        "TORCH_FR_DUMP_TEMP_FILE": str(hang_dir / "nccl_trace_rank_"),
+        "TORCH_FR_DUMP_TEMP_FILE": str(hang_dir / FR_TRACE_PREFIX),
         # How long torchrun lets the workers save after forwarding the signal, before SIGKILL. The variable,
         # not torchrun's shutdown-timeout flag: torch < 2.11 has none (it would refuse to start) and ignores the
         # variable, keeping its 30 s (too short for a full-size save; README, "Operations").

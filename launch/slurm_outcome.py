@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from moe_pretrain.config import LaunchConfig
-from moe_pretrain.training.outcome import INTERRUPTED, PERMANENT
+from moe_pretrain.training.outcome import FINISHED, INTERRUPTED, PERMANENT, REQUEUE, STATES
 
 NODE_CHECK_TIMEOUT_S = 300
 """The node check's time on every node together (CUDA start-up and one product per GPU take seconds)."""
@@ -38,10 +38,10 @@ def outcome_lines(launch: LaunchConfig, gpus_per_node: int, run_dir: Path, conta
         'state=$(sed -n \'s/^ *"state": *"\\([a-z]*\\)".*/\\1/p\' "$run_dir/status.json" 2>/dev/null | head -n 1)',
         'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
         'case "$state" in',
-        "  finished) exit 0 ;;",
-        '  preempted) echo "job $SLURM_JOB_ID: requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
-        f"  failed) exit {PERMANENT} ;;",
-        f"  interrupted) exit {INTERRUPTED} ;;",
+        f"  {STATES[FINISHED]}) exit 0 ;;",
+        f'  {STATES[REQUEUE]}) echo "job $SLURM_JOB_ID: requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
+        f"  {STATES[PERMANENT]}) exit {PERMANENT} ;;",
+        f"  {STATES[INTERRUPTED]}) exit {INTERRUPTED} ;;",
         "esac",
         "# Hung, crashed, or no status: a node may be sick. Ask each one, exclude those that fail, requeue.",
         'failures="$run_dir/slurm-$SLURM_JOB_ID.failures"',

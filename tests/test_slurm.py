@@ -26,8 +26,27 @@ HOSTILE = "$(touch {marker}); `touch {marker}` ' \" ; touch {marker} \n #SBATCH 
 
 
 def training_step(body: str) -> str:
-    """A stand-in srun's body that runs for the training step only (not for the node check after it)."""
-    return f'case "$*" in *torch.distributed.run*) {body} ;; esac'
+    """A stand-in srun that runs body for the training step only (not for the node check after it)."""
+    return f'#!/bin/bash\ncase "$*" in *torch.distributed.run*) {body} ;; esac\n'
+
+
+ECHO_NODE1 = "#!/bin/bash\necho node1\n"
+"""A stand-in scontrol for one node (the script asks it for the head node's name)."""
+
+
+def stand_in_job(tmp_path: Path, programs: dict[str, str], *overrides: str, nodes: str = "node1"
+                 ) -> tuple[Path, dict[str, str]]:
+    """The smoke job's rendered script (working directory tmp_path) and the environment to run it in, with
+    stand-ins for SLURM's programs ({name: script}) first on PATH, then /usr/bin:/bin only (no Python of ours)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in programs.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    job, cfg = request(*overrides, workdir=str(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(job, cfg))
+    return script, {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes}
 
 
 def request(*overrides: str, **fields) -> tuple[JobRequest, object]:
@@ -53,17 +72,11 @@ def test_hostile_values_reach_the_training_command_intact(tmp_path):
     arguments / values and nothing they contain is executed."""
     marker = tmp_path / "pwned"
     hostile = HOSTILE.format(marker=marker)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in {"srun": training_step(f'printf "%s\\n" "$@" > {tmp_path}/argv; env > {tmp_path}/env'),
-                       "scontrol": 'echo node1'}.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    job, cfg = request(f"train.resume={hostile}", "launch.env={NCCL_SOCKET_IFNAME: " + json.dumps(hostile) + "}",
-                       f"train.run_dir={tmp_path}/run", workdir=str(tmp_path))
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(job, cfg))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    programs = {"srun": training_step(f'printf "%s\\n" "$@" > {tmp_path}/argv; env > {tmp_path}/env'),
+                "scontrol": ECHO_NODE1}
+    environment = "launch.env={NCCL_SOCKET_IFNAME: " + json.dumps(hostile) + "}"
+    script, env = stand_in_job(tmp_path, programs, f"train.resume={hostile}", environment,
+                               f"train.run_dir={tmp_path}/run")
     subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
     argv = (tmp_path / "argv").read_text().split("\n")
     assert not marker.exists()
@@ -75,15 +88,8 @@ def test_hostile_values_reach_the_training_command_intact(tmp_path):
 @pytest.mark.timeout(60)
 def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
     """NCCL's flight recorder records nothing unless its buffer is > 0; its dumps land in run_dir/hang/."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in {"srun": training_step(f"env > {tmp_path}/env"), "scontrol": "echo node1"}.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    job, cfg = request("train.run_dir=run", workdir=str(tmp_path))
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(job, cfg))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    programs = {"srun": training_step(f"env > {tmp_path}/env"), "scontrol": ECHO_NODE1}
+    script, env = stand_in_job(tmp_path, programs, "train.run_dir=run")
     subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=50)
     seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
     assert int(seen["TORCH_FR_BUFFER_SIZE"]) > 0 and seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -183,18 +189,10 @@ def test_the_script_forwards_the_signal_and_requeues_without_python(tmp_path, si
     scontrol (records its arguments); launch.python names no interpreter at all: the state is read by the shell,
     and the job requeues itself, after SIGUSR2 (the time-limit signal) or SIGTERM (GraceTime preemption, which
     reaches srun as SIGUSR2)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     run_dir = tmp_path / "run"
-    stand_ins = {"srun": STAND_IN_SRUN.replace("TMP", str(tmp_path)).replace("RUN", str(run_dir)),
-                 "scontrol": f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol\necho node1\n'}
-    for name, body in stand_ins.items():
-        (bin_dir / name).write_text(body)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    job, cfg = request(f"train.run_dir={run_dir}", "launch.python=/nonexistent/python", workdir=str(tmp_path))
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(job, cfg))
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    programs = {"srun": STAND_IN_SRUN.replace("TMP", str(tmp_path)).replace("RUN", str(run_dir)),
+                "scontrol": f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol\necho node1\n'}
+    script, env = stand_in_job(tmp_path, programs, f"train.run_dir={run_dir}", "launch.python=/nonexistent/python")
     shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     deadline = time.time() + 30
@@ -224,8 +222,6 @@ argument)."""
 def test_a_crashed_run_excludes_the_nodes_that_fail_the_check(tmp_path, fit, excluded):
     """Three nodes; stand-ins for srun (see CHECKING_SRUN) and scontrol (records its arguments): one failing node is
     excluded (requeuehold, ExcNodeList, release); all three failing is a shared cause, and the job requeues as it is."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     scontrol = f"""#!/bin/bash
 echo "$@" >> {tmp_path}/scontrol
 case "$*" in
@@ -233,15 +229,8 @@ case "$*" in
   "show job"*) echo "JobId=7 ExcNodeList=(null) Restarts=0" ;;
 esac
 """
-    stand_ins = {"srun": CHECKING_SRUN.replace("TMP", str(tmp_path)).replace("FIT", fit), "scontrol": scontrol}
-    for name, body in stand_ins.items():
-        (bin_dir / name).write_text(body)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    job, cfg = request(f"train.run_dir={tmp_path}/run", workdir=str(tmp_path))
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(job, cfg))
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "node[1-3]"}
+    programs = {"srun": CHECKING_SRUN.replace("TMP", str(tmp_path)).replace("FIT", fit), "scontrol": scontrol}
+    script, env = stand_in_job(tmp_path, programs, f"train.run_dir={tmp_path}/run", nodes="node[1-3]")
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = (tmp_path / "scontrol").read_text().splitlines()

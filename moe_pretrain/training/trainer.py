@@ -371,16 +371,6 @@ class Trainer:
         self.last_checkpoint = Path(path)
         return Path(path)
 
-    def _restart_of_this_run(self, run_dir: Path) -> bool:
-        """Is the run directory's metrics.jsonl, with no checkpoint beside it, this very run's? A requeue or a
-        torchrun restart after a failure before the first checkpoint (train.resume=auto, and the config.yaml the
-        first attempt wrote is this config): that run starts over. Any other run is refused its directory."""
-        written = run_dir / "config.yaml"
-        if self.cfg.train.resume != "auto" or not written.exists():
-            return False
-        this = yaml.safe_load(yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False))
-        return yaml.safe_load(written.read_text()) == this
-
     def run(self) -> list[dict]:
         """Train to train.steps (or train.exit_at_step), resuming per train.resume and saving checkpoints;
         rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl. Returns the steps' records: empty
@@ -388,8 +378,9 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         run_dir = Path(cfg.train.run_dir)
         resumed = self.resume() is not None
+        config_text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
         restarted = not resumed and (run_dir / "metrics.jsonl").exists()
-        if restarted and not self._restart_of_this_run(run_dir):
+        if restarted and not _same_run(run_dir, config_text, cfg.train.resume):
             raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run and no "
                               "checkpoint to resume; choose another train.run_dir (nothing was overwritten)")
         stop = cfg.train.exit_at_step or cfg.train.steps
@@ -406,7 +397,7 @@ class Trainer:
                 kept = _keep_aside(run_dir / "metrics.jsonl")
                 log.warning(f"no checkpoint yet in {run_dir}: this restart of the same run (its config.yaml is "
                             f"this config) starts over; the earlier attempt's metrics are kept in {kept}")
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            (run_dir / "config.yaml").write_text(config_text)
             writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard,
                                    wandb_run=open_wandb_run(cfg, run_dir))
         bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
@@ -441,7 +432,7 @@ class Trainer:
                     self.last_checkpoint = self._guard_async(self.async_saver.poll) or self.last_checkpoint
                 time_due = bool(save_interval_s) and time.monotonic() - last_save_time >= save_interval_s
                 agreed = signals.agreed(ctx.distributed, self.device, save_due=time_due,
-                                        next_step_s=watchdog.durations[-1])
+                                        next_step_s=result.seconds)
                 at_interval = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
                 if at_boundary or at_interval or agreed.save_due:
                     self.save_checkpoint()
@@ -475,6 +466,14 @@ class Trainer:
     def _wait_for_async_save(self) -> None:
         if self.async_saver is not None:
             self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
+
+
+def _same_run(run_dir: Path, config_text: str, resume: str) -> bool:
+    """Is the run directory's metrics.jsonl, with no checkpoint beside it, this very run's? A requeue or a torchrun
+    restart after a failure before the first checkpoint (train.resume=auto, and the config.yaml the first attempt
+    wrote is this config's text): that run starts over. Any other run is refused its directory."""
+    written = run_dir / "config.yaml"
+    return resume == "auto" and written.exists() and written.read_text() == config_text
 
 
 def _keep_aside(path: Path) -> Path:

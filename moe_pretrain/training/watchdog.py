@@ -30,6 +30,9 @@ from moe_pretrain.training.outcome import HUNG, write_status
 log = logging.getLogger(__name__)
 
 MIN_STEPS_FOR_MEDIAN = 3
+FR_TRACE_PREFIX = "nccl_trace_rank_"
+"""The flight recorder's dump files in run_dir/hang/, <prefix><rank>: the watchdog's and NCCL's own on a timeout
+(the SLURM job points TORCH_FR_DUMP_TEMP_FILE there)."""
 
 
 class StepWatchdog:
@@ -103,7 +106,7 @@ class StepWatchdog:
         c10d = torch._C._distributed_c10d
         nccl = "nccl" in str(dist.get_backend()) and hasattr(c10d, "_dump_nccl_trace")
         trace = c10d._dump_nccl_trace() if nccl else c10d._dump_fr_trace()
-        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or str(self.dump_dir / "nccl_trace_rank_")
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or str(self.dump_dir / FR_TRACE_PREFIX)
         path = Path(f"{prefix}{self.rank}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(trace)
