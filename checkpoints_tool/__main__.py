@@ -2,7 +2,10 @@
 
   inspect DIR                      step, tokens, layout, parameter count, bytes per component, files
   verify DIR                       completeness and every SHA-256; exit 0 only if all hold
-  prune DIR --keep-last N [--keep-every K]   never touches the checkpoint `latest` names
+  prune DIR --keep-last N [--keep-every K] [--force]
+                                   keeps the newest N checkpoints that verify (each checked, newest first;
+                                   one that does not is kept and named, uncounted) and multiples of K; never
+                                   touches the checkpoint `latest` names; N < 2 only with --force
   export DIR OUT [--format native|kimi-k3-hf] [--experts mxfp4|bf16] [--max-shard-mb M] [--workers N]
                                    model weights as sharded safetensors + index + config.json, under our
                                    names (files of at most M MiB) or as the released Kimi K3 checkpoint
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     pruning.add_argument("dir", type=Path)
     pruning.add_argument("--keep-last", type=int, required=True)
     pruning.add_argument("--keep-every", type=int, default=0)
+    pruning.add_argument("--force", action="store_true", help="allow --keep-last 1")
     exporting = commands.add_parser("export")
     exporting.add_argument("dir", type=Path)
     exporting.add_argument("out", type=Path)
@@ -219,12 +223,27 @@ def run(args: argparse.Namespace) -> int:
         if (extras := args.out / EXTRAS).exists():
             print(kept_aside(extras, args.format))
         return 0
+    return prune_command(args)
+
+
+def prune_command(args: argparse.Namespace) -> int:
+    """prune: only checkpoints that verify count toward --keep-last, and the newest of them is never deleted."""
     if args.keep_last < 1:
         raise ToolError("--keep-last must be >= 1")
+    if args.keep_last < 2 and not args.force:
+        raise ToolError(f"--keep-last {args.keep_last} leaves no checkpoint to fall back on if the newest is damaged "
+                        "(training refuses checkpoint.keep_last < 2); pass --force to prune to one anyway")
     if not committed_checkpoints(args.dir):
         raise ToolError(f"{args.dir} is not a checkpoint root: no step_<N> directories in it")
-    for path in prune(args.dir, args.keep_last, args.keep_every, background=False):
+    pruned = prune(args.dir, args.keep_last, args.keep_every, background=False, check=verify)
+    for path, problems in pruned.damaged:
+        print(f"kept {path}: it does not verify, so it does not count toward --keep-last ({problems[0]}"
+              f"{f'; {len(problems) - 1} more problems' if len(problems) > 1 else ''})")
+    for path in pruned.dropped:
         print(f"deleted {path}")
+    if len(pruned.damaged) == len(committed_checkpoints(args.dir)):
+        print(f"no checkpoint in {args.dir} verifies: nothing deleted", file=sys.stderr)
+        return 1
     return 0
 
 

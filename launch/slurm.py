@@ -209,7 +209,7 @@ def render(request: JobRequest, cfg: Config) -> str:
              f"port={port}",
              'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on '
              '$head:$port)"',
-             'rm -f "$run_dir/status.json"  # written again by this run: finished, preempted or failed',
+             'rm -f "$run_dir/status.json" "$run_dir/refused.json"  # written again by this run: its end, or a refusal',
              "# The run also stops by the clock, the lead before the job's end (squeue's, which follows a changed",
              "# time limit; else from --time): should SLURM's signal come late or not at all, it still saves in time.",
              'end=$(SLURM_TIME_FORMAT=standard squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null | head -n 1)',

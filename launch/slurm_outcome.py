@@ -2,20 +2,31 @@
 
 The state comes from <run_dir>/status.json, read by the shell alone (a container setup may have no Python on the
 batch host): finished -> exit 0; preempted (a signal or the clock stop) -> requeue, without limit; failed (bad
-config or data: permanent) -> exit 78; interrupted (Ctrl-C) -> exit 130. Anything else (hung, a crash torchrun
-could not restart away, no status at all) may be a sick node, and the same allocation would meet it again: every
-node runs the node check (launch.node_check, by default launch/node_check.py) under srun, and a node that fails it
-or does not answer within NODE_CHECK_TIMEOUT_S joins the job's ExcNodeList as it requeues (held while the list
-changes: SLURM refuses to change a running job's); unless all of several nodes fail, a shared cause. Such requeues
-are counted in <run_dir>/slurm-<job>.failures, one line each: past launch.max_requeues the job ends with the run's
-exit code, left to a person (a bug fails on every node alike).
+config or data: permanent) -> exit 78; storage_full (the checkpoint file system) -> exit 74; interrupted (Ctrl-C) ->
+exit 130; a refused launch (run_dir/refused.json: the directory is another live run's, or the checkpoint another
+model's) -> exit 78, status.json being the run's own. Anything else (hung, a crash torchrun could not restart away,
+no status at all) may be a sick node, and the same allocation would meet it again: every node runs the node check
+(launch.node_check, by default launch/node_check.py) under srun, and a node that fails it or does not answer within
+NODE_CHECK_TIMEOUT_S joins the job's ExcNodeList as it requeues (held while the list changes: SLURM refuses to
+change a running job's); unless all of several nodes fail, a shared cause. Such requeues are counted in
+<run_dir>/slurm-<job>.failures, one line each: past launch.max_requeues the job ends with the run's exit code, left
+to a person (a bug fails on every node alike).
 """
 
 import shlex
 from pathlib import Path
 
 from moe_pretrain.config import LaunchConfig
-from moe_pretrain.training.outcome import FINISHED, INTERRUPTED, PERMANENT, REQUEUE, STATES
+from moe_pretrain.training.outcome import (
+    FINISHED,
+    INTERRUPTED,
+    PERMANENT,
+    REFUSED,
+    REFUSED_FILE,
+    REQUEUE,
+    STATES,
+    STORAGE_FULL,
+)
 
 NODE_CHECK_TIMEOUT_S = 300
 """The node check's time on every node together (CUDA start-up and one product per GPU take seconds)."""
@@ -36,11 +47,16 @@ def outcome_lines(launch: LaunchConfig, gpus_per_node: int, run_dir: Path, conta
     return [
         # status.json holds one '"state": "<word>",' line.
         'state=$(sed -n \'s/^ *"state": *"\\([a-z]*\\)".*/\\1/p\' "$run_dir/status.json" 2>/dev/null | head -n 1)',
+        f'[ -e "$run_dir/{REFUSED_FILE}" ] && state={REFUSED}  # a launch refused before it became the run',
         'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
         'case "$state" in',
         f"  {STATES[FINISHED]}) exit 0 ;;",
         f'  {STATES[REQUEUE]}) echo "job $SLURM_JOB_ID: requeueing"; scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;',
         f"  {STATES[PERMANENT]}) exit {PERMANENT} ;;",
+        f'  {STATES[STORAGE_FULL]}) echo "job $SLURM_JOB_ID: the checkpoint file system is full, not requeued: free '
+        'space, then resubmit (see $run_dir/status.json)"; exit ' + f"{STORAGE_FULL} ;;",
+        f'  {REFUSED}) echo "job $SLURM_JOB_ID: launch refused, not requeued: see $run_dir/{REFUSED_FILE}"; '
+        f"exit {PERMANENT} ;;",
         f"  {STATES[INTERRUPTED]}) exit {INTERRUPTED} ;;",
         "esac",
         "# Hung, crashed, or no status: a node may be sick. Ask each one, exclude those that fail, requeue.",

@@ -6,8 +6,11 @@
 Under torchrun every rank validates the layout before any collective, so a bad layout fails on
 every rank with the same message. Exit codes (moe_pretrain/training/outcome.py): 0 finished, 75
 preempted after a checkpoint (requeue me), 76 hung (watchdog), 78 permanent failure (bad config or
-data, no checkpoint that verifies, repeated non-finite loss), 130 interrupted by Ctrl-C after a
-checkpoint, 1 --require-loss-drop not met. A relaunch of a finished run says so and exits 0.
+data, no checkpoint that verifies, repeated non-finite loss), 74 the checkpoint's file system is full,
+130 interrupted by Ctrl-C after a checkpoint, 1 --require-loss-drop not met. A relaunch of a finished
+run says so and exits 0. A launch refused before it becomes the run (another live run holds
+train.run_dir, which rank 0 locks before anything is built; the checkpoint to resume was saved by
+another model) exits 78 and leaves status.json as it was, writing run_dir/refused.json instead.
 """
 
 import argparse
@@ -15,28 +18,73 @@ import logging
 import os
 import sys
 
+import torch.distributed as dist
+
 from kernels.fast_paths import describe as describe_fast_paths
 from moe_pretrain.checkpoint import CheckpointError
+from moe_pretrain.checkpoint.store import CheckpointMismatchError, StorageFullError
 from moe_pretrain.config import Config, ConfigError, add_config_arguments, load_config_from_args
 from moe_pretrain.data import DataError
 from moe_pretrain.log import setup_logging
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.outcome import FINISHED, INTERRUPTED, PERMANENT, Preempted, write_status
+from moe_pretrain.training.outcome import (
+    FINISHED,
+    INTERRUPTED,
+    PERMANENT,
+    STORAGE_FULL,
+    Preempted,
+    write_refusal,
+    write_status,
+)
+from moe_pretrain.training.run_lock import RunDirBusyError, RunDirLock
 from moe_pretrain.training.trainer import NonFiniteError
-from parallel.state import destroy_parallel, init_parallel
+from parallel.collectives import gather_objects
+from parallel.state import ParallelContext, destroy_parallel, init_parallel
 
 log = logging.getLogger("launch.train")
 
-PERMANENT_ERRORS = {ConfigError: "config error", DataError: "data error", CheckpointError: "checkpoint error",
-                    NonFiniteError: "non-finite loss"}
+FAILURES = {StorageFullError: ("storage full", STORAGE_FULL), ConfigError: ("config error", PERMANENT),
+            DataError: ("data error", PERMANENT), CheckpointError: ("checkpoint error", PERMANENT),
+            NonFiniteError: ("non-finite loss", PERMANENT)}
+"""Errors that end a run for good, by kind and exit code (the first class that matches)."""
 
 
-def permanent_failure(err: Exception, rank: int, run_dir: str | None, step: int = 0) -> int:
-    kind = next(name for cls, name in PERMANENT_ERRORS.items() if isinstance(err, cls))
+def permanent_failure(err: Exception, rank: int, run_dir: str | None, trainer: Trainer | None = None) -> int:
+    kind, code = next(named for cls, named in FAILURES.items() if isinstance(err, cls))
     log.error(f"{kind} (rank {rank}): {err}")
     if rank == 0 and run_dir:
-        write_status(run_dir, PERMANENT, step, f"{kind}: {err}", None)
+        write_status(run_dir, code, trainer.step if trainer else 0, f"{kind}: {err}",
+                     trainer.last_checkpoint if trainer else None)
+    return code
+
+
+class RunDirRefusedError(RuntimeError):
+    """Rank 0 could not take train.run_dir (in use by another run, or not a directory): every rank raises it."""
+
+
+def refused(err: Exception, rank: int, run_dir: str) -> int:
+    """A launch that never became the run: one line, refused.json, status.json untouched."""
+    log.error(f"refused (rank {rank}): {err}")
+    if rank == 0:
+        write_refusal(run_dir, str(err))
     return PERMANENT
+
+
+def own_run_dir(cfg: Config, ctx: ParallelContext) -> RunDirLock | None:
+    """Rank 0 locks train.run_dir before anything is built or resumed (run_lock.py); every rank learns the
+    outcome (collective) and raises RunDirRefusedError alike. Returns rank 0's lock, to release at exit."""
+    lock, failure = None, None
+    if ctx.rank == 0:
+        lock = RunDirLock(cfg.train.run_dir)
+        try:
+            lock.acquire()
+        except (RunDirBusyError, ConfigError) as err:
+            lock, failure = None, str(err)
+    if ctx.distributed:
+        failure = gather_objects(failure, dist.group.WORLD)[0]
+    if failure:
+        raise RunDirRefusedError(failure)
+    return lock
 
 
 def start_line(cfg: Config, trainer: Trainer) -> str:
@@ -63,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_parallel(cfg)
     except ConfigError as err:
         return permanent_failure(err, rank, None)
-    trainer = None
+    trainer, lock = None, None
     try:
+        lock = own_run_dir(cfg, ctx)
         trainer = Trainer(cfg, ctx)
         log.info(start_line(cfg, trainer))
         log.info(describe_fast_paths(trainer.model))
@@ -80,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.is_logging_rank:
             write_status(cfg.train.run_dir, INTERRUPTED, step, "interrupted before training started", None)
         return INTERRUPTED
-    except tuple(PERMANENT_ERRORS) as err:
-        return permanent_failure(err, rank, cfg.train.run_dir, trainer.step if trainer else 0)
+    except (RunDirRefusedError, CheckpointMismatchError) as err:
+        return refused(err, rank, cfg.train.run_dir)
+    except tuple(FAILURES) as err:
+        return permanent_failure(err, rank, cfg.train.run_dir, trainer)
     finally:
         destroy_parallel()
+        if lock is not None:
+            lock.release()
     if ctx.is_logging_rank:
         write_status(cfg.train.run_dir, FINISHED, trainer.step, "finished", trainer.last_checkpoint)
     if not history:  # a relaunch of a finished run: Trainer.run said so

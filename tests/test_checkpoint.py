@@ -71,17 +71,32 @@ def damage(path, how):
     (".metadata", "delete", ".metadata: missing"),
     ("manifest.json", "delete", "manifest.json: missing (the save never committed)"),
 ])
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, uninterrupted, target, how, message):
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_run_passes_its_step(tmp_path, caplog, uninterrupted,
+                                                                               target, how, message):
+    """The damaged step_3 used to keep its name: the resumed run's save at step 3 then failed on every relaunch."""
     Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")).run()  # saves steps 2 and 3
-    newest = tmp_path / "checkpoints" / "step_00000003"
+    root = tmp_path / "checkpoints"
+    newest = root / "step_00000003"
     damage(newest / target, how)
     problems = verify(newest)
     assert problems and message in problems[0] and target in problems[0]
-    trainer = Trainer(config(tmp_path))
-    resumed = losses_of(trainer.run())
+    passed = Trainer(config(tmp_path, "train.exit_at_step=3"))  # resumes step 2, then must save step 3 again
+    assert losses_of(passed.run()) == uninterrupted[0][2:3]
     assert any("skipping" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
-    assert trainer.step == STEPS and resumed == uninterrupted[0][2:]  # continued from step 2
-    assert newest.exists()  # nothing was deleted
+    aside = [p for p in root.iterdir() if p.name.startswith("step_00000003.damaged-")]
+    assert len(aside) == 1 and message in (aside[0] / "DAMAGED.txt").read_text()  # kept, with the reason
+    assert verify(newest) == [] and (root / "latest").read_text().strip() == newest.name
+    later = Trainer(config(tmp_path))  # a later relaunch resumes the new step 3
+    assert losses_of(later.run()) == uninterrupted[0][3:] and later.step == STEPS
+
+
+def test_latest_names_the_checkpoint_resumed_when_a_newer_one_is_damaged(tmp_path):
+    Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")).run()
+    root = tmp_path / "checkpoints"
+    damage(root / "step_00000003" / "__0_0.distcp", "truncate")
+    trainer = Trainer(config(tmp_path, "train.exit_at_step=2"))  # resumes step 2: nothing left to train
+    assert trainer.run() == [] and (root / "latest").read_text().strip() == "step_00000002"
+    assert [step for step, _ in committed_checkpoints(root)] == [2]
 
 
 def test_partial_save_directory_is_ignored(tmp_path, uninterrupted):
@@ -164,7 +179,7 @@ def test_muon_momentum_resumes_bitwise_and_reshards(tmp_path):
 
 def test_resume_with_another_optimizer_names_the_key(tmp_path):
     Trainer(config(tmp_path, "train.exit_at_step=1")).run()
-    with pytest.raises(CheckpointError, match=r"another optim\.name"):
+    with pytest.raises(CheckpointError, match=r"optim\.name: checkpoint adamw, this run muon"):
         Trainer(config(tmp_path, "optim.name=muon")).run()
 
 

@@ -93,7 +93,9 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("phase", "faulty_rank", "committed", "error"), [
-    ("disk_full", 1, [1], "not committed: rank 1: OSError: [Errno 28] No space left on device"),
+    ("disk_full", 1, [1], "is full: ENOSPC, No space left on device (injected) (rank 1). step_00000002 was not "
+                          "saved and its partial step_00000002.tmp removed; the last checkpoint, step_00000001, is "
+                          "intact"),
     ("during_write", 1, [1], None),
     ("after_write", 0, [1], None),
     ("before_manifest", 0, [1], None),
@@ -108,6 +110,8 @@ def test_fault_during_save_then_resume(tmp_path, uninterrupted, phase, faulty_ra
     assert [step for step, _ in committed_checkpoints(root)] == committed
     assert (root / "latest").read_text().strip() == "step_00000001"  # never advanced past a failed save
     # Resume on one process: the newest complete checkpoint, then exactly the uninterrupted losses.
+    if error:
+        assert not (root / "step_00000002.tmp").exists()  # removed by the failed save itself
     trainer = Trainer(config(tmp_path))
     resumed = [h["loss"] for h in trainer.run()]
     assert resumed == pytest.approx(uninterrupted[max(committed):], rel=1e-9)
@@ -143,7 +147,8 @@ def test_failed_async_save_stops_every_rank(tmp_path):
         run_distributed(async_worker, 2, str(tmp_path), 1, "stop", timeout=60)
     message = str(failure.value)
     assert "rank 0:" in message and "rank 1:" in message  # raised on every rank
-    assert "step_00000002 not committed: rank 1: OSError: [Errno 28]" in message
+    assert "step_00000002 was not saved" in message and "ENOSPC, No space left on device (injected) (rank 1)" \
+        in message
     root = tmp_path / "checkpoints"
     assert [step for step, _ in committed_checkpoints(root)] == [1]
     assert (root / "latest").read_text().strip() == "step_00000001"

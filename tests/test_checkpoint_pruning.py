@@ -71,5 +71,5 @@ def test_a_crash_mid_delete_leaves_nothing_resume_could_pick(tmp_path):
     assert [step for step, _ in committed_checkpoints(root)] == [3, 2]
     assert find(root, "auto") == (root / "step_00000003", [])
     # The next prune (the next commit's, or the tool's) finishes what the crash left.
-    assert pruning.prune(root, keep_last=2, background=False) == []
+    assert pruning.prune(root, keep_last=2, background=False).dropped == []
     assert being_deleted(root) == [] and [step for step, _ in committed_checkpoints(root)] == [3, 2]

@@ -69,9 +69,28 @@ def test_verify_exit_codes_name_bad_files(checkpoints):
 def test_prune_never_touches_latest(checkpoints):
     root, _ = checkpoints
     (root / "latest").write_text("step_00000001\n")  # pretend an operator pointed latest at an old one
-    done = tool("prune", root, "--keep-last", 1)
+    done = tool("prune", root, "--keep-last", 1, "--force")
     assert done.returncode == 0, done.stderr
     assert [step for step, _ in committed_checkpoints(root)] == [4, 1]
+
+
+def test_prune_keeps_the_newest_checkpoint_that_verifies(checkpoints):
+    """The issue's fault: an intact step_3 and a truncated step_4 (`latest`); prune --keep-last 1 deleted step_3
+    and exited 0, leaving nothing that loads."""
+    root, _ = checkpoints
+    shard = root / "step_00000004" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    refused = tool("prune", root, "--keep-last", 1)
+    assert refused.returncode == 2 and "pass --force" in refused.stderr and "keep_last < 2" in refused.stderr
+    done = tool("prune", root, "--keep-last", 1, "--force")
+    assert done.returncode == 0, done.stderr
+    assert f"kept {root / 'step_00000004'}: it does not verify" in done.stdout
+    assert [step for step, _ in committed_checkpoints(root)] == [4, 3]  # the damaged one and the newest good one
+    shard = root / "step_00000003" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    none_good = tool("prune", root, "--keep-last", 2)
+    assert none_good.returncode == 1 and "nothing deleted" in none_good.stderr
+    assert [step for step, _ in committed_checkpoints(root)] == [4, 3]
 
 
 def tp_ep_worker(rank, world_size, run_dir):

@@ -1,6 +1,7 @@
 """The names in a checkpoint root: step_<N>/ (committed), step_<N>.tmp/ (being written), `latest` (the
-newest committed, by name), and step_<N>.<tag>.deleting/ (pruned, being deleted: pruning.py). Only a name
-that matches STEP_DIR is ever a checkpoint; the other two are never read by find() or `latest`.
+newest committed, by name), step_<N>.<tag>.deleting/ (pruned, being deleted: pruning.py) and
+step_<N>.damaged-<time>/ (failed verification at a resume, moved aside and kept: quarantine.py). Only a name
+that matches STEP_DIR is ever a checkpoint; the others are never read by find() or `latest`, nor pruned.
 """
 
 import re
@@ -9,6 +10,7 @@ from pathlib import Path
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 DELETING = ".deleting"
+DAMAGED = ".damaged"
 
 
 def step_dir(root: Path, step: int) -> Path:

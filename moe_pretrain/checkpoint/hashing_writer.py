@@ -18,6 +18,9 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import SavePlan
+
+from moe_pretrain.checkpoint.storage_full import check_free_space, planned_bytes
 
 
 class _HashingStream(io.RawIOBase):
@@ -70,11 +73,17 @@ class _HashingFileSystem(FileSystem):
 
 
 class HashingFileSystemWriter(FileSystemWriter):
-    """FileSystemWriter whose `entries` hold the manifest entry of every file it wrote, once written."""
+    """FileSystemWriter whose `entries` hold the manifest entry of every file it wrote, once written; a save
+    whose planned bytes exceed the free space fails before any is written (storage_full.py)."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem()
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On DCP's coordinator, with every rank's plan: DCP reports a failure here to every rank."""
+        check_free_space(Path(self.path), planned_bytes(plans))
+        return super().prepare_global_plan(plans)
 
     @property
     def entries(self) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,9 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_pretrain.checkpoint.directory import DELETING, LATEST, being_deleted, committed_checkpoints
@@ -60,30 +62,53 @@ DELETER = BackgroundDeleter()
 """The process's deleter (rank 0's; no other rank prunes)."""
 
 
-def prune(root: Path, keep_last: int, keep_every: int = 0, background: bool = True) -> list[Path]:
+@dataclass
+class Pruned:
+    dropped: list[Path] = field(default_factory=list)
+    """Checkpoints renamed for deletion (their original paths)."""
+    damaged: list[tuple[Path, list[str]]] = field(default_factory=list)
+    """Checkpoints kept although they failed `check`, with its problems (never counted, never deleted)."""
+
+
+def prune(root: Path, keep_last: int, keep_every: int = 0, background: bool = True,
+          check: Callable[[Path], list[str]] | None = None) -> Pruned:
     """Drop committed checkpoints beyond the newest keep_last, except multiples of keep_every and the one
     `latest` names (never touched): each is renamed out of the checkpoint namespace at once, then deleted
     (in the background, or before returning with background=False); leftovers of earlier, interrupted
-    deletions are deleted too. Returns the checkpoints dropped (their original paths)."""
+    deletions are deleted too.
+
+    check (a verifier: problems of a checkpoint, [] when intact) makes only checkpoints that pass it count
+    toward keep_last: newest first, each is checked until keep_last have passed, and one that fails is kept,
+    uncounted, for a person to look at. Only checkpoints older than the keep_last-th good one are dropped, so
+    the newest good checkpoint is never deleted, and nothing is when none is good. The trainer prunes right
+    after a commit without it: the newest checkpoint is the one it has just written and hashed, and damaged
+    ones found at a resume were moved out of the namespace (quarantine.py)."""
     latest = root / LATEST
     protected = latest.read_text().strip() if latest.is_file() else None
-    dropped = []
-    for index, (step, path) in enumerate(committed_checkpoints(root)):
-        keep = index < keep_last or (keep_every and step % keep_every == 0) or path.name == protected
-        if not keep:
-            target = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{DELETING}")
-            os.rename(path, target)
-            dropped.append(path)
-    if dropped:
+    pruned, good = Pruned(), 0
+    for step, path in committed_checkpoints(root):
+        if good < keep_last:
+            problems = check(path) if check is not None else []
+            if problems:
+                pruned.damaged.append((path, problems))
+            else:
+                good += 1
+            continue
+        if (keep_every and step % keep_every == 0) or path.name == protected:
+            continue
+        target = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{DELETING}")
+        os.rename(path, target)
+        pruned.dropped.append(path)
+    if pruned.dropped:
         fsync_dir(root)  # the renames are durable before anything is deleted
-        log.info(f"pruned {', '.join(p.name for p in dropped)} (renamed; deleting "
+        log.info(f"pruned {', '.join(p.name for p in pruned.dropped)} (renamed; deleting "
                  f"{'in the background' if background else 'now'})")
     for path in being_deleted(root):
         if background:
             DELETER.submit(path)
         else:
             delete_tree(path)
-    return dropped
+    return pruned
 
 
 def wait_for_deletions() -> None:

@@ -7,7 +7,8 @@ the hash entries are gathered over all ranks; only then rank 0 writes trainer_st
 durably. Any failure anywhere leaves `latest` untouched and raises on every rank. A .tmp directory is never
 a checkpoint.
 Load: resume=auto takes the newest directory whose manifest verifies, saying plainly why it skipped
-any newer one; tensors come back through DCP (no pickles), other state from JSON.
+any newer one and moving those aside (quarantine.py); a checkpoint of another model is refused before
+anything is verified or moved (fit.py); tensors come back through DCP (no pickles), other state from JSON.
 
 `group`: the process group for every collective here and DCP's. Their waits last as long as the slowest
 rank's I/O, so the trainer gives them a group whose timeout grows with the state each rank holds
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,9 @@ from moe_pretrain.checkpoint.manifest import (
     write_manifest,
 )
 from moe_pretrain.checkpoint.pruning import prune
+from moe_pretrain.checkpoint.quarantine import point_latest, quarantine
 from moe_pretrain.checkpoint.staging import ReusedHostStager
+from moe_pretrain.checkpoint.storage_full import full_cause
 from parallel.collectives import all_reduce_max, barrier, gather_objects
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
 
@@ -52,6 +56,16 @@ TRAINER_STATE = "trainer_state.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file or rank."""
+
+
+class StorageFullError(CheckpointError):
+    """A save failed because the checkpoint's file system or quota is full (storage_full.py); the partial
+    directory was removed and the previous checkpoint is intact."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """An intact checkpoint was saved by another model or optimizer than this run's (fit.py names the keys). Not
+    a fault of the run: nothing is moved aside, and the launcher leaves the run's status.json as it was."""
 
 
 def _describe(err: BaseException, rank: int) -> list[str]:
@@ -119,29 +133,51 @@ def _writer(tmp: Path, file_per_item: bool = False) -> HashingFileSystemWriter:
                                    single_file_per_rank=not file_per_item)
 
 
-def _written_and_hashed(tmp: Path, write: Any, writer: HashingFileSystemWriter) -> tuple[list[str], Entries]:
+@dataclass
+class WriteReport:
+    """One rank's outcome of writing its share of a save."""
+
+    failures: list[str]
+    entries: Entries
+    full: str | None = None
+    """The full file system's errno and message when that is why the write failed (storage_full.py)."""
+
+
+def _written_and_hashed(tmp: Path, write: Any, writer: HashingFileSystemWriter) -> WriteReport:
     """Run `write` (DCP's save, or waiting on its future); then this rank's files' entries, hashed by
-    `writer` as it wrote them: (failures, entries)."""
+    `writer` as it wrote them."""
     try:
         write()
-        return [], rank_entries(tmp, _rank(), writer.entries)
+        return WriteReport([], rank_entries(tmp, _rank(), writer.entries))
     except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
-        return _describe(err, _rank()), {}
+        return WriteReport(_describe(err, _rank()), {}, full_cause(err, tmp, _rank()))
 
 
-def _commit(root: Path, final: Path, report: tuple[list[str], Entries], trainer_state: dict[str, Any],
+def _commit(root: Path, final: Path, report: WriteReport, trainer_state: dict[str, Any],
             info: dict[str, Any], keep_last: int, keep_every: int, group: dist.ProcessGroup | None) -> Path:
-    """Gather every rank's (failures, hash entries); if none failed, rank 0 merges the entries into the
-    manifest, seals the directory and moves `latest` to it."""
+    """Gather every rank's report; if none failed, rank 0 merges the hash entries into the manifest, seals the
+    directory and moves `latest` to it. If any failed, rank 0 removes the partial directory (nothing in it is
+    ever read, and on a full disk it holds the space a retry needs) and every rank raises."""
     reports = _gather(report, group)
-    failures = sorted({line for lines, _ in reports for line in lines})
-    if failures:
-        raise CheckpointError(f"checkpoint {final} not committed: " + "; ".join(failures))
     tmp = final.with_name(final.name + ".tmp")
+    failures = sorted({line for r in reports for line in r.failures})
+    if failures:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = next((r.full for r in reports if r.full), None)
+        if full:
+            latest = root / LATEST
+            kept = (f"the last checkpoint, {latest.read_text().strip()}, is intact" if latest.is_file()
+                    else "no checkpoint was committed before it")
+            raise StorageFullError(
+                f"checkpoint.dir={root} is full: {full}. {final.name} was not saved and its partial {tmp.name} "
+                f"removed; {kept}. Free space or move checkpoint.dir, then relaunch")
+        raise CheckpointError(f"checkpoint {final} not committed (its partial {tmp.name} was removed): "
+                              + "; ".join(failures))
     if _rank() == 0:
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
         write_manifest(tmp, {"step": trainer_state["step"], **info},
-                       {name: entry for _, entries in reports for name, entry in entries.items()})
+                       {name: entry for r in reports for name, entry in r.entries.items()})
         tmp.rename(final)
         fsync_dir(root)
         write_durably(root / LATEST, final.name + "\n")
@@ -251,9 +287,11 @@ def shared_verify(group: dist.ProcessGroup | None = None) -> Callable[[Path], li
 def verifying_load(load: Callable[[Path], object], group: dist.ProcessGroup | None = None
                    ) -> Callable[[Path], list[str]]:
     """A find() verifier that also loads, in one pass over the storage instead of two: each rank hashes its
-    share of the files in a background thread while load(path) reads the checkpoint; the problems of both
-    (a file that does not verify, a load that fails) are gathered, so every rank agrees. find() then returns
-    the first candidate without problems, already loaded; one with problems is loaded over by the next."""
+    share of the files in a background thread while load(path) reads the checkpoint; the problems of both are
+    gathered, so every rank agrees. find() then returns the first candidate without problems, already loaded;
+    one with damaged files is loaded over by the next. A checkpoint whose every file verifies but which does
+    not load is not damage (another model's, a failing read): CheckpointMismatchError on every rank, so that
+    resume=auto never moves an intact checkpoint aside."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
     def verify_while_loading(path: Path) -> list[str]:
@@ -264,27 +302,46 @@ def verifying_load(load: Callable[[Path], object], group: dist.ProcessGroup | No
                 failed = []
             except (Exception, DCPCheckpointException) as err:  # every rank must learn of any rank's failure
                 failed = [f"{path}: does not load ({'; '.join(_describe(err, rank))})"]
-            mine = hashing.result() + failed
-        return sorted({line for lines in _gather(mine, group) for line in lines})
+            mine = (hashing.result(), failed)
+        reports = _gather(mine, group)
+        damage = sorted({line for lines, _ in reports for line in lines})
+        failures = sorted({line for _, lines in reports for line in lines})
+        if failures and not damage:
+            raise CheckpointMismatchError(f"every file of {path} verifies, but it does not load into this run: "
+                                          + "; ".join(failures))
+        return damage + failures
     return verify_while_loading
 
 
-def find(root: Path, resume: str, verifier: Callable[[Path], list[str]] = verify) -> tuple[Path | None, list[str]]:
+def find(root: Path, resume: str, verifier: Callable[[Path], list[str]] = verify,
+         check_fit: Callable[[Path], None] | None = None, set_aside: bool = False) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from (or None) and the warnings about newer ones that failed verification.
-    With shared_verify() as verifier every rank must call it, and all get the same answer."""
+    With shared_verify() as verifier every rank must call it, and all get the same answer. check_fit(path)
+    raises before a candidate is verified when it belongs to another model (fit.py). set_aside: once a good
+    checkpoint is found under resume=auto, rank 0 moves each newer, damaged one aside and points `latest` at
+    the good one (quarantine.py); nothing is moved when none verifies or one does not fit."""
     if resume == "none":
         return None, []
     if resume != "auto":
         path = Path(resume)
+        if check_fit is not None and path.is_dir():
+            check_fit(path)
         problems = verifier(path) if path.is_dir() else [f"{path}: no such checkpoint directory"]
         if problems:
             raise CheckpointError(f"train.resume={resume} cannot be loaded: " + "; ".join(problems))
         return path, []
-    warnings = []
+    warnings, damaged = [], []
     for _, path in committed_checkpoints(root):
+        if check_fit is not None:
+            check_fit(path)
         problems = verifier(path)
         if not problems:
+            if set_aside and _rank() == 0:
+                for bad, why in damaged:
+                    quarantine(bad, why, path)
+                point_latest(root, path)
             return path, warnings
+        damaged.append((path, problems))
         warnings.append(f"skipping {path}: " + "; ".join(problems))
     if warnings:
         # Starting from scratch would silently throw the run away, and a restart would do it again.

@@ -8,12 +8,18 @@ Exit codes (every rank exits with the same one):
                 to run_dir/hang/; a restart may help (a stuck peer or link).
 - 78 PERMANENT  bad config, bad data, no checkpoint that verifies, repeated non-finite loss: starting
                 again would fail the same way, so nothing should requeue it (EX_CONFIG).
+- 74 STORAGE_FULL  a checkpoint could not be saved: its file system or quota is full (the partial save was
+                removed, the previous checkpoint is intact). A requeue would fail the same way until a person frees
+                space (EX_IOERR).
 - 130 INTERRUPTED  stopped by Ctrl-C (SIGINT) after committing a checkpoint: relaunching resumes there;
                 a person asked for the stop, so nothing requeues it (128 + SIGINT, the shell's convention).
 - anything else: a crash (a bug, a lost node): torchrun --max-restarts may restart it.
 
 Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint"}), which
 the SLURM job script reads to decide whether to requeue: torchrun does not pass its workers' exit codes on.
+A launch refused before it became the run (another live run holds the directory; the checkpoint belongs to
+another model) exits 78 but leaves status.json to the run it describes: it writes run_dir/refused.json
+instead ({"state": "refused", "exit_code", "message"}), which the job script also reads.
 """
 
 import json
@@ -26,10 +32,14 @@ FINISHED = 0
 REQUEUE = 75
 HUNG = 76
 PERMANENT = EX_CONFIG
+STORAGE_FULL = 74
 INTERRUPTED = 130
 
 STATES = {FINISHED: "finished", REQUEUE: "preempted", HUNG: "hung", PERMANENT: "failed",
-          INTERRUPTED: "interrupted"}
+          STORAGE_FULL: "storage_full", INTERRUPTED: "interrupted"}
+REFUSED = "refused"
+"""The state of a refused launch, in refused.json (never in status.json)."""
+REFUSED_FILE = "refused.json"
 
 
 class Preempted(Exception):  # noqa: N818 (an outcome, not an error)
@@ -46,12 +56,24 @@ class Preempted(Exception):  # noqa: N818 (an outcome, not an error)
         return INTERRUPTED if self.interrupted else REQUEUE
 
 
+def _replace(path: Path, record: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def write_status(run_dir: str | Path, exit_code: int, step: int, message: str, checkpoint: Path | None) -> None:
     """Atomically replace run_dir/status.json (rank 0 only)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    status = {"state": STATES.get(exit_code, "crashed"), "exit_code": exit_code, "step": step,
-              "message": message, "checkpoint": str(checkpoint) if checkpoint else None}
-    tmp = run_dir / "status.json.tmp"
-    tmp.write_text(json.dumps(status, indent=1) + "\n")
-    os.replace(tmp, run_dir / "status.json")
+    _replace(run_dir / "status.json", {"state": STATES.get(exit_code, "crashed"), "exit_code": exit_code,
+                                       "step": step, "message": message,
+                                       "checkpoint": str(checkpoint) if checkpoint else None})
+
+
+def write_refusal(run_dir: str | Path, message: str) -> None:
+    """Record a refused launch in run_dir/refused.json (rank 0 only; status.json is left as it was). A run
+    directory that is not a directory gets nothing: the log line is all there is."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        _replace(run_dir / REFUSED_FILE, {"state": REFUSED, "exit_code": PERMANENT, "message": message})

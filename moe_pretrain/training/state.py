@@ -20,11 +20,18 @@ from kernels.choice import Kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.checkpoint import GlobalState
 from moe_pretrain.checkpoint.export import model_tensor_metadata
+from moe_pretrain.checkpoint.fit import (
+    CheckpointMismatchError,
+    config_differences,
+    mismatch_message,
+    saved_tensor_shapes,
+    tensor_differences,
+)
 from moe_pretrain.config import Config, config_to_dict
 from moe_pretrain.fp8.experts import FP8_HISTORY
 from moe_pretrain.training.optim import build_optimizer
 from moe_pretrain.training.parallelize import build_model
-from parallel.collectives import gather_objects
+from parallel.collectives import all_reduce_sum, gather_objects
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 
@@ -37,6 +44,10 @@ def rng_states(ctx: ParallelContext) -> list[str]:
     if not ctx.distributed:
         return [mine]
     return gather_objects(mine, dist.group.WORLD)
+
+
+def _is_model_tensor(key: str) -> bool:
+    return key.startswith("model.") and not key.endswith(FP8_HISTORY)
 
 
 class TrainingState:
@@ -81,24 +92,59 @@ class TrainingState:
         return checkpoint.save(root, self.step, tensors, trainer_state, info, c.keep_last, c.keep_every,
                                self.checkpoint_group)
 
+    def _wanted(self, path: Path, saved: set[str], quiet: bool = False) -> dict:
+        """The tensors a checkpoint fills (keys in `saved`, its tensor keys): all of this state, but of a
+        model-only checkpoint (an import of released weights) the model alone, without the multi-token-prediction
+        blocks it lacks (the release has none); and FP8 amax histories only if it has them."""
+        tensors = self.tensors.state_dict()
+        if checkpoint.read_trainer_state(path).get("model_only"):
+            tensors = {key: value for key, value in tensors.items() if key.startswith("model.")}
+            absent = [key for key in tensors if key.startswith("model.mtp.") and key not in saved]
+            if absent and not quiet:
+                log.info(f"{path} holds no multi-token-prediction blocks ({len(absent)} tensors): model.mtp.* keep "
+                         f"their initial values")
+            tensors = {key: value for key, value in tensors.items() if key not in absent}
+        fresh = [key for key in tensors if key.endswith(FP8_HISTORY) and key not in saved]
+        if fresh and not quiet:  # written without delayed FP8 scaling: the histories start empty (current scaling)
+            log.info(f"{path} holds no FP8 amax histories ({len(fresh)} expert modules): they start empty")
+        return {key: value for key, value in tensors.items() if key not in fresh}
+
+    def check_fit(self, path: Path) -> None:
+        """Raise CheckpointMismatchError on every rank when the checkpoint was saved by another model or
+        optimizer (its tensors' keys or global shapes differ from this run's), naming the config keys that
+        differ; settings that change no tensor are logged. Reads only JSON and DCP's metadata; an unreadable
+        one is left to verification (collective over the checkpoint group and the pipeline group)."""
+        saved = saved_tensor_shapes(path)
+        try:
+            saved_config = checkpoint.read_trainer_state(path)["config"]
+        except (OSError, ValueError, KeyError):
+            saved_config = None
+        problems: list[str] = []
+        unplaced = 0
+        if saved is not None and saved_config is not None:
+            wanted = self._wanted(path, set(saved), quiet=True)
+            problems = tensor_differences(saved, {key: tuple(value.size()) for key, value in wanted.items()})
+            # Under pipeline parallelism each rank holds its stage's tensors: their count is summed over the stages.
+            # FP8 amax histories come and go with the FP8 recipe, not with the model.
+            mine = sum(_is_model_tensor(key) for key in self.tensors.state_dict())
+            group = self.ctx.pp_group if self.ctx.layout.pp > 1 else None
+            held = int(all_reduce_sum(torch.tensor([mine]), group).item()) if group is not None else mine
+            unplaced = sum(_is_model_tensor(key) for key in saved) - held
+        group = self.checkpoint_group or (dist.group.WORLD if dist.is_initialized() else None)
+        reports = gather_objects((problems, unplaced), group)
+        problems = sorted({line for lines, _ in reports for line in lines})
+        differences = config_differences(saved_config, config_to_dict(self.cfg)) if saved_config else []
+        message = mismatch_message(path, differences, problems, max(count for _, count in reports))
+        if message:
+            raise CheckpointMismatchError(message)
+        if differences and self.ctx.is_logging_rank:
+            log.info(f"resuming {path} with changed settings that change no tensor: {'; '.join(differences)}")
+
     def load(self, path: Path) -> dict[str, Any]:
         """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state.
         A model-only checkpoint (an import of released weights) fills the model; the optimizer starts fresh, and
         multi-token-prediction blocks it lacks (the release has none) keep their initialization."""
-        tensors = self.tensors.state_dict()
-        saved = model_tensor_metadata(path)
-        if checkpoint.read_trainer_state(path).get("model_only"):
-            tensors = {key: value for key, value in tensors.items() if key.startswith("model.")}
-            absent = [key for key in tensors if key.startswith("model.mtp.") and key not in saved]
-            if absent:  # released weights have no multi-token-prediction block: ours starts from its initialization
-                log.info(f"{path} holds no multi-token-prediction blocks ({len(absent)} tensors): model.mtp.* keep "
-                         f"their initial values")
-                tensors = {key: value for key, value in tensors.items() if key not in absent}
-        fresh = [key for key in tensors if key.endswith(FP8_HISTORY) and key not in saved]
-        if fresh:  # written without delayed FP8 scaling: the histories start empty (current scaling first)
-            log.info(f"{path} holds no FP8 amax histories ({len(fresh)} expert modules): they start empty")
-            tensors = {key: value for key, value in tensors.items() if key not in fresh}
-        state = checkpoint.load(path, tensors, self.checkpoint_group)
+        state = checkpoint.load(path, self._wanted(path, set(model_tensor_metadata(path))), self.checkpoint_group)
         self.tensors.after_load(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.data_position = state["data"]

@@ -358,7 +358,8 @@ class Trainer:
         """Load the checkpoint train.resume asks for (every rank verifies its share of the files while the
         load reads them; all agree)."""
         path, warnings = checkpoint.find(self.checkpoint_root, self.cfg.train.resume,
-                                         checkpoint.verifying_load(self.state.load, self.state.checkpoint_group))
+                                         checkpoint.verifying_load(self.state.load, self.state.checkpoint_group),
+                                         check_fit=self.state.check_fit, set_aside=True)
         if self.ctx.is_logging_rank:
             for warning in warnings:
                 log.warning(f"checkpoint: {warning}")
