@@ -10,7 +10,9 @@ appended to <train.run_dir>/evaluations.jsonl, which `python -m launch.report` p
 
 import argparse
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 
 from moe_pretrain.checkpoint import find, verifying_load
@@ -21,12 +23,17 @@ from moe_pretrain.training import Trainer
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from parallel.state import destroy_parallel, init_parallel
 
+log = logging.getLogger("launch.evaluate")
+
 EVALUATIONS = "evaluations.jsonl"
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
 def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
-    """Load `checkpoint` (verified while loading) and evaluate it at its last step's stage (collective)."""
+    """Load `checkpoint` (verified while loading) and evaluate it at its last step's stage (collective). Each
+    phase is announced as it starts and timed as it ends: on a busy machine the whole takes many minutes."""
+    start = time.perf_counter()
+    log.info(f"evaluate: verifying and loading {checkpoint}")
     loader = verifying_load(trainer.state.load, trainer.state.checkpoint_group)
     found, _ = find(checkpoint.parent, str(checkpoint), loader)
     if found is None:
@@ -35,8 +42,12 @@ def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
     plan = trainer.step_plan(max(step - 1, 0), max(tokens - 1, 0))  # the stage of the checkpoint's last step
     record = {"checkpoint": str(checkpoint), "step": step, "tokens": tokens, "stage": plan.stage,
               "seq_len": plan.seq_len}
-    record.update(evaluate(trainer.runner, trainer.validation, plan))
-    record.update(evaluate_long_context(trainer.runner, trainer.validation, plan))
+    phases = [("held-out loss", evaluate), ("loss by position and the retrieval probe", evaluate_long_context)]
+    for number, (name, phase) in enumerate(phases, 1):
+        log.info(f"evaluate: step {step} ({plan.stage}, seq_len {plan.seq_len}): {number}/{len(phases)} {name} "
+                 f"({time.perf_counter() - start:.0f} s so far)")
+        record.update(phase(trainer.runner, trainer.validation, plan))
+    log.info(f"evaluate: done in {time.perf_counter() - start:.0f} s")
     return record
 
 
@@ -65,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ctx = init_parallel(cfg)
     try:
+        log.info("evaluate: building the model and reading the held-out data")
         trainer = Trainer(cfg, ctx)
         record = evaluate_checkpoint(trainer, args.checkpoint)
         if ctx.is_logging_rank:

@@ -267,7 +267,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     layout = resolve_layout(cfg, world_size)
     derived = derive_micro_batches(cfg)[1]
     if derived:  # the first start-up line
-        log.info("not set, so derived: " + ", ".join(derived))
+        log.info("config values derived because they were not set: " + ", ".join(derived))
     backend, device = select_device(cfg, backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)

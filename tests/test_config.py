@@ -25,6 +25,16 @@ def test_overrides_are_typed():
     assert cfg.model.moe.balancing == "aux_free" and cfg.logging.progress is False
 
 
+def test_an_unknown_key_names_the_layer_it_came_from(tmp_path):
+    layer = tmp_path / "cluster.yaml"
+    layer.write_text("model:\n  hiden_size: 32\n")
+    with pytest.raises(ConfigError, match=rf"unknown config key model\.hiden_size; did you mean model\.hidden_size\? "
+                                          rf"\(from config file {layer}\)$"):
+        load_config(["configs/smoke.yaml", layer])
+    with pytest.raises(ConfigError, match=r"unknown config key train\.stepz; .* \(from the command line\)$"):
+        load_config("configs/smoke.yaml", ["train.stepz=3"])
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("model.num_experts=8", "unknown config key model.num_experts; did you mean model.moe.num_experts?"),
     ("trian.steps=3", "unknown config key trian; did you mean train?"),

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from launch import train as launcher
+from launch import training_run
 from moe_pretrain.checkpoint import committed_checkpoints
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.run_lock import LOCK, STALE_S, stale_reason
@@ -69,9 +70,20 @@ def test_a_setting_that_changes_no_tensor_resumes(saved_run, capsys):
 def test_a_run_directory_that_is_a_file_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     run_dir.write_text("not a directory")
-    monkeypatch.setattr(launcher, "Trainer", lambda *a: pytest.fail("the model was built"))
+    monkeypatch.setattr(training_run, "Trainer", lambda *a: pytest.fail("the model was built"))
     assert launch(run_dir) == 78
     assert errors(capsys) == [f"refused (rank 0): train.run_dir={run_dir} is a file, not a directory"]
+
+
+def test_a_config_error_is_reported_before_torch_is_imported(tmp_path):
+    """The launcher used to import torch and megatron-core (seconds) before it read the config."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [\n")
+    probe = ("import sys; from launch.train import main; code = main(['--config', sys.argv[1]]); "
+             "print(code, sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[-2] == "78 []", done.stdout + done.stderr
+    assert f"config error (rank 0): config file {bad}, line 2, column 1: not valid YAML" in done.stderr
 
 
 def test_a_lock_is_taken_over_only_from_a_holder_that_is_gone():

@@ -18,6 +18,7 @@ import pytest
 from launch.local import free_port
 from launch.slurm import JobRequest, main, render, submit
 from moe_pretrain.config import EX_CONFIG, load_config
+from moe_pretrain.training import Trainer
 from tests.helpers import final_loss, steps_done
 from tests.models import TINY
 from tests.slurm_cluster import Cluster, ClusterUnavailableError
@@ -34,16 +35,17 @@ ECHO_NODE1 = "#!/bin/bash\necho node1\n"
 """A stand-in scontrol for one node (the script asks it for the head node's name)."""
 
 
-def stand_in_job(tmp_path: Path, programs: dict[str, str], *overrides: str, nodes: str = "node1"
-                 ) -> tuple[Path, dict[str, str]]:
-    """The smoke job's rendered script (working directory tmp_path) and the environment to run it in, with
-    stand-ins for SLURM's programs ({name: script}) first on PATH, then /usr/bin:/bin only (no Python of ours)."""
+def stand_in_job(tmp_path: Path, programs: dict[str, str], *overrides: str, nodes: str = "node1",
+                 workdir: str | None = None) -> tuple[Path, dict[str, str]]:
+    """The smoke job's rendered script (working directory workdir, by default tmp_path) and the environment to run it
+    in, with stand-ins for SLURM's programs ({name: script}) first on PATH, then /usr/bin:/bin only (no Python of
+    ours)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in programs.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    job, cfg = request(*overrides, workdir=str(tmp_path))
+    job, cfg = request(*overrides, workdir=workdir or str(tmp_path))
     script = tmp_path / "job.sbatch"
     script.write_text(render(job, cfg))
     return script, {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes}
@@ -244,6 +246,48 @@ esac
         assert "every node passed" not in done.stdout
     assert (tmp_path / "run" / "slurm-7.failures").read_text() == (
         f"restart 0: state unknown, srun exit 1, excluded: {excluded or 'none'}\n")
+
+
+TRAINING_SRUN = f"""#!/bin/bash
+case "$*" in
+  *torch.distributed.run*) while [ "$1" != launch.train ]; do shift; done; shift
+                           exec {sys.executable} -m launch.train "$@" ;;
+esac
+"""
+"""srun running the job's training step as one process (the arguments after torchrun's -m launch.train)."""
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_newest_checkpoint_is_passed_by_the_requeued_job(tmp_path):
+    """Item 1 of the faults a run must survive, end to end under the job script: step 3 (the newest) is truncated;
+    the job's clock stop falls 1 s after its start, so the run resumes step 2, trains step 3 and saves it at once
+    (where the damaged step_3 used to fail it for good: exit 78, never requeued); the job requeues; its next attempt
+    resumes the new step 3 and finishes."""
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, "train.dtype=float64", "train.steps=5", "logging.progress=false", f"train.run_dir={run_dir}"]
+    Trainer(load_config("configs/smoke.yaml", [*overrides, "train.exit_at_step=3", "checkpoint.every=2"])).run()
+    root = run_dir / "checkpoints"
+    shard = root / "step_00000003" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for attempt, (seconds_left, state) in enumerate([(301, "preempted"), (3600, "finished")]):
+        attempt_dir = tmp_path / f"attempt{attempt}"
+        attempt_dir.mkdir()
+        squeue = f'#!/bin/bash\ndate -d @$(( $(date +%s) + {seconds_left} )) +%Y-%m-%dT%H:%M:%S\n'
+        script, env = stand_in_job(attempt_dir, {"srun": TRAINING_SRUN, "squeue": squeue,
+                                                 "scontrol": f'#!/bin/bash\necho "$@" >> {attempt_dir}/scontrol\n'
+                                                             'echo node1\n'},
+                                   *overrides, workdir=str(Path.cwd()))
+        done = subprocess.run(["bash", str(script)], env={**env, "SLURM_RESTART_COUNT": str(attempt)},
+                              capture_output=True, text=True, timeout=200)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"training ended with state {state}" in done.stdout, done.stdout + done.stderr
+        if state == "preempted":
+            assert "requeue 7" in (attempt_dir / "scontrol").read_text()
+            assert "skipping" in done.stderr and "moved damaged step_00000003 aside" in done.stderr
+            assert (root / "latest").read_text().strip() == "step_00000003"
+    assert "resumed from " + str(root / "step_00000003") in done.stdout
+    assert json.loads((run_dir / "status.json").read_text())["step"] == 5
+    assert len(list(root.glob("step_00000003.damaged-*"))) == 1
 
 
 CLI = [sys.executable, "-m", "launch.slurm"]

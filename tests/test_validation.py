@@ -101,6 +101,8 @@ def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path, 
     assert list(got)[:4] == ["eval_position_loss.0-24", "eval_position_loss.24-96", "eval_position_loss.96-384",
                              "probe_accuracy"]  # seq_len 384: buckets from 384 / 16
     assert len([k for k in got if k.startswith("probe_accuracy.")]) == 9  # 3 lengths x 3 depths
+    assert {k.split(".", 1)[1].split("@")[0] for k in got if k.startswith("probe_accuracy.")} == {
+        "96", "192", "384"}  # named by the context the model reads (was 385 for the whole row)
 
     # On demand: launch.evaluate on the checkpoint of the first stage's end gives that step's record.
     config_file = tmp_path / "config.yaml"

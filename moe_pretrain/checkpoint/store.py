@@ -16,6 +16,7 @@ rank's I/O, so the trainer gives them a group whose timeout grows with the state
 """
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -48,6 +49,8 @@ from moe_pretrain.checkpoint.staging import ReusedHostStager
 from moe_pretrain.checkpoint.storage_full import full_cause
 from parallel.collectives import all_reduce_max, barrier, gather_objects
 from parallel.flat_shards import BoxedLoadPlanner, BoxedSavePlanner, BoxedTensor
+
+log = logging.getLogger(__name__)
 
 WRITE_THREADS = 4
 """Files (and writer threads) per rank and save: parallel writes, and hashing that can start per file."""
@@ -181,6 +184,7 @@ def _commit(root: Path, final: Path, report: WriteReport, trainer_state: dict[st
         tmp.rename(final)
         fsync_dir(root)
         write_durably(root / LATEST, final.name + "\n")
+        log.info(f"checkpoint: committed {final} (step {trainer_state['step']})")
         prune(root, keep_last, keep_every)  # renames now, deletes in the background (pruning.py)
     _barrier(group)
     return final

@@ -5,6 +5,7 @@ an error always names the dotted key, the value and what was expected; an unknow
 nearest valid one.
 """
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -29,21 +30,49 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
     elif isinstance(paths, (str, Path)):
         paths = [paths]
     raw: dict[str, Any] = {}
+    layers: list[tuple[str, dict[str, Any]]] = []
+    """Where each key came from, in order: (a file's path or 'the command line', its keys)."""
     for path in map(Path, paths):
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         loaded = _read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+        layers.append((f"config file {path}", copy.deepcopy(loaded or {})))  # merging shares its dicts with raw
         _merge(raw, loaded or {})
     for key, value in (values or {}).items():
         _set_dotted(raw, key, value)
+    given: dict[str, Any] = {}
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {override!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
-    return build(Config, raw, "")
+        parsed = yaml.safe_load(value) if value.strip() else ""
+        _set_dotted(raw, key.strip(), parsed)
+        _set_dotted(given, key.strip(), parsed)
+    layers.append(("the command line", given))
+    try:
+        return build(Config, raw, "")
+    except UnknownKeyError as err:
+        sources = [name for name, layer in layers if _holds(layer, err.key)]
+        raise ConfigError(f"{err} (from {' and '.join(sources) or 'a program-set value'})") from None
+
+
+def _holds(layer: dict[str, Any], dotted: str) -> bool:
+    node: Any = layer
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+class UnknownKeyError(ConfigError):
+    """A key the config has no field for; load_config names the file (or the command line) it came from."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
 
 
 def _read_yaml(path: Path) -> Any:
@@ -95,14 +124,14 @@ def _all_keys(cls: type, prefix: str) -> list[str]:
     return keys
 
 
-def _unknown_key_error(key: str) -> ConfigError:
+def _unknown_key_error(key: str) -> "UnknownKeyError":
     valid = _all_keys(Config, "")
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
     suggestion = same_leaf[0] if same_leaf else (close[0] if close else None)
     hint = f"; did you mean {suggestion}?" if suggestion else ""
-    return ConfigError(f"unknown config key {key}{hint}")
+    return UnknownKeyError(f"unknown config key {key}{hint}", key)
 
 
 def build(cls: type, raw: Any, prefix: str) -> Any:

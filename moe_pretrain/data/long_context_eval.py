@@ -81,7 +81,8 @@ def probe_row(encode, vocab: Vocabulary, length: int, depth: float, key: str, ro
 
 def probe_batches(vocab: Vocabulary, encode, seq_len: int, samples: int, rows: int, seed: int, shard: int,
                   num_shards: int, patch_dim: int) -> dict[str, Batch]:
-    """This rank's probe rows per (length, depth) cell, `rows` per cell (samples, then unscored padding)."""
+    """This rank's probe rows per (length, depth) cell, `rows` per cell (samples, then unscored padding); cells are
+    named <context tokens>@<depth>: 64@0.5, ..., 256@0.9 on a 256-token stage."""
     out = {}
     per_shard = rows // num_shards
     for length in sorted({(seq_len + 1) // 4, (seq_len + 1) // 2, seq_len + 1}):
@@ -96,7 +97,8 @@ def probe_batches(vocab: Vocabulary, encode, seq_len: int, samples: int, rows: i
                 labels[sample, answer - 1] = row[answer]
                 doc_ids[sample, :answer] = 0
             mine = slice(shard * per_shard, (shard + 1) * per_shard)
-            out[f"{length}@{depth}"] = Batch(
+            # Named by the tokens the model reads: a row of length + 1 tokens is length inputs and their targets.
+            out[f"{min(length, seq_len)}@{depth}"] = Batch(
                 torch.from_numpy(tokens[mine, :-1].copy()), torch.from_numpy(labels[mine].copy()),
                 torch.from_numpy(doc_ids[mine].copy()), torch.zeros(per_shard, seq_len, dtype=torch.bool),
                 torch.zeros(0, patch_dim), [[] for _ in range(per_shard)], [[] for _ in range(per_shard)])

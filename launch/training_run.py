@@ -1,0 +1,147 @@
+"""One training run once its config holds: the parallel groups, the run directory's lock, the trainer, and
+how the run ends (exit code, status.json or refused.json). launch/train.py reads the config first and imports
+this module only then, so that a config error is reported before torch and megatron-core are imported."""
+
+import json
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from kernels.fast_paths import describe as describe_fast_paths
+from moe_pretrain.checkpoint import CheckpointError
+from moe_pretrain.checkpoint.store import CheckpointMismatchError, StorageFullError
+from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.data import DataError
+from moe_pretrain.training import Trainer
+from moe_pretrain.training.outcome import (
+    FINISHED,
+    INTERRUPTED,
+    PERMANENT,
+    STORAGE_FULL,
+    Preempted,
+    write_refusal,
+    write_status,
+)
+from moe_pretrain.training.run_lock import RunDirBusyError, RunDirLock
+from moe_pretrain.training.trainer import NonFiniteError
+from parallel.collectives import gather_objects
+from parallel.state import ParallelContext, destroy_parallel, init_parallel
+
+log = logging.getLogger("launch.train")  # the entry point's logger: its lines read as launch.train's
+
+FAILURES = {StorageFullError: ("storage full", STORAGE_FULL), ConfigError: ("config error", PERMANENT),
+            DataError: ("data error", PERMANENT), CheckpointError: ("checkpoint error", PERMANENT),
+            NonFiniteError: ("non-finite loss", PERMANENT)}
+"""Errors that end a run for good, by kind and exit code (the first class that matches)."""
+
+
+def permanent_failure(err: Exception, rank: int, run_dir: str | None, trainer: Trainer | None = None) -> int:
+    kind, code = next(named for cls, named in FAILURES.items() if isinstance(err, cls))
+    log.error(f"{kind} (rank {rank}): {err}")
+    if rank == 0 and run_dir:
+        write_status(run_dir, code, trainer.step if trainer else 0, f"{kind}: {err}",
+                     trainer.last_checkpoint if trainer else None)
+    return code
+
+
+class RunDirRefusedError(RuntimeError):
+    """Rank 0 could not take train.run_dir (in use by another run, or not a directory): every rank raises it."""
+
+
+def refused(err: Exception, rank: int, run_dir: str) -> int:
+    """A launch that never became the run: one line, refused.json, status.json untouched."""
+    log.error(f"refused (rank {rank}): {err}")
+    if rank == 0:
+        write_refusal(run_dir, str(err))
+    return PERMANENT
+
+
+def own_run_dir(cfg: Config, ctx: ParallelContext) -> RunDirLock | None:
+    """Rank 0 locks train.run_dir before anything is built or resumed (run_lock.py); every rank learns the
+    outcome (collective) and raises RunDirRefusedError alike. Returns rank 0's lock, to release at exit."""
+    lock, failure = None, None
+    if ctx.rank == 0:
+        lock = RunDirLock(cfg.train.run_dir)
+        try:
+            lock.acquire()
+        except (RunDirBusyError, ConfigError) as err:
+            lock, failure = None, str(err)
+    if ctx.distributed:
+        failure = gather_objects(failure, dist.group.WORLD)[0]
+    if failure:
+        raise RunDirRefusedError(failure)
+    return lock
+
+
+def start_line(cfg: Config, trainer: Trainer) -> str:
+    ctx = trainer.ctx
+    steps = (f"{len(cfg.stages)} stages (seq_len {' -> '.join(str(s.seq_len) for s in cfg.stages)})"
+             if cfg.stages else f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens")
+    micro = f"{' / '.join(map(str, trainer.layout.micro_batches))} micro-batches per step"
+    return (f"moe-pretrain: {sum(p.numel() for p in trainer.model.parameters()):,} parameters on rank 0, "
+            f"{ctx.layout.describe()}, device {ctx.device}, {cfg.train.steps} steps of {steps}, {micro}, "
+            f"dtype {cfg.train.dtype}, run dir {cfg.train.run_dir}")
+
+
+def run_first_loss(run_dir: Path, first_here: dict) -> tuple[float, int]:
+    """(loss, step) of the run's first step: metrics.jsonl's first record, which a resumed run appended to;
+    this process's first record when that file is not readable here (another node's run directory)."""
+    try:
+        with (run_dir / "metrics.jsonl").open() as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        first = None
+    record = first if isinstance(first, dict) and first.get("step", 1e18) <= first_here["step"] else first_here
+    return record["loss"], record["step"]
+
+
+def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int:
+    """Train per cfg on this process's rank; the exit code (launch/train.py's docstring lists them)."""
+    try:
+        ctx = init_parallel(cfg)
+    except ConfigError as err:
+        return permanent_failure(err, rank, None)
+    trainer, lock = None, None
+    try:
+        lock = own_run_dir(cfg, ctx)
+        trainer = Trainer(cfg, ctx)
+        log.info(start_line(cfg, trainer))
+        log.info(describe_fast_paths(trainer.model))
+        history = trainer.run()
+    except Preempted as stop:
+        log.info(f"{stop}; exiting with {stop.exit_code}" + ("" if stop.interrupted else " (requeue)"))
+        if ctx.is_logging_rank:
+            write_status(cfg.train.run_dir, stop.exit_code, stop.step, str(stop), stop.checkpoint)
+        return stop.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before training began (building, resuming): nothing to save yet
+        step = trainer.step if trainer else 0
+        log.error(f"interrupted before training started (step {step}); nothing was saved")
+        if ctx.is_logging_rank:
+            write_status(cfg.train.run_dir, INTERRUPTED, step, "interrupted before training started", None)
+        return INTERRUPTED
+    except (RunDirRefusedError, CheckpointMismatchError) as err:
+        return refused(err, rank, cfg.train.run_dir)
+    except tuple(FAILURES) as err:
+        return permanent_failure(err, rank, cfg.train.run_dir, trainer)
+    finally:
+        destroy_parallel()
+        if lock is not None:
+            lock.release()
+    if ctx.is_logging_rank:
+        write_status(cfg.train.run_dir, FINISHED, trainer.step, "finished", trainer.last_checkpoint)
+    if not history:  # a relaunch of a finished run: Trainer.run said so
+        return FINISHED
+    # One batch's loss swings with its content (stdlib files differ wildly in entropy): compare the
+    # run's first step (before any resume) with the mean of the last ten.
+    first, first_step = run_first_loss(Path(cfg.train.run_dir), history[0])
+    tail = [h["loss"] for h in history[-10:]]
+    last = sum(tail) / len(tail)
+    log.info(f"first loss {first:.4f} (step {first_step})  last loss {last:.4f} (mean of the last {len(tail)} "
+             f"steps; final step {tail[-1]:.4f})  drop {first - last:.4f} nats")
+    if require_loss_drop is not None and first - last < require_loss_drop:
+        log.error(f"FAILED (rank {rank}): loss fell {first - last:.4f} nats, less than the required "
+                  f"{require_loss_drop}")
+        return 1
+    return FINISHED
+
