@@ -55,11 +55,15 @@ class ToolError(Exception):
 def resolve(path: Path) -> Path:
     """The checkpoint a path means: itself, or the one a checkpoint root's `latest` names; it must have
     committed (a manifest), else ToolError."""
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    root = path if (path / LATEST).is_file() else None
+    if root is not None:
+        path = root / (root / LATEST).read_text().strip()
     if not (path / MANIFEST).is_file():
+        committed = [p for _, p in committed_checkpoints(root) if (p / MANIFEST).is_file()] if root else []
+        older = (f"; the newest checkpoint with a manifest is {committed[0]} (inspect it, and run verify on "
+                 f"{root})" if committed else "")
         raise ToolError(f"{path} is not a checkpoint: no {MANIFEST} (not a step_<N> directory or a root with "
-                        f"`{LATEST}`, or a save that never committed)")
+                        f"`{LATEST}`, or a save that never committed){older}")
     return path
 
 

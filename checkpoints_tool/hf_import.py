@@ -36,7 +36,7 @@ from moe_pretrain.checkpoint import mxfp4
 from moe_pretrain.checkpoint.directory import step_dir
 from moe_pretrain.checkpoint.export import EXTRAS
 from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors
-from moe_pretrain.checkpoint.kimi_k3_config import model_section
+from moe_pretrain.checkpoint.kimi_k3_config import model_section, special_ids_of_release
 from moe_pretrain.checkpoint.store import save
 from moe_pretrain.config import Config, config_to_dict, load_config
 from moe_pretrain.training.parallelize import meta_model, parameter_dtype
@@ -158,8 +158,10 @@ def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", 
         boxes.setdefault(key, [shape, []])[1].append((offsets, torch.empty(sizes, dtype=dtype, device="meta")))
         producers[(key, offsets)] = produce
     tensors = {key: BoxedTensor(torch.Size(shape), pieces) for key, (shape, pieces) in boxes.items()}
+    config_json = directory / "config.json"
     state = {"step": 0, "tokens_seen": 0, "data": {}, "config": config_to_dict(cfg), "rng": None,
-             "model_only": True, "imported_from": str(directory.resolve()), "import_notes": stats.notes}
+             "model_only": True, "imported_from": str(directory.resolve()), "import_notes": stats.notes,
+             "token_ids": special_ids_of_release(json.loads(config_json.read_text())) if config_json.is_file() else {}}
     info = {"tokens": 0, "model_only": True, "layout_text": f"model only, imported from {directory.resolve()}"}
     path = save(root, 0, tensors, state, info, keep_last=1, planner=_ProducingPlanner(producers), keep_every=0,
                 file_per_item=True, group=group)

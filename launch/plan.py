@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
-from moe_pretrain.planning.sizing import count
+from moe_pretrain.planning.sizing import count, total_parts
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
     HEADROOM,
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         return EX_CONFIG
     peak = (args.peak_tflops or PEAK_TFLOPS[args.gpu]) * 1e12
     sizes = count(cfg.model, cfg.stages[0].seq_len)
-    print(f"model: {sizes['total_params']:.4g} parameters, {sizes['active_params']:.4g} active per token")
+    print(f"model: {sizes['total_params']:.4g} parameters ({total_parts(cfg.model, cfg.stages[0].seq_len)}), "
+          f"{sizes['active_params']:.4g} active per token")
     header = f"{'stage':8s} {'tokens':>10s} {'steps':>8s} {'seq_len':>9s} {'batch tok':>10s} {'seqs':>6s} " \
              f"{'micro':>6s} {'lr first -> last':>22s}"
     if args.gpus:

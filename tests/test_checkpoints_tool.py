@@ -50,6 +50,14 @@ def test_inspect_reports_step_layout_and_parameters(checkpoints):
     assert "model.layers.*.mlp.experts" in done.stdout and ".metadata" in done.stdout
 
 
+def test_inspect_of_a_root_whose_latest_did_not_commit_names_the_intact_older_one(checkpoints):
+    root, _ = checkpoints
+    (root / "step_00000004" / "manifest.json").unlink()
+    done = tool("inspect", root)
+    assert done.returncode == 2
+    assert f"the newest checkpoint with a manifest is {root / 'step_00000003'}" in done.stderr
+
+
 def test_verify_exit_codes_name_bad_files(checkpoints):
     root, _ = checkpoints
     assert tool("verify", root).returncode == 0

@@ -83,6 +83,9 @@ def test_full_size_names_and_shapes_are_the_released_layout():
     experts = [t for t in tensors if ".block_sparse_moe.experts." in t.name]
     assert len(experts) == 896 * 3 * 2 * 92  # w1, w2, w3 of every expert of the 92 MoE layers, codes and scales
     assert len(tensors) == 497_220  # the release's index
+    # Layer 0's attention mix never gets a gradient, but the release stores it: the count above includes it.
+    assert {f"{PREFIX}layers.0.self_attention_res_norm.weight", f"{PREFIX}layers.0.self_attention_res_proj.weight"} \
+        <= set(by_name)
     expert = f"{PREFIX}layers.5.block_sparse_moe.experts.895"
     assert {name: (by_name[f"{expert}.{name}"].shape, by_name[f"{expert}.{name}"].dtype) for name in (
         "w1.weight_packed", "w1.weight_scale", "w2.weight_packed", "w2.weight_scale", "w3.weight_packed",
@@ -162,6 +165,12 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     assert release["architectures"] == ["KimiK3ForConditionalGeneration"] and release["model_type"] == "kimi_k3"
     assert release["text_config"]["num_experts"] == 8
     assert release["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    # The model's own token ids (a loader would otherwise take the release's 163605, outside this vocabulary).
+    vocabulary = source.data.vocabulary
+    assert {k: v for k, v in release.items() if k.endswith("_token_id")} == {
+        "bos_token_id": vocabulary.bos, "eos_token_id": vocabulary.eos, "pad_token_id": vocabulary.pad,
+        "media_placeholder_token_id": vocabulary.image_patch}
+    assert release["media_placeholder_token_id"] < cfg.model.vocab_size
 
     done = tool("import", tmp_path / "hf", tmp_path / "imported", "--config", config_file)
     assert done.returncode == 0, done.stderr
@@ -281,6 +290,11 @@ def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
     assert "text_config.max_position_embeddings" in done.stdout and "MXFP4 groups" not in done.stdout
     imported = tmp_path / "imported" / "step_00000000"
     assert_exports_back(imported, tensors, tmp_path / "exported")
+    exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert {key: exported[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                           "media_placeholder_token_id")} == {
+        key: RELEASE_CONFIG[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                             "media_placeholder_token_id")}  # the release's ids carried through
 
     resumed = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={tmp_path / 'run'}", "logging.progress=false",
                                   f"train.resume={imported}", f"checkpoint.dir={tmp_path / 'imported'}"))

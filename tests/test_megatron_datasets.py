@@ -1,6 +1,8 @@
 """Datasets Megatron-LM's own tools wrote (.bin / .idx from megatron-core's IndexedDatasetBuilder, no sidecar),
 and Megatron-LM's --data-path blend form."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -62,3 +64,12 @@ def test_ids_outside_the_tokenizer_are_refused_naming_the_record(tmp_path):
     dataset = IndexedDocuments(str(tmp_path / "bad"), "byte")
     with pytest.raises(DataError, match=r"bad\.bin: record 1 holds token id 300, outside the 256 ids of its tokenizer"):
         dataset.document(1)
+
+
+def test_an_empty_megatron_dataset_names_its_bin_in_one_error(tmp_path, capfd):
+    """The .bin was empty: the error named the .idx and megatron-core's half-built reader printed two tracebacks."""
+    prefix = megatron_dataset(tmp_path / "empty", [])
+    with pytest.raises(DataError, match=r"empty\.bin: empty \(0 bytes\): the dataset .*empty holds no tokens$"):
+        IndexedDocuments(prefix, "byte")
+    gc.collect()  # a half-built reader's destructor would print here
+    assert "Traceback" not in capfd.readouterr().err

@@ -62,8 +62,12 @@ def test_a_changed_model_names_the_keys_and_touches_nothing(saved_run, capsys, o
 
 
 def test_a_setting_that_changes_no_tensor_resumes(saved_run, capsys):
+    """...and the closing line (and --require-loss-drop) measure from the run's first step, not the resume's."""
+    first = json.loads((saved_run / "metrics.jsonl").read_text().splitlines()[0])
     assert launch(saved_run, "train.steps=3", "model.moe.qb_rate=0.5") == 0
-    assert "model.moe.qb_rate: checkpoint 1.0, this run 0.5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model.moe.qb_rate: checkpoint 1.0, this run 0.5" in out
+    assert f"first loss {first['loss']:.4f} (step 1)  last loss " in out
     assert json.loads((saved_run / "status.json").read_text())["state"] == "finished"
 
 

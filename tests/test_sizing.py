@@ -9,7 +9,7 @@ import torch
 
 from moe_pretrain.config import EX_CONFIG, load_config
 from moe_pretrain.model import MoETransformer
-from moe_pretrain.planning.sizing import count
+from moe_pretrain.planning.sizing import count, total_parts
 from tests.models import tiny_config
 
 
@@ -48,6 +48,16 @@ def test_full_size_figures():
     assert result["active_params"] == pytest.approx(1.04e11, rel=0.03)
     # 6 x active is the bulk of the training FLOPs; attention adds a few percent at 8K.
     assert 6 * result["active_params"] < result["flops_per_token"] < 7 * result["active_params"]
+
+
+def test_the_total_says_what_it_counts():
+    """launch.plan printed 2.81e12 beside README's 2.7795e12 without saying it counts the MTP block and the tower."""
+    cfg = load_config("configs/full.yaml")
+    parts = total_parts(cfg.model, cfg.data.seq_len)
+    assert parts == ("2.7795e+12 in the 93-layer backbone with embedding and head, 3.0120e+10 in 1 "
+                     "multi-token-prediction block(s), 4.4736e+08 in the vision tower and projector")
+    figures = [float(word) for word in parts.replace(",", " ").split() if "e+" in word]
+    assert sum(figures) == pytest.approx(count(cfg.model, cfg.data.seq_len)["total_params"], rel=1e-4)
 
 
 def test_flops_grow_with_sequence_length():

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moe_pretrain.checkpoint.kimi_k3 import kimi_k3_tensors, release_file_name, release_files, to_release
-from moe_pretrain.checkpoint.kimi_k3_config import release_config
+from moe_pretrain.checkpoint.kimi_k3_config import release_config, release_token_ids
 from moe_pretrain.checkpoint.store import read_trainer_state
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.config.loader import build
@@ -223,7 +223,8 @@ def export(path: Path, out: Path, max_shard_bytes: int = 1 << 30, layout: str = 
         card = model_card(config)
     else:
         weight_map = write_shards(path, out, metadata, release_files(tensors), release_file_name, workers)
-        card = release_config(model_config(config), quantized=experts == "mxfp4")
+        card = release_config(model_config(config), quantized=experts == "mxfp4",
+                              tokens=release_token_ids(read_trainer_state(path).get("token_ids", {})))
         (out / RUN_CONFIG).write_text(json.dumps({"config": config, "card": model_card(config)}, indent=1))
     total = sum(_nbytes(t.shape, t.dtype) for t in tensors)
     (out / "model.safetensors.index.json").write_text(

@@ -135,6 +135,20 @@ _VISION_KEYS = {"patch_size": "vision.patch_size", "init_pos_emb_height": "visio
                 "vt_intermediate_size": "vision.encoder.intermediate_size"}
 _TOP_FIXED = {"model_type": MODEL_TYPE, "tie_word_embeddings": False}
 _TOP_NOTED = ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id", "image_placeholder")
+RELEASE_TOKENS = {"bos": "bos", "eos": "eos", "pad": "pad", "image_patch": "media_placeholder"}
+"""Our special tokens (data/vocabulary.py) -> the release's <name>_token_id keys: the model puts an image's patch
+features where image_patch stands, which the release calls its media placeholder."""
+
+
+def release_token_ids(special_ids: dict[str, int]) -> dict[str, int]:
+    """The release's token ids (name without _token_id) from a checkpoint's special ids."""
+    return {RELEASE_TOKENS[name]: value for name, value in special_ids.items() if name in RELEASE_TOKENS}
+
+
+def special_ids_of_release(config: dict[str, Any]) -> dict[str, int]:
+    """Our special ids from a release config.json's top-level <name>_token_id keys (those it has)."""
+    return {ours: config[f"{theirs}_token_id"] for ours, theirs in RELEASE_TOKENS.items()
+            if isinstance(config.get(f"{theirs}_token_id"), int)}
 
 
 def _refuse(where: str, value: Any, why: str) -> ConfigError:

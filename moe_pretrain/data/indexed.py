@@ -132,6 +132,8 @@ def _open_indexed(prefix: str, expected_documents: int | None, dtype: type | Non
     with idx_path.open("rb") as index_file:
         if index_file.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
             raise DataError(f"{idx_path}: not a readable Megatron index (bad header)")
+    if bin_path.stat().st_size == 0:  # megatron-core cannot map it, and its half-built reader's destructors raise
+        raise DataError(f"{bin_path}: empty (0 bytes): the dataset {prefix} holds no tokens")
     try:
         dataset = IndexedDataset(prefix, mmap=True)
     except (AssertionError, ValueError, OSError) as err:

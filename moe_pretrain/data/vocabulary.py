@@ -40,6 +40,10 @@ class Vocabulary:
         """Targets no loss is taken on: everything special except end-of-document."""
         return tuple(self.special(name) for name in SPECIALS if name != "eos")
 
+    def special_ids(self) -> dict[str, int]:
+        """Every special token's id by name (saved in checkpoints: exports name them for serving engines)."""
+        return {name: self.special(name) for name in SPECIALS}
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -20,7 +20,8 @@ class AttnResMix(nn.Module):
         self.param_init = {"norm_weight": Constant(1.0)}
 
     def forward(self, bank: list[torch.Tensor]) -> torch.Tensor:
-        """bank: N tensors [B, T, d] -> [B, T, d]."""
+        """bank: N tensors [B, T, d] -> [B, T, d]; a one-entry bank (layer 0's attention mix) is returned as it
+        is, leaving this mix's parameters without a gradient (decoder_layer.py says why they exist)."""
         if len(bank) == 1:
             return bank[0]
         return attn_res_mix(torch.stack(bank), self.pseudo_query.weight, self.norm_weight, self.eps)

@@ -26,6 +26,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, std = cfg.hidden_size, cfg.init_std
         out_std = std / (2 * cfg.num_layers) ** 0.5
+        # Layer 0's attention mix sees a one-entry bank (the embedding) and returns it as it is: its two tensors
+        # never get a gradient. They are kept because the released Kimi K3 stores them too
+        # (language_model.model.layers.0.self_attention_res_norm / _proj), so import and export map every
+        # released tensor one to one; they cost 2d parameters.
         self.attn_mix = AttnResMix(d, cfg.norm_eps)
         self.attn_norm = RMSNorm(d, cfg.norm_eps)
         if cfg.layer_kind(index) == "kda":

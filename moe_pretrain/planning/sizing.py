@@ -16,6 +16,7 @@ KDA, the chunked algorithm per head, 3 * (2 C K + C (K + V) + C V + 6 K V) for c
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -149,6 +150,20 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
     }
 
 
+def total_parts(cfg: ModelConfig, seq_len: int) -> str:
+    """What the total counts, in words: the backbone (its layers, embedding and head), the multi-token-prediction
+    blocks (each a decoder layer and its projections) and the vision tower with its projector."""
+    result = count(cfg, seq_len)
+    vision = result["breakdown"]["vision_tower"] + result["breakdown"]["mm_projector"]
+    backbone = count(dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, layers=0)), seq_len)["total_params"]
+    backbone -= vision
+    text = f"{backbone:.4e} in the {cfg.num_layers}-layer backbone with embedding and head"
+    if cfg.mtp.layers:
+        mtp = result["total_params"] - backbone - vision
+        text += f", {mtp:.4e} in {cfg.mtp.layers} multi-token-prediction block(s)"
+    return text + f", {vision:.4e} in the vision tower and projector"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
@@ -169,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"total params   {result['total_params']:.4e}")
+        print(f"total params   {result['total_params']:.4e} ({total_parts(cfg.model, cfg.data.seq_len)})")
         print(f"active params  {result['active_params']:.4e}")
         print(f"train FLOPs/token at T={result['seq_len']}  {result['flops_per_token']:.4e}")
         for key, value in result["breakdown"].items():

@@ -65,6 +65,9 @@ class TrainingState:
         self.tokens_seen = 0
         self.data_position: dict[str, Any] = {}
         """The data loader's position (PretrainingData.state()) as of the last save or load."""
+        self.token_ids: dict[str, int] = {}
+        """The data's special token ids by name (Vocabulary.special_ids), saved with every checkpoint so that an
+        export can name them (the trainer sets them; an import takes the release's)."""
         self.rng: list[str] | None = None
         """Every rank's RNG state as loaded (None: take the live ones at save)."""
         self.checkpoint_group: dist.ProcessGroup | None = None
@@ -81,7 +84,7 @@ class TrainingState:
         layout = self.ctx.layout
         rng = self.rng if self.rng is not None else rng_states(self.ctx)
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data_position,
-                         "config": config_to_dict(self.cfg), "rng": rng}
+                         "config": config_to_dict(self.cfg), "rng": rng, "token_ids": self.token_ids}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
         return self.tensors.state_dict(), trainer_state, info
 

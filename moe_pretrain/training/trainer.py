@@ -95,6 +95,7 @@ class Trainer:
         self.device = self.ctx.device
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
         self.state = TrainingState(cfg, self.ctx, kernels=kernels)
+        self.state.token_ids = self.data.vocabulary.special_ids()
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
