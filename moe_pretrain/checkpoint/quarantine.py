@@ -39,8 +39,8 @@ def quarantine(path: Path, problems: list[str], resumed: Path) -> Path:
         write_durably(target / REASON, reason)
     except OSError as err:  # the rename is what matters; the reason is also in the log
         log.warning(f"checkpoint: could not write {target / REASON}: {err}")
-    log.warning(f"checkpoint: moved damaged {path.name} aside to {target.name} (nothing deleted): "
-                + "; ".join(problems))
+    log.warning(f"checkpoint: moved damaged {path.name} aside to {target.name} (nothing deleted; why: "
+                f"{target / REASON})")
     return target
 
 

@@ -319,7 +319,8 @@ def verifying_load(load: Callable[[Path], object], group: dist.ProcessGroup | No
 
 def find(root: Path, resume: str, verifier: Callable[[Path], list[str]] = verify,
          check_fit: Callable[[Path], None] | None = None, set_aside: bool = False) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from (or None) and the warnings about newer ones that failed verification.
+    """The checkpoint to resume from (or None) and the warnings about newer ones that failed verification (rank
+    0 also logs each as it is found).
     With shared_verify() as verifier every rank must call it, and all get the same answer. check_fit(path)
     raises before a candidate is verified when it belongs to another model (fit.py). set_aside: once a good
     checkpoint is found under resume=auto, rank 0 moves each newer, damaged one aside and points `latest` at
@@ -347,6 +348,8 @@ def find(root: Path, resume: str, verifier: Callable[[Path], list[str]] = verify
             return path, warnings
         damaged.append((path, problems))
         warnings.append(f"skipping {path}: " + "; ".join(problems))
+        if _rank() == 0:
+            log.warning(f"checkpoint: {warnings[-1]}")
     if warnings:
         # Starting from scratch would silently throw the run away, and a restart would do it again.
         raise CheckpointError(f"no checkpoint in {root} verifies ({'; '.join(warnings)}); not starting over. "

@@ -358,12 +358,9 @@ class Trainer:
     def resume(self) -> Path | None:
         """Load the checkpoint train.resume asks for (every rank verifies its share of the files while the
         load reads them; all agree)."""
-        path, warnings = checkpoint.find(self.checkpoint_root, self.cfg.train.resume,
-                                         checkpoint.verifying_load(self.state.load, self.state.checkpoint_group),
-                                         check_fit=self.state.check_fit, set_aside=True)
-        if self.ctx.is_logging_rank:
-            for warning in warnings:
-                log.warning(f"checkpoint: {warning}")
+        verifier = checkpoint.verifying_load(self.state.load, self.state.checkpoint_group)
+        path, _ = checkpoint.find(self.checkpoint_root, self.cfg.train.resume, verifier,  # find() logs what it skips
+                                  check_fit=self.state.check_fit, set_aside=True)
         if path is None:
             return None
         if self.state.data_position:  # a model-only checkpoint (imported weights) starts the data afresh
