@@ -171,16 +171,19 @@ def test_fp32_layout_matches(tmp_path, overrides):
 def test_bf16_pipeline_matches_one_process(tmp_path):
     """Under bf16 autocast the boundaries carry the block sums in bf16, the dtype one process computes them
     in (the embeddings stay fp32), so received tensors have the dtypes the schedule declared and the
-    pipeline tracks one process: losses and gradient norms to 1e-3 (measured: 6e-8 on the first loss,
-    3e-4 at worst on a norm; with fp32 boundaries a norm was 1.2e-3 off), weights after three Adam steps to
-    5% rms (bf16 weights: Adam's normalised steps turn the round-off of tiny gradients into whole updates;
-    measured 2.6%)."""
+    pipeline tracks one process: losses to 1e-4, gradient norms to 5e-3 (bf16's round-off is 3.9e-3),
+    weights after three Adam steps to 5% rms (bf16 weights: Adam's normalised steps turn the round-off of
+    tiny gradients into whole updates; measured 2.6%). Over five data and model seeds the losses agreed to
+    3e-5 at worst (the first to 3e-8) and the norms to between 1e-5 and 2.4e-3: a norm bound of 1e-3 held
+    only for some draws."""
     trainer = Trainer(layout_config(tmp_path / "single", "bfloat16", "data.micro_batches=2"))
-    ref_losses = [(h["loss"], h["grad_norm"]) for h in trainer.run()]
+    history = trainer.run()
+    ref_losses, ref_norms = [h["loss"] for h in history], [h["grad_norm"] for h in history]
     ref_state = trainer.model.state_dict()
-    losses, state, identical, _, _ = run_distributed(
+    pairs, state, identical, _, _ = run_distributed(
         train_worker, 2, str(tmp_path / "parallel"), "bfloat16", ["parallel.pp=2", "data.micro_batches=2"])
-    assert [x for pair in losses for x in pair] == pytest.approx([x for pair in ref_losses for x in pair], rel=1e-3)
+    assert [p[0] for p in pairs] == pytest.approx(ref_losses, rel=1e-4)
+    assert [p[1] for p in pairs] == pytest.approx(ref_norms, rel=5e-3)
     for name, tensor in ref_state.items():
         assert rel_rms(state[name], tensor) < 0.05, name
     assert identical
