@@ -245,7 +245,7 @@ def prune_command(args: argparse.Namespace) -> int:
               f"{f'; {len(problems) - 1} more problems' if len(problems) > 1 else ''})")
     for path in pruned.dropped:
         print(f"deleted {path}")
-    if len(pruned.damaged) == len(committed_checkpoints(args.dir)):
+    if not pruned.good:
         print(f"no checkpoint in {args.dir} verifies: nothing deleted", file=sys.stderr)
         return 1
     return 0

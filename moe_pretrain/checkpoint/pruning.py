@@ -68,6 +68,8 @@ class Pruned:
     """Checkpoints renamed for deletion (their original paths)."""
     damaged: list[tuple[Path, list[str]]] = field(default_factory=list)
     """Checkpoints kept although they failed `check`, with its problems (never counted, never deleted)."""
+    good: int = 0
+    """Checkpoints counted toward keep_last (with `check`: those that passed it)."""
 
 
 def prune(root: Path, keep_last: int, keep_every: int = 0, background: bool = True,
@@ -85,14 +87,14 @@ def prune(root: Path, keep_last: int, keep_every: int = 0, background: bool = Tr
     ones found at a resume were moved out of the namespace (quarantine.py)."""
     latest = root / LATEST
     protected = latest.read_text().strip() if latest.is_file() else None
-    pruned, good = Pruned(), 0
+    pruned = Pruned()
     for step, path in committed_checkpoints(root):
-        if good < keep_last:
+        if pruned.good < keep_last:
             problems = check(path) if check is not None else []
             if problems:
                 pruned.damaged.append((path, problems))
             else:
-                good += 1
+                pruned.good += 1
             continue
         if (keep_every and step % keep_every == 0) or path.name == protected:
             continue

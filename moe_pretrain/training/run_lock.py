@@ -148,10 +148,3 @@ class RunDirLock:
             holder, _ = self._read()
             if holder.get("token") == self.token:
                 self.path.unlink(missing_ok=True)
-
-    def __enter__(self) -> "RunDirLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

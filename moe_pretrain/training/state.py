@@ -95,12 +95,11 @@ class TrainingState:
         return checkpoint.save(root, self.step, tensors, trainer_state, info, c.keep_last, c.keep_every,
                                self.checkpoint_group)
 
-    def _wanted(self, path: Path, saved: set[str], quiet: bool = False) -> dict:
-        """The tensors a checkpoint fills (keys in `saved`, its tensor keys): all of this state, but of a
+    def _wanted(self, path: Path, saved: set[str], model_only: bool, tensors: dict, quiet: bool = False) -> dict:
+        """Of this state's `tensors`, those a checkpoint fills (keys in `saved`, its tensor keys): all, but of a
         model-only checkpoint (an import of released weights) the model alone, without the multi-token-prediction
         blocks it lacks (the release has none); and FP8 amax histories only if it has them."""
-        tensors = self.tensors.state_dict()
-        if checkpoint.read_trainer_state(path).get("model_only"):
+        if model_only:
             tensors = {key: value for key, value in tensors.items() if key.startswith("model.")}
             absent = [key for key in tensors if key.startswith("model.mtp.") and key not in saved]
             if absent and not quiet:
@@ -119,17 +118,19 @@ class TrainingState:
         one is left to verification (collective over the checkpoint group and the pipeline group)."""
         saved = saved_tensor_shapes(path)
         try:
-            saved_config = checkpoint.read_trainer_state(path)["config"]
+            saved_state = checkpoint.read_trainer_state(path)
+            saved_config = saved_state["config"]
         except (OSError, ValueError, KeyError):
-            saved_config = None
+            saved_state = saved_config = None
         problems: list[str] = []
         unplaced = 0
         if saved is not None and saved_config is not None:
-            wanted = self._wanted(path, set(saved), quiet=True)
+            tensors = self.tensors.state_dict()
+            wanted = self._wanted(path, set(saved), bool(saved_state.get("model_only")), tensors, quiet=True)
             problems = tensor_differences(saved, {key: tuple(value.size()) for key, value in wanted.items()})
             # Under pipeline parallelism each rank holds its stage's tensors: their count is summed over the stages.
             # FP8 amax histories come and go with the FP8 recipe, not with the model.
-            mine = sum(_is_model_tensor(key) for key in self.tensors.state_dict())
+            mine = sum(_is_model_tensor(key) for key in tensors)
             group = self.ctx.pp_group if self.ctx.layout.pp > 1 else None
             held = int(all_reduce_sum(torch.tensor([mine]), group).item()) if group is not None else mine
             unplaced = sum(_is_model_tensor(key) for key in saved) - held
@@ -147,7 +148,9 @@ class TrainingState:
         """Fill this state from a checkpoint directory (any layout's), in place; returns its trainer_state.
         A model-only checkpoint (an import of released weights) fills the model; the optimizer starts fresh, and
         multi-token-prediction blocks it lacks (the release has none) keep their initialization."""
-        state = checkpoint.load(path, self._wanted(path, set(model_tensor_metadata(path))), self.checkpoint_group)
+        model_only = bool(checkpoint.read_trainer_state(path).get("model_only"))
+        wanted = self._wanted(path, set(model_tensor_metadata(path)), model_only, self.tensors.state_dict())
+        state = checkpoint.load(path, wanted, self.checkpoint_group)
         self.tensors.after_load(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.data_position = state["data"]
