@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_pretrain.ops.host_values import split_sizes
 from parallel.collectives import all_to_all_counts, all_to_all_rows
 from parallel.dispatch import DispatchMetadata, LocalTokenDispatcher
 
@@ -63,7 +64,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         send_counts = counts_E.reshape(self.size, self.num_local_experts)
         receive_counts = all_to_all_counts(send_counts, self.group)  # [source rank, local expert]
         # all_to_all_single takes its split sizes on the host: the dispatch's one read of the device.
-        send_splits, receive_splits = torch.stack([send_counts.sum(1), receive_counts.sum(1)]).tolist()
+        send_splits, receive_splits = split_sizes(send_counts, receive_counts, sorted_rows.shape[0], self.rank)
         self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * x_TL.shape[1] * x_TL.element_size()
         received = all_to_all_rows(sorted_rows, receive_splits, send_splits, self.group)
         regroup = _block_regroup(receive_counts, sum(receive_splits))

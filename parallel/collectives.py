@@ -9,8 +9,10 @@ handed to NCCL fails only at the first multi-GPU step that reaches it. The check
 (tests see it on a CPU by having a group report nccl).
 """
 
+import contextlib
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +26,37 @@ _SERVES = {"nccl": ("cuda",), "gloo": ("cpu",)}
 
 class CollectiveDeviceError(RuntimeError):
     """A tensor on a device its group's backend does not carry."""
+
+
+_BACKEND = threading.local()
+
+
+@contextlib.contextmanager
+def backend_ops() -> Iterator[None]:
+    """Ops inside are a process-group backend's own, not the program's: gloo emulates a reduce-scatter with
+    copies around the collective and copies the result into place when it is waited for; NCCL runs none.
+    planning/op_census.py leaves them out of a step's kernel launches."""
+    _BACKEND.depth = getattr(_BACKEND, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _BACKEND.depth -= 1
+
+
+def inside_backend() -> bool:
+    return getattr(_BACKEND, "depth", 0) > 0
+
+
+class Pending:
+    """A started collective: wait() before reading its output (its backend's ops on completion are marked
+    as the backend's: backend_ops)."""
+
+    def __init__(self, work: dist.Work):
+        self.work = work
+
+    def wait(self) -> None:
+        with backend_ops():
+            self.work.wait()
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -152,11 +185,12 @@ def _into(collective, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGro
     if group_size(group) == 1:
         out.copy_(x)
     else:
-        collective(out, x, group=group)
+        with backend_ops():
+            collective(out, x, group=group)
 
 
 def all_gather_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
-                          ) -> dist.Work | None:
+                          ) -> Pending | None:
     """out [size * n, ...] <- every rank's x [n, ...] in rank order (in place; no grad), started and not
     waited for: the caller waits the returned work before reading out (None: a group of one, out already
     holds x)."""
@@ -164,11 +198,12 @@ def all_gather_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.Proces
     if group_size(group) == 1:
         out.copy_(x)
         return None
-    return all_gather_single(out, x, group=group, async_op=True)
+    with backend_ops():
+        return Pending(all_gather_single(out, x, group=group, async_op=True))
 
 
 def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
-                              ) -> dist.Work | None:
+                              ) -> Pending | None:
     """out [n, ...] <- this rank's slice of the sum over the group of x [size * n, ...] (in place; no grad),
     started and not waited for: the caller waits the returned work before reading out (None: a group of
     one, out already holds x)."""
@@ -176,7 +211,8 @@ def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.Pr
     if group_size(group) == 1:
         out.copy_(x)
         return None
-    return reduce_scatter_single(out, x, group=group, async_op=True)
+    with backend_ops():
+        return Pending(reduce_scatter_single(out, x, group=group, async_op=True))
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:
@@ -208,7 +244,8 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     x_T = x.transpose(0, 1).contiguous()
     out = x_T.new_empty(x_T.shape[0] * size, *x_T.shape[1:])
-    all_gather_single(out, x_T, group=group)
+    with backend_ops():
+        all_gather_single(out, x_T, group=group)
     return out.transpose(0, 1)
 
 
@@ -218,7 +255,8 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     if x_T.shape[0] % size:
         raise ValueError(f"sequence length {x_T.shape[0]} is not divisible by the {size} sequence-parallel ranks")
     out = x_T.new_empty(x_T.shape[0] // size, *x_T.shape[1:])
-    reduce_scatter_single(out, x_T, group=group)
+    with backend_ops():
+        reduce_scatter_single(out, x_T, group=group)
     return out.transpose(0, 1)
 
 
@@ -273,13 +311,15 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | Non
 def _gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = x.new_empty(size * x.numel())  # flat: gloo accepts the concatenated form only
-    all_gather_single(out, x.reshape(-1).contiguous(), group=group)
+    with backend_ops():
+        all_gather_single(out, x.reshape(-1).contiguous(), group=group)
     return out.view(size, *x.shape)
 
 
 def _reduce_scatter_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty(x[0].numel())
-    reduce_scatter_single(out, x.reshape(-1).contiguous(), group=group)
+    with backend_ops():
+        reduce_scatter_single(out, x.reshape(-1).contiguous(), group=group)
     return out.view(x.shape[1:])
 
 

@@ -261,9 +261,10 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     """Join the torchrun world (RANK / WORLD_SIZE / MASTER_ADDR in the environment) and build the groups.
 
     With no WORLD_SIZE (or 1) this is the single-process context and creates no process group; its
-    device follows the same rule as many processes' (select_device).
+    device follows the same rule as many processes' (select_device). A default group the caller made
+    already (the dry run's fake one: launch/dryrun.py) fixes the world instead.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout = resolve_layout(cfg, world_size)
     derived = derive_micro_batches(cfg)[1]
     if derived:  # the first start-up line
@@ -328,6 +329,14 @@ def _context_groups(cfg: Config, data_context: dist.ProcessGroup) -> dict[int, C
             group, _ = dist.new_subgroups_by_enumeration(blocks)
         groups[size] = ContextGroup(size, group, position % size, position // size, len(members) // size)
     return groups
+
+
+def new_host_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A new group over every rank for host-side collectives (checkpoint I/O): gloo, apart from training's
+    groups. Under the dry run's fake backend (launch/dryrun.py), a fake group: gloo cannot connect over
+    the fake backend's store, and the dry run sends nothing."""
+    backend = "fake" if dist.get_backend() == "fake" else "gloo"
+    return dist.new_group(backend=backend, timeout=timeout)
 
 
 def destroy_parallel() -> None:

@@ -94,3 +94,22 @@ def test_gpu_extra_stays_within_megatron_cores_transformer_engine_range():
 def test_torch_api_table_matches_this_torch():
     """The renamed collectives really are new in this torch (the table's reason to exist)."""
     assert hasattr(dist, "all_gather_single") == (Version(torch.__version__.split("+")[0]) >= Version("2.13"))
+
+
+def test_what_the_dry_run_relies_on_is_where_it_was():
+    """The dry run (launch/dryrun.py) stands in for torch at named places; a torch that moves them fails here,
+    not in a dry run at full size."""
+    import inspect
+
+    from torch._subclasses import fake_tensor
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    from torch.utils.flop_counter import flop_registry
+
+    # training/pipeline.DeclaredStage: the schedule reads the stages' warm-up vote on the host.
+    assert hasattr(PipelineStage, "_warmup_backward_result")
+    assert "_warmup_backward_result" in inspect.getsource(schedules)
+    # ops/host_values.py: fake tensors are told apart, and the data's values computed outside the mode.
+    assert callable(fake_tensor.is_fake) and callable(fake_tensor.unset_fake_temporarily)
+    # planning/op_census.py: torch's FLOP formulas by op; it adds the grouped product's, which torch lacks.
+    assert {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm} <= set(flop_registry)

@@ -13,6 +13,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from kernels.flex_attention import document_block_mask
+from moe_pretrain.ops.host_values import data_values
 from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
 
@@ -38,16 +39,17 @@ class DocumentLayout:
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         B, T = doc_ids.shape
-        starts = torch.ones_like(doc_ids, dtype=torch.bool)
-        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-        flat_starts = torch.nonzero(starts.reshape(-1)).squeeze(-1)
-        cu_seqlens = torch.cat([flat_starts, flat_starts.new_tensor([B * T])])
-        positions = torch.arange(B * T, device=doc_ids.device)
-        start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
-        position_in_doc = (positions - start_of).reshape(B, T)
         context = context or NoContextParallel()
-        return cls(context.local(doc_ids), context.local(position_in_doc), cu_seqlens,
-                   sequence or NoSequenceParallel(), context)
+        with data_values():  # the data decides these: real values in a dry run as well
+            starts = torch.ones_like(doc_ids, dtype=torch.bool)
+            starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            flat_starts = torch.nonzero(starts.reshape(-1)).squeeze(-1)
+            cu_seqlens = torch.cat([flat_starts, flat_starts.new_tensor([B * T])])
+            positions = torch.arange(B * T, device=doc_ids.device)
+            start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
+            position_in_doc = (positions - start_of).reshape(B, T)
+            return cls(context.local(doc_ids), context.local(position_in_doc), cu_seqlens,
+                       sequence or NoSequenceParallel(), context)
 
     @classmethod
     def single_documents(cls, batch: int, seq_len: int, device: torch.device,

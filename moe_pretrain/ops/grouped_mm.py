@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from moe_pretrain.ops.host_values import expert_rows
+
 _ALIGNMENT_BYTES = 16
 
 
@@ -127,7 +129,7 @@ def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, ke
     with torch.autocast(x_RI.device.type, enabled=False):
         if uses_grouped_kernel(x_RI, w_EOI, kernel):
             return _GroupedKernelMM.apply(x_RI.contiguous(), w_EOI, torch.cumsum(counts, 0, dtype=torch.int32))
-        split = counts.tolist()
+        split = expert_rows(counts, x_RI.shape[0])
         if sum(split) != x_RI.shape[0]:
             raise ValueError(f"grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
         return _LoopMM.apply(x_RI, w_EOI, split)

@@ -161,8 +161,9 @@ def latent_causal_attention(q_NHD: torch.Tensor, query_index: Sequence[int], lat
         raise ValueError(f"latent_causal_attention: bounds must run from 0 to M={M}")
     device = latent_MC.device
     index = torch.tensor(list(query_index), device=device)
-    key_doc = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=device),
-                                      torch.tensor([e - s for s, e in itertools.pairwise(bounds)], device=device))
+    key_doc = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=device),  # M given: no device read
+                                      torch.tensor([e - s for s, e in itertools.pairwise(bounds)], device=device),
+                                      output_size=M)
     query_doc = key_doc[index]
     visibility = _Visibility(query_index, bounds, query_block, key_block, M)
     maxima = [] if max_logits else None

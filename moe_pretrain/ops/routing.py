@@ -6,6 +6,7 @@ fp64); bias [n] is the balancing bias, which steers selection but never the comb
 
 import torch
 
+from moe_pretrain.ops.host_values import routed
 from moe_pretrain.ops.norms import compute_dtype
 
 
@@ -28,6 +29,7 @@ def route(
         raise ValueError(f"route: k={k} must be in [1, {n}] (experts)")
     scores = router_scores(logits)
     _, topk_idx = torch.topk(scores + bias.to(scores.dtype).detach(), k, dim=-1)
+    topk_idx = routed(topk_idx, n)  # the dry run's assumed routing, when one is in force
     selected = scores.gather(1, topk_idx)
     topk_weight = selected / selected.sum(dim=-1, keepdim=True) * scaling
     return topk_idx, topk_weight

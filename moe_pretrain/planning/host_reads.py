@@ -36,12 +36,16 @@ def _kind(func, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+_READERS = (__file__, str(_ROOT / "moe_pretrain" / "ops" / "host_values.py"))
+"""Where reads are made on a caller's behalf (ops/host_values.py's reads are its callers')."""
+
+
 def _site() -> str:
     """The innermost caller in the project's packages (file:line), or '?'."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_PACKAGES) and path != __file__:
+        if path.startswith(_PACKAGES) and path not in _READERS:
             return f"{Path(path).relative_to(_ROOT)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"

@@ -12,12 +12,13 @@ what one process does and sends half the bytes fp32 would. Only floating-point t
 cross: torch 2.10 and 2.11 (the GPU image has 2.10) make every received buffer require grad, which an
 integer tensor cannot, and refuse to send back a gradient that is None. The document ids every stage
 needs for its masks come from each rank's own batch instead (every stage reads its rows, without
-pixels), as the schedule's keyword input, which the library splits into micro-batches and hands to
-every stage. The first stage's positional inputs are the tokens, the image mask and the patches padded
+pixels), split into micro-batches by the step and handed to each stage beforehand (Pipeline.feed), as
+host-readable values: a dry run (launch/dryrun.py) keeps them real while the library's own splits would
+make them fake. The first stage's positional inputs are the tokens, the image mask and the patches padded
 per row (so the library can split them into micro-batches along B). The images' placements (row, first
 position, grid: host integers the vision tower and the image exchange work from) are no tensors the library
-could split: the step hands them to the first stage per micro-batch beforehand (Pipeline.feed_images), and
-the first stage's forwards, which every schedule runs in micro-batch order, take them in turn.
+could split: they come the same way. Every schedule runs each stage's forwards in micro-batch order, so
+each forward takes the next in turn.
 
 Stage boundaries are declared statically (input_args / output_args): the library's alternative,
 a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -41,9 +43,11 @@ from torch.distributed.pipelining import (
 )
 
 from moe_pretrain.config import Config
+from moe_pretrain.data import Batch
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.training.parallelize import DTYPES
-from parallel.image_split import Grid, PlacedImage, placed_images
+from parallel.image_split import PlacedImage, placed_images
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 
@@ -92,12 +96,17 @@ class StageForward(nn.Module):
         self.compute_dtype = compute_dtype
         """The block sums' and the partial sum's (bf16 under bf16 autocast)."""
         self.images: deque[list[PlacedImage]] = deque()
-        """First stage: each coming micro-batch's images, rows counted within it (Pipeline.feed_images)."""
+        """First stage: each coming micro-batch's images, rows counted within it (Pipeline.feed)."""
+        self.documents: deque[torch.Tensor] = deque()
+        """Each coming micro-batch's document ids [rows, T] (Pipeline.feed)."""
         self.ahead = chunk.cfg.mtp.layers
         """Multi-token-prediction blocks: as many embeddings of tokens ahead cross every boundary."""
 
-    def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor):
         chunk = self.chunk
+        if not self.documents:
+            raise RuntimeError("pipeline: a stage ran a micro-batch it was given no document ids for")
+        doc_ids = self.documents.popleft()
         if self.first:
             tokens, image_mask, patch_rows = inputs
             if not self.images:
@@ -170,6 +179,23 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     return inputs, outputs
 
 
+class DeclaredStage(PipelineStage):
+    """A stage whose boundaries are declared (input_args / output_args), which a dry run can play.
+
+    Before its first step, torch >= 2.13's schedule polls the stages: each votes static (its shapes declared)
+    or dynamic, the product passes to the last stage and back in 4-byte sends, and each stage reads the result
+    on the host (schedules._warmup_p2p). Under the dry run's fake backend (launch/dryrun.py) the sends are
+    made and nothing arrives: the result is then the vote every stage here casts, static, as a tensor
+    literal (which the fake-tensor mode keeps as a readable constant). tests/test_version_floors.py holds
+    the names this relies on."""
+
+    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
+        result = super()._warmup_backward_result(received_result)
+        if dist.get_backend(self.group) != "fake":
+            return result
+        return torch.tensor([1], dtype=result.dtype, device=result.device)
+
+
 class Pipeline:
     """This rank's pipeline chunks, and a schedule per step shape: the chunks are cut once, while the
     boundary shapes (declared statically, see below) change with each context-extension stage."""
@@ -191,15 +217,21 @@ class Pipeline:
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
         self._schedules: dict[StepShape, object] = {}
 
-    def feed_images(self, grids: list[list[Grid]], starts: list[list[int]], micro_batches: int) -> None:
-        """This rank's rows' images (data.Batch's grids and starts) for the next pass, split into the
-        micro-batches the schedule will run (as the library splits the tensors: equal runs of rows). Only the
-        first stage reads them."""
+    def feed(self, batch: Batch, micro_batches: int) -> None:
+        """This rank's rows for the next pass, split into the micro-batches the schedule will run (as the
+        library splits its tensors: equal runs of rows): every stage's document ids, and the first stage's
+        images (data.Batch's grids and starts). A pass that raised midway leaves none behind for the next."""
+        rows = batch.doc_ids.shape[0] // micro_batches
+        with data_values():  # the data's own values, read on the host by each stage's layout
+            documents = list(batch.doc_ids.split(rows))
+        for forward in self.forwards.values():
+            forward.documents.clear()
+            forward.documents.extend(documents)
         if 0 not in self.forwards:
             return
-        rows = len(grids) // micro_batches
         first = self.forwards[0]
-        first.images.clear()  # a pass that raised midway leaves none behind for the next
+        first.images.clear()
+        grids, starts = batch.grids, batch.starts
         first.images.extend(placed_images(grids[m * rows:(m + 1) * rows], starts[m * rows:(m + 1) * rows])
                             for m in range(micro_batches))
 
@@ -215,7 +247,7 @@ class Pipeline:
                 forward = self.forwards[index]
                 inputs, outputs = stage_boundaries(self.cfg, self.ctx, shape, self.layers[index], first, last,
                                                    forward.boundary_dtype, forward.compute_dtype)
-                stages.append(PipelineStage(
+                stages.append(DeclaredStage(
                     forward, index, self.num_stages, self.ctx.device, input_args=inputs, output_args=outputs,
                     group=self.ctx.pp_group))
             schedule_cls = SCHEDULES[self.cfg.parallel.pipeline_schedule]

@@ -19,6 +19,7 @@ from moe_pretrain.config import Config
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.mtp import mtp_labels
+from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
@@ -114,7 +115,8 @@ class StepRunner:
 
         parts: list[torch.Tensor] = []
         if self.pipeline is not None:
-            batch = Batch.concatenate(batches)
+            with data_values():  # real rows in a dry run as well
+                batch = Batch.concatenate(batches)
             self._run_pipeline(plan, batch, plan.rows, lambda *a: objective(*a, parts=parts, share=True), train=True,
                                ahead=torch.cat(ahead.labels) if depth else None)
             if not parts or not self.pipeline.holds_last or self.ctx.tp_rank != 0:
@@ -154,11 +156,11 @@ class StepRunner:
         [B, depth, T] travel with the labels). Returns the sum of the scores on the last stage's first tensor
         rank, zero elsewhere (float64)."""
         pipeline = self.pipeline
+        pipeline.feed(batch, plan.micro_batches)
         shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
                           plan.cp)
         if pipeline.holds_first:
             args = (batch.tokens, batch.image_mask, batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
-            pipeline.feed_images(batch.grids, batch.starts, plan.micro_batches)
         else:
             args = ()
         depth = self.cfg.model.mtp.layers
@@ -170,9 +172,8 @@ class StepRunner:
         schedule = pipeline.schedule(shape)
         self._pipeline_score = score
         try:
-            with self.autocast(), reused_in_step():  # every stage takes its own rows' document ids
-                (schedule.step if train else schedule.eval)(*args, target=target, losses=losses,
-                                                            doc_ids=batch.doc_ids)
+            with self.autocast(), reused_in_step():
+                (schedule.step if train else schedule.eval)(*args, target=target, losses=losses)
         finally:
             self._pipeline_score = None
         if not pipeline.holds_last or self.ctx.tp_rank != 0:

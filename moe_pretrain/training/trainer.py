@@ -8,6 +8,7 @@ optimizer reduces, clips, steps and gathers, and the routers move their biases o
 The trainer is the loop; what it advances, and what checkpoints hold, is a TrainingState (state.py).
 """
 
+import contextlib
 import logging
 import math
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain import checkpoint
@@ -29,6 +31,7 @@ from moe_pretrain.fp8 import advance_amax_histories
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.qk_clip import clip_heads, start_recording
 from moe_pretrain.model.saved_inputs import SavedInputs
+from moe_pretrain.ops.host_values import data_values, scalar_list
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
@@ -47,7 +50,7 @@ from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
 from parallel.context_parallel import ContextParallel, NoContextParallel, mla_exchange
 from parallel.context_parallel_mixers import apply_context_parallel
 from parallel.optimizer import ShardedOptimizer
-from parallel.state import ParallelContext, resolve_layout
+from parallel.state import ParallelContext, new_host_group, resolve_layout
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,10 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext | None = None):
+    def __init__(self, cfg: Config, ctx: ParallelContext | None = None, *,
+                 fake: FakeTensorMode | None = None):
+        """fake: a dry run's fake-tensor mode (launch/dryrun.py); the rank's state (model, optimizer) is built
+        in it, its initial values not drawn."""
         self.ctx = ctx or ParallelContext.single()
         self.layout = resolve_layout(cfg, self.ctx.layout.world_size)
         """The checked layout with every step shape's micro-batch count (derived where the config leaves 0)."""
@@ -94,7 +100,8 @@ class Trainer:
         self.validation = ValidationData(self.data) if cfg.eval.enabled else None
         self.device = self.ctx.device
         torch.manual_seed(cfg.train.seed)  # whatever draws from torch's RNG in training (initial values do not)
-        self.state = TrainingState(cfg, self.ctx, kernels=kernels)
+        with fake or contextlib.nullcontext():
+            self.state = TrainingState(cfg, self.ctx, kernels=kernels, draw_values=fake is None)
         self.state.token_ids = self.data.vocabulary.special_ids()
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
@@ -105,8 +112,8 @@ class Trainer:
             # never interleave with training's, and their timeout grows with the largest rank's state. Background
             # writes take a second one, apart from the training thread's polls and commits (AsyncSaver).
             timeout = self._checkpoint_timeout()
-            self.state.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
-            writes = dist.new_group(backend="gloo", timeout=timeout) if cfg.checkpoint.async_save else None
+            self.state.checkpoint_group = new_host_group(timeout)
+            writes = new_host_group(timeout) if cfg.checkpoint.async_save else None
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group, writes) if cfg.checkpoint.async_save \
             else None
         self._recompute = ("none", "device")
@@ -207,12 +214,13 @@ class Trainer:
 
     def _next_micro_batches(self, plan: StepPlan) -> list[Batch]:
         """This step's batches, then the next step's started in the background (unless this is the last)."""
-        batches = self.batches.take(self._batch_request(plan))
-        if self.step + 1 < (self.cfg.train.exit_at_step or self.cfg.train.steps):
-            step_tokens = plan.rows * plan.seq_len
-            self.batches.prepare_ahead(self._batch_request(self.step_plan(self.step + 1,
-                                                                          self.tokens_seen + step_tokens)))
-        return [batch.to(self.device) for batch in batches]
+        with data_values():  # real batches in a dry run as well
+            batches = self.batches.take(self._batch_request(plan))
+            if self.step + 1 < (self.cfg.train.exit_at_step or self.cfg.train.steps):
+                step_tokens = plan.rows * plan.seq_len
+                self.batches.prepare_ahead(self._batch_request(self.step_plan(self.step + 1,
+                                                                              self.tokens_seen + step_tokens)))
+            return [batch.to(self.device) for batch in batches]
 
     def train_step(self) -> StepResult:
         cfg, ctx = self.cfg, self.ctx
@@ -246,7 +254,7 @@ class Trainer:
             loss = sums[0]
         mtp = sums[1:] / ahead.tokens if ahead is not None else sums[1:]
         norm = self.optimizer.reduce_gradients()
-        loss_value, grad_norm, *mtp_losses = torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]).tolist()
+        loss_value, grad_norm, *mtp_losses = scalar_list(torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]))
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if self.async_saver is not None:
             self.async_saver.before_update()  # a background save's copy of the state must be complete

@@ -1,0 +1,107 @@
+"""Play ranks of an N-GPU job in this CPU process: the real training step with fake tensors over torch's fake
+process-group backend, and what each rank allocates, computes, sends and reads on the host.
+
+    python -m launch.dryrun --config configs/full.yaml --config configs/stages/full.yaml --gpus 2048 --stage 8k
+    python -m launch.dryrun configs/smoke.yaml parallel.tp=2 parallel.pp=2 parallel.ep=2 --gpus 8 --rank 7
+
+By default one rank of each pipeline role (first stage: embeddings and the vision tower; a middle one;
+last: logits and the multi-token-prediction blocks), each in its own process. Routing that the model's
+arithmetic would decide is assumed (--expert-load: balanced, or a load factor per expert); the data's
+document boundaries are the real loader's (moe_pretrain/planning/dry_run.py says what is real and what is
+assumed). What it cannot tell: numerics and kernel speed.
+"""
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import sys
+import traceback
+
+from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+
+GB = 1e9
+
+
+def parse_load(text: str) -> list[float] | None:
+    """'balanced' -> None; '1,1,3,...' -> one factor per expert."""
+    if text == "balanced":
+        return None
+    return [float(x) for x in text.split(",")]
+
+
+def _play(args: tuple) -> dict:
+    cfg, gpus, rank, load, stage = args
+    from moe_pretrain.log import setup_logging
+    from moe_pretrain.planning.dry_run import dry_run
+
+    setup_logging(0)
+
+    try:
+        return dataclasses.asdict(dry_run(cfg, gpus, rank, load, stage))
+    except Exception as err:  # torch's errors may not pickle back to the parent: send the text
+        raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
+
+
+def print_trace(trace: dict) -> None:
+    print(f"rank {trace['rank']} ({trace['role']}), {trace['layout']}: {trace['seconds']:.1f} s here")
+    print(f"  live tensor bytes: peak {trace['peak_bytes'] / GB:.3f} GB, at the step's start "
+          f"{trace['state_bytes'] / GB:.3f} GB, while building {trace['build_peak_bytes'] / GB:.3f} GB")
+    print(f"  {trace['flops'] / 1e12:.4g} TFLOP in {trace['launches']} kernel launches")
+    for group, (calls, size) in trace["collectives"].items():
+        print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB")
+    for site, n in trace["host_reads"].items():
+        print(f"  host read: {n} x {site}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_arguments(parser)
+    parser.add_argument("--gpus", type=int, required=True, help="world size of the job to play")
+    parser.add_argument("--rank", type=int, action="append", default=[], help="a rank to play (repeatable; "
+                        "default: one of each pipeline role)")
+    parser.add_argument("--stage", default="", help="the stage (name in cfg.stages) whose first step runs")
+    parser.add_argument("--micro-batches", type=int, default=0,
+                        help="run only the step's first N micro-batches (a multiple of parallel.pp: the pipeline's "
+                             "peak is reached in its warm-up); figures are then those of N micro-batches")
+    parser.add_argument("--expert-load", default="balanced", type=parse_load,
+                        help="'balanced', or each expert's load relative to the mean, comma-separated")
+    parser.add_argument("--json", default="", help="also write the traces to this file")
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_config_or_exit(args)
+    names = [s.name for s in cfg.stages]
+    if args.stage and args.stage not in names:
+        print(f"config error: --stage {args.stage} is not a stage of the config ({', '.join(names) or 'none'})",
+              file=sys.stderr)
+        return EX_CONFIG
+    stage = names.index(args.stage) if args.stage else 0
+    from moe_pretrain.planning.dry_run import first_micro_batches, role_ranks
+
+    if args.micro_batches:
+        if not cfg.stages:
+            print("--micro-batches needs a staged config", file=sys.stderr)
+            return 2
+        try:
+            cfg = first_micro_batches(cfg, stage, args.micro_batches)
+        except ValueError as err:
+            print(f"--micro-batches: {err}", file=sys.stderr)
+            return 2
+
+    ranks = args.rank or role_ranks(args.gpus, cfg.parallel.pp)
+    bad = [r for r in ranks if not 0 <= r < args.gpus]
+    if bad:
+        print(f"--rank {bad[0]} is not a rank of {args.gpus} GPUs", file=sys.stderr)
+        return 2
+    # Each rank in a fresh process: the fake world is a process's default group.
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        traces = pool.map(_play, [(cfg, args.gpus, r, args.expert_load, stage) for r in ranks])
+    for trace in traces:
+        print_trace(trace)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(traces, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

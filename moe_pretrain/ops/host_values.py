@@ -1,0 +1,114 @@
+"""The values a training step reads from the device on the host, and the dry run's stand-ins for those the
+model's arithmetic decides.
+
+A step reads the device in few places (planning/host_reads.py counts them): the document bounds, which the
+data decides; the expert-parallel all-to-all's split sizes and the experts' row counts, which the routing
+decides; and the step's logged scalars. The dry run (launch/dryrun.py) plays a rank under a fake-tensor
+mode: tensors hold shapes, no values. Under `assuming(...)`:
+- what the data decides is computed for real (`data_values`: the document layout from the real loader's
+  document ids), so the bounds, masks and per-document loops are the run's own;
+- what the routing decides comes from a stated assumption (planning/assumed_values.py: a load vector over
+  the experts, the same on every rank, so each rank's receives are the others' sends); the experts each
+  token is sent to follow it too (`routed`), so a real run under the same assumption routes alike;
+- the logged scalars are taken as finite, so the update runs as on a good step.
+Outside a dry run, or on real tensors, each function is the plain read it stands for.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.overrides import handle_torch_function
+
+
+class Assumptions(Protocol):
+    def routing(self, tokens: int, k: int, experts: int, device: torch.device) -> torch.Tensor:
+        """[tokens, k] int64 experts of each token, distinct in each row, routed as split_sizes says."""
+
+    def split_sizes(self, rows: int, ep: int, rank: int, experts: int) -> tuple[list[int], list[int]]:
+        """(rows sent to each expert-parallel rank, rows received from each) of `rows` routed copies."""
+
+    def expert_rows(self, rows: int, experts: int) -> list[int]:
+        """Rows of each of `experts` consecutive experts among `rows`."""
+
+    def scalars(self, count: int) -> list[float]:
+        """The values of `count` logged scalars."""
+
+
+_ACTIVE: contextvars.ContextVar[Assumptions | None] = contextvars.ContextVar("host_value_assumptions", default=None)
+
+
+@contextlib.contextmanager
+def assuming(assumptions: Assumptions) -> Iterator[None]:
+    """The dry run's assumptions for the reads below, for the length of the block."""
+    token = _ACTIVE.set(assumptions)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _assumptions(what: str) -> Assumptions:
+    active = _ACTIVE.get()
+    if active is None:
+        raise RuntimeError(f"{what}: a host read of a fake tensor outside a dry run (ops/host_values.assuming)")
+    return active
+
+
+@contextlib.contextmanager
+def data_values() -> Iterator[None]:
+    """Compute what the data alone decides (from real input tensors) as real tensors, under a dry run too."""
+    if _ACTIVE.get() is None:
+        yield
+        return
+    with unset_fake_temporarily():
+        yield
+
+
+def _issue_read(values: torch.Tensor) -> None:
+    """Issue the tolist a real run makes here, which a fake tensor refuses, through the torch-function modes:
+    host-read meters (planning/host_reads.py) see the dry run's reads where the run's are."""
+    with contextlib.suppress(Exception):  # a fake tensor refuses the read, in one of several ways (the point)
+        handle_torch_function(torch.Tensor.tolist, (values,), values)
+
+
+def routed(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The experts each token goes to ([m, k]): topk_idx, or under `assuming` the assumed routing, so that a
+    real run traced beside a dry run (planning/dry_run.py) routes, sends and computes as the dry run assumes."""
+    active = _ACTIVE.get()
+    if active is None:
+        return topk_idx
+    tokens, k = topk_idx.shape
+    return active.routing(tokens, k, num_experts, topk_idx.device)
+
+
+def split_sizes(send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: int, rank: int
+                ) -> tuple[list[int], list[int]]:
+    """(rows sent to, rows received from) each rank of the expert-parallel all-to-all, from the counts
+    [ranks, local experts] this rank (`rank` of the group, sending `rows` routed copies) sends and receives;
+    under a dry run the assumed routing's."""
+    if not is_fake(send_counts):
+        send, receive = torch.stack([send_counts.sum(1), receive_counts.sum(1)]).tolist()
+        return send, receive
+    _issue_read(torch.stack([send_counts.sum(1), receive_counts.sum(1)]))
+    ep, local = send_counts.shape
+    return _assumptions("the all-to-all's split sizes").split_sizes(rows, ep, rank, ep * local)
+
+
+def expert_rows(counts: torch.Tensor, rows: int) -> list[int]:
+    """counts.tolist(): the rows of each expert, `rows` in all; under a dry run the assumed routing's."""
+    if not is_fake(counts):
+        return counts.tolist()
+    _issue_read(counts)
+    return _assumptions("the experts' row counts").expert_rows(rows, counts.shape[0])
+
+
+def scalar_list(values: torch.Tensor) -> list[float]:
+    """values.tolist() of a step's 1-D logged scalars; under a dry run the assumed ones."""
+    if not is_fake(values):
+        return values.tolist()
+    _issue_read(values)
+    return _assumptions("the step's scalars").scalars(values.numel())

@@ -1,0 +1,70 @@
+"""Calls and bytes of every collective a piece of code issues, per process group (the dry run's meter, and a
+real run's, to compare them).
+
+Every collective, ours (parallel/collectives.py), megatron-core's and torch's (the pipeline stages' sends
+and receives), reaches the dispatcher as a c10d op carrying its process group, so one dispatch mode sees
+them all, on any backend: gloo, NCCL, or the dry run's fake one. Bytes are the payload each call hands
+over: the all-reduced tensor, an all-gather's gathered output, a reduce-scatter's input, the rows an
+all-to-all sends, the tensor a send or receive carries. Counts are of calls and tensor sizes: exact and
+the same on every machine.
+"""
+
+import collections
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_INPUT_IS_PAYLOAD = ("alltoall", "_reduce_scatter_base_", "reduce_scatter_")
+"""Ops whose input (their second argument) is what they move; the others move their largest tensor."""
+
+
+def _bytes(values) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+
+def _payload(name: str, args: tuple) -> int:
+    if name.startswith(_INPUT_IS_PAYLOAD):
+        return _bytes(args[1])
+    tensors = [a for a in args if isinstance(a, torch.Tensor | list | tuple)]
+    return max((_bytes(t) for t in tensors), default=0)
+
+
+class CollectiveTraffic(TorchDispatchMode):
+    """with CollectiveTraffic({"tp": tp_group, ...}) as traffic: ... ; traffic.calls / traffic.bytes, Counters
+    keyed by (group name, op). A group not named is listed by its size ('world of 8', 'group of 2')."""
+
+    def __init__(self, groups: dict[str, dist.ProcessGroup | None]):
+        super().__init__()
+        self._names: dict[str, str] = {}
+        for name, group in groups.items():
+            if group is not None:
+                self._names.setdefault(group.group_name, name)
+        self.calls: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+
+    def by_group(self) -> dict[str, tuple[int, int]]:
+        """group name -> (calls, bytes) over every op."""
+        table: dict[str, list[int]] = {}
+        for (group, _), calls in self.calls.items():
+            row = table.setdefault(group, [0, 0])
+            row[0] += calls
+        for (group, _), size in self.bytes.items():
+            table[group][1] += size
+        return {group: (calls, size) for group, (calls, size) in sorted(table.items())}
+
+    def _group_name(self, args: tuple) -> str:
+        for arg in args:
+            if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith(".ProcessGroup"):
+                group = dist.ProcessGroup.unbox(arg)
+                return self._names.get(group.group_name, f"group of {group.size()}")
+        return "?"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            key = (self._group_name(args), name)
+            self.calls[key] += 1
+            self.bytes[key] += _payload(name, args)
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,151 @@
+"""One rank of an N-GPU job played in this process: its real training step, with fake tensors over the fake
+process-group backend, and what the step allocates, computes, sends and reads on the host.
+
+The rank is built as the job builds it: the config's layout over a world of N (megatron-core's groups,
+created through parallel/state.init_parallel over torch's "fake" backend, which sends nothing and answers
+every collective at once), its own shards materialised as fake tensors (shapes, dtypes, no storage, no
+arithmetic; initial values are not drawn), the real data loader's batches for its slice of the global
+batch, the real step (Trainer.train_step: micro-batches or the pipeline schedule, forward, backward,
+gradient reduction, the sharded optimizer's update, the balancing update). What the model's arithmetic
+would decide and the host reads comes from stated assumptions (ops/host_values.py,
+planning/assumed_values.py); what the data decides is computed for real.
+
+The same meters run on a real multi-process run (traced_step with no fake mode): the tests compare a dry
+run with a gloo run of the same layout, rank by rank.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from moe_pretrain.config import Config
+from moe_pretrain.ops.host_values import assuming
+from moe_pretrain.planning.assumed_values import AssumedValues
+from moe_pretrain.planning.collective_traffic import CollectiveTraffic
+from moe_pretrain.planning.host_reads import HostReads
+from moe_pretrain.planning.measured import LiveTensorBytes
+from moe_pretrain.planning.op_census import OpCensus
+from moe_pretrain.training import Trainer
+from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTrace:
+    """What one rank's first training step did (counted, the same on every machine)."""
+
+    rank: int
+    layout: str
+    role: str
+    """Its place in the pipeline: first / middle / last stage, or the whole model."""
+    build_peak_bytes: int
+    """Peak live tensor bytes while the rank's trainer was built (state, data)."""
+    state_bytes: int
+    """Live tensor bytes when the step began (parameters, gradient and optimizer buffers, data)."""
+    peak_bytes: int
+    """Peak live tensor bytes from the build through the step."""
+    end_bytes: int
+    flops: int
+    launches: int
+    """aten ops that compute (planning/op_census.py): kernel launches on a GPU."""
+    launches_by_op: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Group -> (calls, payload bytes) in the step."""
+    host_reads: dict[str, int] = field(default_factory=dict)
+    """'kind at file:line' -> reads in the step."""
+    seconds: float = 0.0
+
+
+def named_groups(ctx: ParallelContext) -> dict[str, dist.ProcessGroup | None]:
+    """The rank's groups by the names the plan's communication columns use (first name wins for a group that
+    plays two roles)."""
+    groups = {"tp": ctx.tp_group, "ep": ctx.ep_group, "pp": ctx.pp_group, "dp": ctx.dp_group,
+              "tp x dp": ctx.tp_dp_group, "edp": ctx.edp_group}
+    groups.update({f"cp{size}": c.group for size, c in ctx.context_groups.items() if c.group is not None})
+    if ctx.distributed:
+        groups["world"] = dist.group.WORLD
+    return groups
+
+
+def first_micro_batches(cfg: Config, stage: int, count: int) -> Config:
+    """cfg with stage `stage`'s step cut to its first `count` micro-batches (the same micro-batch, so the same
+    activations; a 1F1B schedule's peak is set by its first pp): the stage's batch and tokens scale by
+    count / micro-batches, its steps stay. For a dry run at full size, where a step's 64 micro-batches would
+    take hours here."""
+    micro = derive_micro_batches(cfg)[0][stage]
+    original = cfg.stages[stage]
+    if count <= 0 or micro % count or count % cfg.parallel.pp:
+        raise ValueError(f"{count} micro-batches must divide stages[{stage}]'s {micro} and be a multiple of "
+                         f"parallel.pp={cfg.parallel.pp}")
+    cut = dataclasses.replace(original, micro_batches=count, batch_tokens=original.batch_tokens * count // micro,
+                              tokens=original.tokens * count // micro,
+                              warmup_tokens=original.warmup_tokens * count // micro)
+    return dataclasses.replace(cfg, stages=[cut if i == stage else s for i, s in enumerate(cfg.stages)])
+
+
+def role_ranks(world_size: int, pp: int) -> list[int]:
+    """One rank of each distinct role: the first pipeline stage's (the vision tower, the embeddings), a middle
+    one's, the last one's (the logits, the multi-token-prediction blocks). megatron-core orders pipeline
+    parallelism outermost: stage s holds ranks [s, s + 1) x world / pp."""
+    per_stage = world_size // pp
+    return sorted({0, per_stage * (pp // 2), per_stage * (pp - 1)})
+
+
+def pipeline_role(trainer: Trainer) -> str:
+    pipeline = trainer.pipeline
+    if pipeline is None:
+        return "whole model"
+    if pipeline.holds_first:
+        return "first stage" + (" (and last)" if pipeline.holds_last else "")
+    return "last stage" if pipeline.holds_last else "middle stage"
+
+
+def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None = None,
+                assumptions: AssumedValues | None = None, stage: int = 0) -> StepTrace:
+    """Build this rank's trainer and run the first step of stage `stage` (an index into cfg.stages) under the
+    meters. fake: the dry run's mode (None: a real run); assumptions: the routing and host values assumed
+    (a real run under them routes as the dry run assumes, to compare the two)."""
+    start = time.perf_counter()
+    host = assuming(assumptions) if assumptions is not None else contextlib.nullcontext()
+    with LiveTensorBytes() as live:
+        trainer = Trainer(cfg, ctx, fake=fake)
+        trainer.tokens_seen = sum(s.tokens for s in cfg.stages[:stage])
+        build_peak, state = live.peak, live.live
+        plan = trainer.step_plan()
+        log.info(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s; stage {plan.stage}'s first step "
+                 f"({plan.micro_batches} micro-batches of {plan.rows // plan.micro_batches} x {plan.seq_len} tokens)")
+        with fake or contextlib.nullcontext(), host, OpCensus() as ops, \
+                CollectiveTraffic(named_groups(ctx)) as traffic, HostReads() as reads:
+            trainer.train_step()
+        trainer.optimizer.finish_parameter_gathers()
+        trainer.batches.close()
+    return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), build_peak, state, live.peak,
+                     live.live, ops.flops, ops.launches, dict(sorted(ops.launches_by_op.items())),
+                     traffic.by_group(),
+                     {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
+                     time.perf_counter() - start)
+
+
+def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = None, stage: int = 0
+            ) -> StepTrace:
+    """Play `rank` of a `world_size`-GPU job of cfg, the first step of stage `stage`, in this process (the
+    fake world is the process's default group while it runs)."""
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group (it makes the fake world)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        ctx = init_parallel(cfg)
+        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), AssumedValues(load), stage)
+    finally:
+        destroy_parallel()

@@ -1,0 +1,66 @@
+"""The FLOPs and kernel launches of the aten ops a piece of code runs (the dry run's meter, and a real run's).
+
+FLOPs come from torch's formulas (torch.utils.flop_counter's registry: matrix products, convolutions,
+scaled products, flash and flex attention) and ours for what it lacks (the experts' grouped products),
+evaluated on each op's shapes, so fake tensors count as real ones do. FlopCounterMode itself is not used:
+its module tracker hooks every module's forward and fails on modules called inside an autograd.Function's
+forward (MLA's latent exchange expands keys so), and it decomposes ops it has no formula for, which changes
+the ops other meters see. A launch is an op that computes: neither a view, nor an allocation, nor a query
+of metadata; ops a process-group backend runs for a collective (gloo's copies:
+parallel/collectives.backend_ops) are its own, not counted. Counts are exact and the same on every machine.
+"""
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from parallel.collectives import inside_backend
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> int:
+    """torch._grouped_mm (the experts' products, forward and backward): every element of `a` meets one row of
+    the right-hand side, whatever the grouping (2-D x 3-D, 2-D x 2-D into 3-D, or batched)."""
+    return 2 * a.numel() * b.shape[-1]
+
+
+EXTRA_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+"""FLOP formulas torch's registry lacks, on the op's arguments."""
+
+_NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
+                           "lift_fresh", "_local_scalar_dense", "set_", "alias", "_to_copy_meta"})
+
+
+class OpCensus(TorchDispatchMode):
+    """with OpCensus() as ops: ... ; ops.flops, ops.launches, and each by aten op name (Counters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+        self.launches = 0
+        self.flops_by_op: collections.Counter = collections.Counter()
+        self.launches_by_op: collections.Counter = collections.Counter()
+
+    def _flops(self, func, args: tuple, kwargs: dict, out) -> int:
+        packet = func._overloadpacket
+        if packet in EXTRA_FORMULAS:
+            return EXTRA_FORMULAS[packet](*args, **kwargs)
+        if packet in flop_registry:
+            return flop_registry[packet](*args, **kwargs, out_val=out)
+        return 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if inside_backend():
+            return out
+        name = func._overloadpacket.__name__
+        if flops := self._flops(func, args, kwargs, out):
+            self.flops += flops
+            self.flops_by_op[name] += flops
+        if func.namespace == "aten" and not func.is_view and name not in _NOT_LAUNCHES \
+                and any(isinstance(r.type, torch.TensorType) for r in func._schema.returns):
+            self.launches += 1
+            self.launches_by_op[name] += 1
+        return out

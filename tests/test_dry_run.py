@@ -1,0 +1,93 @@
+"""The dry run (launch/dryrun.py) plays a rank as the real run of the same layout does: the same live tensor
+bytes, FLOPs, collectives per group and host reads, rank by rank, against a gloo run of 8 processes routing
+as the dry run assumes (ops/host_values.routed)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.local import run_distributed
+from moe_pretrain.config import load_config
+from moe_pretrain.planning.assumed_values import AssumedValues, apportion
+from moe_pretrain.planning.dry_run import role_ranks, traced_step
+from parallel.collectives import gather_objects
+from parallel.state import destroy_parallel, init_parallel
+
+BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.progress=false",
+        "train.run_dir=/nonexistent"]
+LAYOUTS = {
+    "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2"],
+    "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"],
+}
+WORLD = 8
+PEAK_TOLERANCE = 0.02
+
+
+def real_traces(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
+    cfg = load_config("configs/smoke.yaml", [*BASE, *overrides])
+    ctx = init_parallel(cfg)
+    try:
+        trace = traced_step(cfg, ctx, assumptions=AssumedValues())
+        return gather_objects(dataclasses.asdict(trace), dist.group.WORLD)
+    finally:
+        destroy_parallel()
+
+
+def dry_traces(tmp_path, overrides: list[str], ranks: list[int]) -> dict[int, dict]:
+    out = tmp_path / "traces.json"
+    subprocess.run([sys.executable, "-m", "launch.dryrun", "configs/smoke.yaml", *BASE, *overrides,
+                    "--gpus", str(WORLD), *(f"--rank={r}" for r in ranks), "--json", str(out)],
+                   check=True, timeout=400, capture_output=True)
+    return {trace["rank"]: trace for trace in json.loads(out.read_text())}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
+    overrides = LAYOUTS[layout]
+    real = run_distributed(real_traces, WORLD, overrides, timeout=600)
+    ranks = role_ranks(WORLD, 2 if "pp2" in layout else 1)
+    dry = dry_traces(tmp_path, overrides, ranks)
+    for rank in ranks:
+        want, got = real[rank], dry[rank]
+        assert got["role"] == want["role"]
+        assert got["flops"] == want["flops"], rank
+        assert got["launches_by_op"] == want["launches_by_op"], rank
+        assert got["collectives"] == {group: list(v) for group, v in want["collectives"].items()}, rank
+        assert got["host_reads"] == want["host_reads"], rank
+        assert got["peak_bytes"] == pytest.approx(want["peak_bytes"], rel=PEAK_TOLERANCE), rank
+        assert got["state_bytes"] == pytest.approx(want["state_bytes"], rel=PEAK_TOLERANCE), rank
+
+
+def test_the_assumed_routing_sends_what_each_rank_receives():
+    values = AssumedValues([1.0, 3.0, 1.0, 1.0, 2.0, 0.5, 0.25, 0.25])
+    idx = values.routing(10, 2, 8, device="cpu")
+    assert idx.shape == (10, 2)
+    assert all(len(set(row)) == 2 for row in idx.tolist())  # no token routed twice to one expert
+    counts = [idx.flatten().tolist().count(e) for e in range(8)]
+    assert counts == apportion(20, values.load) and sum(counts) == 20
+    send, receive = values.split_sizes(20, 4, 1, 8)
+    assert send == [counts[0] + counts[1], counts[2] + counts[3], counts[4] + counts[5], counts[6] + counts[7]]
+    assert receive == [send[1]] * 4  # every rank routes alike: each sends rank 1 what this one does
+    with pytest.raises(ValueError, match="more than one copy per token"):
+        AssumedValues([8.0] + [1.0] * 7).routing(10, 2, 8, device="cpu")
+
+
+def test_the_op_census_counts_products_and_launches_by_their_shapes():
+    from moe_pretrain.planning.op_census import OpCensus
+
+    a = torch.randn(4, 8, requires_grad=True)
+    rows = torch.randn(10, 16, dtype=torch.bfloat16)
+    experts = torch.randn(3, 16, 8, dtype=torch.bfloat16)
+    with OpCensus() as ops:
+        (a @ torch.randn(8, 3)).relu().sum().backward()  # mm forward and its input gradient: 2 x 2*4*8*3
+        a.view(32).t()  # views launch nothing
+        torch._grouped_mm(rows, experts, offs=torch.tensor([3, 7, 10], dtype=torch.int32))
+    assert ops.flops_by_op == {"mm": 2 * (2 * 4 * 8 * 3), "_grouped_mm": 2 * 10 * 16 * 8}
+    assert "view" not in ops.launches_by_op and "t" not in ops.launches_by_op
+    assert ops.launches_by_op["mm"] == 2 and ops.launches_by_op["_grouped_mm"] == 1
