@@ -31,14 +31,16 @@ def parse_load(text: str) -> list[float] | None:
 
 
 def _play(args: tuple) -> dict:
-    cfg, gpus, rank, load, stage = args
+    cfg, gpus, rank, load, stage, gpu = args
     from moe_pretrain.log import setup_logging
     from moe_pretrain.planning.dry_run import dry_run
 
     setup_logging(0)
 
     try:
-        return dataclasses.asdict(dry_run(cfg, gpus, rank, load, stage))
+        from moe_pretrain.planning.step_time import GPUS
+
+        return dataclasses.asdict(dry_run(cfg, gpus, rank, load, stage, GPUS[gpu]))
     except Exception as err:  # torch's errors may not pickle back to the parent: send the text
         raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
 
@@ -49,7 +51,10 @@ def print_trace(trace: dict) -> None:
           f"{trace['state_bytes'] / GB:.3f} GB, while building {trace['build_peak_bytes'] / GB:.3f} GB")
     print(f"  {trace['flops'] / 1e12:.4g} TFLOP in {trace['launches']} kernel launches")
     for group, (calls, size) in trace["collectives"].items():
-        print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB")
+        print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB, "
+              f"{trace['collective_s'].get(group, 0.0) * 1e3:.3g} ms on the fabric")
+    print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
+          f"{trace['bytes_moved'] / GB:.4g} GB moved), MFU {trace['mfu']:.1%}")
     for site, n in trace["host_reads"].items():
         print(f"  host read: {n} x {site}")
 
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, required=True, help="world size of the job to play")
+    parser.add_argument("--gpu", choices=["a100", "b200", "h100", "h200"], default="h200",
+                        help="the target whose roofline and peak the step time is predicted for")
     parser.add_argument("--rank", type=int, action="append", default=[], help="a rank to play (repeatable; "
                         "default: one of each pipeline role)")
     parser.add_argument("--stage", default="", help="the stage (name in cfg.stages) whose first step runs")
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Each rank in a fresh process: the fake world is a process's default group.
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        traces = pool.map(_play, [(cfg, args.gpus, r, args.expert_load, stage) for r in ranks])
+        traces = pool.map(_play, [(cfg, args.gpus, r, args.expert_load, stage, args.gpu) for r in ranks])
     for trace in traces:
         print_trace(trace)
     if args.json:

@@ -91,3 +91,25 @@ def test_the_op_census_counts_products_and_launches_by_their_shapes():
     assert ops.flops_by_op == {"mm": 2 * (2 * 4 * 8 * 3), "_grouped_mm": 2 * 10 * 16 * 8}
     assert "view" not in ops.launches_by_op and "t" not in ops.launches_by_op
     assert ops.launches_by_op["mm"] == 2 and ops.launches_by_op["_grouped_mm"] == 1
+
+
+def test_collectives_take_the_link_they_cross_and_only_the_optimizers_overlap():
+    from moe_pretrain.config import ClusterConfig
+    from moe_pretrain.planning.step_time import GPUS, collective_seconds, predict
+
+    cluster = ClusterConfig(gpus_per_node=8, nvlink_gb_s=400.0, nic_gb_s=50.0)
+    gb = 10**9
+    # A ring all-reduce of 8 GB inside a node sends 2 x 7/8 of it over NVLink.
+    assert collective_seconds("allreduce_", 8 * gb, list(range(8)), cluster) == pytest.approx(14 / 400)
+    # Across nodes the NIC carries it.
+    assert collective_seconds("_reduce_scatter_base_", 8 * gb, [0, 8, 16, 24], cluster) == pytest.approx(6 / 50)
+    # An all-to-all over 16 ranks on 2 nodes: 7 of its 15 peers share this node (NVLink), 8 do not (NIC).
+    sent = 16 * gb * 15 / 16
+    assert collective_seconds("alltoall_base_", 16 * gb, list(range(16)), cluster) == pytest.approx(
+        max(sent * 7 / 15 / 400e9, sent * 8 / 15 / 50e9))
+    assert collective_seconds("barrier", 0, list(range(16)), cluster) == 0.0
+    # The optimizer's groups hide behind the backward (2/3 of compute); the others wait in line.
+    time = predict(3.0, {"dp": 1.5, "ep": 0.5, "tp": 0.25}, 989e12 * 2.0, GPUS["h200"])
+    assert time.exposed_s == pytest.approx(0.75) and time.step_s == pytest.approx(3.75)
+    assert predict(3.0, {"dp": 2.5}, 0.0, GPUS["h200"]).exposed_s == pytest.approx(0.5)
+    assert time.mfu == pytest.approx(2.0 / 3.75)

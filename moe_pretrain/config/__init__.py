@@ -17,6 +17,7 @@ from moe_pretrain.config.model import (
 from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
 from moe_pretrain.config.run import (
     CheckpointConfig,
+    ClusterConfig,
     Config,
     DataConfig,
     LaunchConfig,
@@ -32,6 +33,7 @@ __all__ = [
     "AttnResConfig",
     "BlendConfig",
     "CheckpointConfig",
+    "ClusterConfig",
     "Config",
     "ConfigError",
     "DataConfig",

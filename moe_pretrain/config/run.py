@@ -270,6 +270,23 @@ class LoggingConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The fabric a job runs on, per GPU (the dry run's step-time model: planning/step_time.py). Defaults: an
+    H200 HGX node (public specifications): NVLink 4 at 900 GB/s both directions, one 400 Gb/s NIC a GPU."""
+
+    gpus_per_node: int = 8
+    """Consecutive ranks share a node (torchrun numbers a node's local ranks together)."""
+    nvlink_gb_s: float = 450.0
+    """GB/s one GPU sends to the others of its node (one direction)."""
+    nic_gb_s: float = 50.0
+    """GB/s one GPU sends to other nodes (its NIC, one direction)."""
+
+    def __post_init__(self) -> None:
+        require_positive("cluster", gpus_per_node=self.gpus_per_node, nvlink_gb_s=self.nvlink_gb_s,
+                         nic_gb_s=self.nic_gb_s)
+
+
+@dataclass
 class LaunchConfig:
     """How `python -m launch.slurm` starts and keeps the job running (nodes, GPUs, time and partition are
     given on its command line, since they describe an allocation rather than the run)."""
@@ -343,6 +360,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

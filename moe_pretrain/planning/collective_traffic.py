@@ -14,14 +14,15 @@ import collections
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from moe_pretrain.config import ClusterConfig
+from moe_pretrain.planning.op_census import tensor_bytes as _bytes
+from moe_pretrain.planning.step_time import collective_seconds, sent_share
 
 _INPUT_IS_PAYLOAD = ("alltoall", "_reduce_scatter_base_", "reduce_scatter_")
 """Ops whose input (their second argument) is what they move; the others move their largest tensor."""
 
 
-def _bytes(values) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
 
 
 def _payload(name: str, args: tuple) -> int:
@@ -38,9 +39,12 @@ class CollectiveTraffic(TorchDispatchMode):
     def __init__(self, groups: dict[str, dist.ProcessGroup | None]):
         super().__init__()
         self._names: dict[str, str] = {}
+        self.ranks: dict[str, list[int]] = {}
+        """Each group's global ranks, by name."""
         for name, group in groups.items():
-            if group is not None:
-                self._names.setdefault(group.group_name, name)
+            if group is not None and group.group_name not in self._names:
+                self._names[group.group_name] = name
+                self.ranks[name] = dist.get_process_group_ranks(group)
         self.calls: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
 
@@ -54,11 +58,29 @@ class CollectiveTraffic(TorchDispatchMode):
             table[group][1] += size
         return {group: (calls, size) for group, (calls, size) in sorted(table.items())}
 
+    def sent_bytes(self) -> dict[str, float]:
+        """Per group, the bytes one GPU sends (a ring's (n - 1) / n of a gathered or scattered payload, twice
+        that for an all-reduce: launch.plan's communication columns count so)."""
+        sent: dict[str, float] = {}
+        for (group, op), size in self.bytes.items():
+            sent[group] = sent.get(group, 0.0) + size * sent_share(op, len(self.ranks.get(group, [])))
+        return dict(sorted(sent.items()))
+
+    def seconds(self, cluster: ClusterConfig) -> dict[str, float]:
+        """Per group, its collectives' time on their links (planning/step_time.py)."""
+        times: dict[str, float] = {}
+        for (group, op), size in self.bytes.items():
+            times[group] = times.get(group, 0.0) + collective_seconds(op, size, self.ranks.get(group, []), cluster)
+        return dict(sorted(times.items()))
+
     def _group_name(self, args: tuple) -> str:
         for arg in args:
             if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith(".ProcessGroup"):
                 group = dist.ProcessGroup.unbox(arg)
-                return self._names.get(group.group_name, f"group of {group.size()}")
+                if group.group_name not in self._names:
+                    name = self._names[group.group_name] = f"group of {group.size()}"
+                    self.ranks[name] = dist.get_process_group_ranks(group)
+                return self._names[group.group_name]
         return "?"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -32,6 +32,8 @@ from moe_pretrain.planning.collective_traffic import CollectiveTraffic
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.measured import LiveTensorBytes
 from moe_pretrain.planning.op_census import OpCensus
+from moe_pretrain.planning.sizing import count
+from moe_pretrain.planning.step_time import GPUS, GpuSpec, predict
 from moe_pretrain.training import Trainer
 from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
 
@@ -59,9 +61,22 @@ class StepTrace:
     launches_by_op: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Group -> (calls, payload bytes) in the step."""
+    sent_bytes: dict[str, float] = field(default_factory=dict)
+    """Group -> bytes this GPU sends in the step (launch.plan's measure)."""
     host_reads: dict[str, int] = field(default_factory=dict)
     """'kind at file:line' -> reads in the step."""
+    bytes_moved: int = 0
+    """Bytes the launches read and write."""
+    compute_s: float = 0.0
+    """The launches' roofline time on the target GPU (planning/step_time.py)."""
+    collective_s: dict[str, float] = field(default_factory=dict)
+    """Per group, its collectives' time on the target fabric."""
+    step_s: float = 0.0
+    """The predicted step time: compute plus the collectives' time not hidden behind it."""
+    mfu: float = 0.0
+    """Model FLOPs per GPU (sizing.py's, without recomputation) over step_s x the GPU's peak."""
     seconds: float = 0.0
+    """How long the dry run took here."""
 
 
 def named_groups(ctx: ParallelContext) -> dict[str, dist.ProcessGroup | None]:
@@ -109,7 +124,8 @@ def pipeline_role(trainer: Trainer) -> str:
 
 
 def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None = None,
-                assumptions: AssumedValues | None = None, stage: int = 0) -> StepTrace:
+                assumptions: AssumedValues | None = None, stage: int = 0, gpu: GpuSpec = GPUS["h200"]
+                ) -> StepTrace:
     """Build this rank's trainer and run the first step of stage `stage` (an index into cfg.stages) under the
     meters. fake: the dry run's mode (None: a real run); assumptions: the routing and host values assumed
     (a real run under them routes as the dry run assumes, to compare the two)."""
@@ -122,20 +138,24 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         plan = trainer.step_plan()
         log.info(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s; stage {plan.stage}'s first step "
                  f"({plan.micro_batches} micro-batches of {plan.rows // plan.micro_batches} x {plan.seq_len} tokens)")
-        with fake or contextlib.nullcontext(), host, OpCensus() as ops, \
+        with fake or contextlib.nullcontext(), host, OpCensus(gpu) as ops, \
                 CollectiveTraffic(named_groups(ctx)) as traffic, HostReads() as reads:
             trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
+    collective_s = traffic.seconds(cfg.cluster)
+    model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
+    predicted = predict(ops.roofline_s, collective_s, model_flops, gpu)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), build_peak, state, live.peak,
                      live.live, ops.flops, ops.launches, dict(sorted(ops.launches_by_op.items())),
-                     traffic.by_group(),
+                     traffic.by_group(), traffic.sent_bytes(),
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
+                     ops.bytes_moved, ops.roofline_s, collective_s, predicted.step_s, predicted.mfu,
                      time.perf_counter() - start)
 
 
-def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = None, stage: int = 0
-            ) -> StepTrace:
+def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = None, stage: int = 0,
+            gpu: GpuSpec = GPUS["h200"]) -> StepTrace:
     """Play `rank` of a `world_size`-GPU job of cfg, the first step of stage `stage`, in this process (the
     fake world is the process's default group while it runs)."""
     if dist.is_initialized():
@@ -146,6 +166,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         ctx = init_parallel(cfg)
-        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), AssumedValues(load), stage)
+        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), AssumedValues(load), stage,
+                           gpu)
     finally:
         destroy_parallel()

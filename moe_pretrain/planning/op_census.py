@@ -6,7 +6,8 @@ evaluated on each op's shapes, so fake tensors count as real ones do. FlopCounte
 its module tracker hooks every module's forward and fails on modules called inside an autograd.Function's
 forward (MLA's latent exchange expands keys so), and it decomposes ops it has no formula for, which changes
 the ops other meters see. A launch is an op that computes: neither a view, nor an allocation, nor a query
-of metadata; ops a process-group backend runs for a collective (gloo's copies:
+of metadata; its bytes are those of its tensor arguments and results, and on a target GPU its time is its
+roofline bound (planning/step_time.py). Ops a process-group backend runs for a collective (gloo's copies:
 parallel/collectives.backend_ops) are its own, not counted. Counts are exact and the same on every machine.
 """
 
@@ -14,9 +15,16 @@ import collections
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from moe_pretrain.planning.step_time import GpuSpec
 from parallel.collectives import inside_backend
+
+
+def tensor_bytes(values) -> int:
+    """Bytes of the tensors anywhere in `values` (nested tuples, lists, dicts)."""
+    return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
 
 
 def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> int:
@@ -35,8 +43,13 @@ _NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", 
 class OpCensus(TorchDispatchMode):
     """with OpCensus() as ops: ... ; ops.flops, ops.launches, and each by aten op name (Counters)."""
 
-    def __init__(self):
+    def __init__(self, gpu: GpuSpec | None = None):
+        """gpu: the target whose roofline bounds each launch's time (roofline_s)."""
         super().__init__()
+        self.gpu = gpu
+        self.roofline_s = 0.0
+        self.bytes_moved = 0
+        """Bytes the launches read and write (their tensor arguments and results)."""
         self.flops = 0
         self.launches = 0
         self.flops_by_op: collections.Counter = collections.Counter()
@@ -56,11 +69,16 @@ class OpCensus(TorchDispatchMode):
         if inside_backend():
             return out
         name = func._overloadpacket.__name__
-        if flops := self._flops(func, args, kwargs, out):
+        flops = self._flops(func, args, kwargs, out)
+        if flops:
             self.flops += flops
             self.flops_by_op[name] += flops
         if func.namespace == "aten" and not func.is_view and name not in _NOT_LAUNCHES \
                 and any(isinstance(r.type, torch.TensorType) for r in func._schema.returns):
             self.launches += 1
             self.launches_by_op[name] += 1
+            moved = tensor_bytes((args, kwargs)) + tensor_bytes(out)
+            self.bytes_moved += moved
+            if self.gpu is not None:
+                self.roofline_s += max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
         return out

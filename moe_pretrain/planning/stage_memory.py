@@ -148,14 +148,15 @@ class MemoryPlanner:
         return found
 
     def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> dict:
-        """The worst pipeline rank's bytes and every GPU's communication for one stage."""
+        """The worst pipeline rank's bytes (and every pipeline rank's: "ranks") and every GPU's communication
+        for one stage."""
         cfg, states = self._run_state(run)
         m = cfg.model
         dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
         act_bytes = ACTIVATION_BYTES[cfg.train.dtype]
         rows = stage.rows // (dp * layout.micro_batches)
         tokens = rows * stage.seq_len // layout.cp  # positions of one micro-batch on this rank
-        worst, most_host = None, 0.0
+        worst, most_host, ranks = None, 0.0, []
         for state in states:
             p = state["pp_rank"]
             in_flight = min(layout.micro_batches, run.pp - p) if cfg.parallel.pipeline_schedule != "gpipe" \
@@ -194,12 +195,13 @@ class MemoryPlanner:
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
                    "muon_step_bytes": muon_step}
             most_host = max(most_host, act.host)
+            ranks.append(row)
             if worst is None or total > worst["total_bytes"]:
                 worst = row
             if p == 0:
                 first = row
-        return {"worst": worst, "first": first, "host_bytes": most_host, "dp": dp, "rows_per_micro": rows,
-                "communication": self.communication(cfg, run, stage, layout, tokens, states)}
+        return {"worst": worst, "first": first, "ranks": ranks, "host_bytes": most_host, "dp": dp,
+                "rows_per_micro": rows, "communication": self.communication(cfg, run, stage, layout, tokens, states)}
 
     def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
                      act_bytes: int, tp: int) -> float:

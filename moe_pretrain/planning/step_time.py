@@ -1,0 +1,86 @@
+"""A step's time on a target GPU and fabric, predicted from what the dry run counted (planning/dry_run.py).
+
+Compute: each op that launches takes its roofline bound, the larger of its FLOPs over the GPU's dense peak
+and the bytes it reads and writes over its memory bandwidth (planning/op_census.py adds them up op by op);
+ops run one after another on one stream. Communication: each collective's payload, times what a ring or an
+all-to-all sends of it per GPU ((n - 1) / n of a gathered or scattered tensor, twice that for an
+all-reduce), over the link it crosses: NVLink when every rank of its group shares a node, else the NIC (an
+all-to-all sends the share meant for its own node's GPUs over NVLink, the rest over the NIC, at once).
+Overlap: the data-parallel groups' traffic (the sharded optimizer's bucketed reduce-scatters, started
+during the last backward, and its parameter all-gathers) is hidden behind the backward's compute, two
+thirds of the step's, as far as that lasts; every other collective (tensor parallel, the experts'
+all-to-alls, pipeline sends) waits in line with the compute that needs its result. What this cannot
+tell: kernels' real efficiency (the roofline is a bound), contention, stragglers.
+"""
+
+from dataclasses import dataclass
+
+from moe_pretrain.config import ClusterConfig
+
+OVERLAPPED_GROUPS = ("dp", "edp")
+"""Groups whose traffic the code issues asynchronously, overlapping the backward (parallel/optimizer.py)."""
+BACKWARD_SHARE = 2 / 3
+"""The backward's share of a step's compute (twice the forward's FLOPs)."""
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    peak_flops: float
+    """Dense BF16 FLOP/s (training/peak_flops.PEAK_TFLOPS)."""
+    memory_bytes_s: float
+    """HBM bandwidth, bytes/s (vendor figures)."""
+
+
+GPUS = {"h200": GpuSpec("h200", 989e12, 4.8e12), "h100": GpuSpec("h100", 989e12, 3.35e12),
+        "b200": GpuSpec("b200", 2250e12, 8.0e12), "a100": GpuSpec("a100", 312e12, 2.0e12)}
+
+
+def sent_share(op: str, n: int) -> float:
+    """Bytes a GPU sends per byte of a collective's payload (collective_traffic.py's payload) in a group of n."""
+    if n < 2:
+        return 0.0
+    if op.startswith("allreduce"):
+        return 2 * (n - 1) / n
+    if op.startswith(("allgather", "_allgather", "reduce_scatter", "_reduce_scatter", "alltoall")):
+        return (n - 1) / n
+    if op.startswith(("send", "recv", "broadcast")):
+        return 1.0
+    return 0.0  # barrier, monitored barrier
+
+
+def collective_seconds(op: str, payload: int, ranks: list[int], cluster: ClusterConfig) -> float:
+    """Time of `payload` bytes of collective `op` over a group of `ranks` (their global numbers)."""
+    n = len(ranks)
+    if n < 2:
+        return 0.0
+    sent = payload * sent_share(op, n)
+    nvlink, nic = cluster.nvlink_gb_s * 1e9, cluster.nic_gb_s * 1e9
+    nodes = {r // cluster.gpus_per_node for r in ranks}
+    if len(nodes) == 1:
+        return sent / nvlink
+    if op.startswith("alltoall"):
+        local = (n / len(nodes) - 1) / (n - 1)  # the group's share on this GPU's node, itself excluded
+        return max(sent * local / nvlink, sent * (1 - local) / nic)
+    return sent / nic
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    collective_s: dict[str, float]
+    """Per group, its collectives' time on their links."""
+    exposed_s: float
+    """The collectives' time not hidden behind compute."""
+    step_s: float
+    mfu: float
+    """Model FLOPs (without recomputation) per GPU over step_s x peak."""
+
+
+def predict(compute_s: float, collective_s: dict[str, float], model_flops: float, gpu: GpuSpec) -> StepTime:
+    """Combine compute and collectives by the overlap the code issues (module docstring)."""
+    overlapped = sum(t for group, t in collective_s.items() if group in OVERLAPPED_GROUPS)
+    serial = sum(t for group, t in collective_s.items() if group not in OVERLAPPED_GROUPS)
+    exposed = serial + max(0.0, overlapped - BACKWARD_SHARE * compute_s)
+    step = compute_s + exposed
+    return StepTime(compute_s, collective_s, exposed, step, model_flops / (step * gpu.peak_flops) if step else 0.0)
