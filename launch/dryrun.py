@@ -48,7 +48,9 @@ def _play(args: tuple) -> dict:
 def print_trace(trace: dict) -> None:
     print(f"rank {trace['rank']} ({trace['role']}), {trace['layout']}: {trace['seconds']:.1f} s here")
     print(f"  live tensor bytes: peak {trace['peak_bytes'] / GB:.3f} GB, at the step's start "
-          f"{trace['state_bytes'] / GB:.3f} GB, while building {trace['build_peak_bytes'] / GB:.3f} GB")
+          f"{trace['state_bytes'] / GB:.3f} GB, while building {trace['build_peak_bytes'] / GB:.3f} GB; of the "
+          f"state: parameters {trace['param_bytes'] / GB:.3f}, gradients {trace['grad_bytes'] / GB:.3f}, "
+          f"optimizer {trace['optimizer_bytes'] / GB:.3f} GB")
     print(f"  {trace['flops'] / 1e12:.4g} TFLOP in {trace['launches']} kernel launches")
     for group, (calls, size) in trace["collectives"].items():
         print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB, "

@@ -60,6 +60,8 @@ def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
         assert got["launches_by_op"] == want["launches_by_op"], rank
         assert got["collectives"] == {group: list(v) for group, v in want["collectives"].items()}, rank
         assert got["host_reads"] == want["host_reads"], rank
+        for state in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert got[state] == want[state], (rank, state)
         assert got["peak_bytes"] == pytest.approx(want["peak_bytes"], rel=PEAK_TOLERANCE), rank
         assert got["state_bytes"] == pytest.approx(want["state_bytes"], rel=PEAK_TOLERANCE), rank
 

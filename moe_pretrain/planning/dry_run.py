@@ -55,6 +55,13 @@ class StepTrace:
     peak_bytes: int
     """Peak live tensor bytes from the build through the step."""
     end_bytes: int
+    param_bytes: int
+    """Of the rank's state after the step: its parameters (the optimizer's flat buckets)..."""
+    grad_bytes: int
+    """...their gradient buffers..."""
+    optimizer_bytes: int
+    """...and the optimizer's moments (Adam's two, or Muon's one). The rest of the peak is activations,
+    transients and the data."""
     flops: int
     launches: int
     """aten ops that compute (planning/op_census.py): kernel launches on a GPU."""
@@ -143,11 +150,15 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
             trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
+    optimizer = trainer.optimizer
+    params = sum(b.data.numel() * b.data.element_size() for b in optimizer.buckets)
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in optimizer.buckets)
     collective_s = traffic.seconds(cfg.cluster)
     model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
     predicted = predict(ops.roofline_s, collective_s, model_flops, gpu)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), build_peak, state, live.peak,
-                     live.live, ops.flops, ops.launches, dict(sorted(ops.launches_by_op.items())),
+                     live.live, params, grads, optimizer.state_bytes(), ops.flops, ops.launches,
+                     dict(sorted(ops.launches_by_op.items())),
                      traffic.by_group(), traffic.sent_bytes(),
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
                      ops.bytes_moved, ops.roofline_s, collective_s, predicted.step_s, predicted.mfu,

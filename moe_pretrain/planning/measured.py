@@ -89,7 +89,8 @@ class LiveTensorBytes(TorchDispatchMode):
     Every op's fresh outputs (not the views or in-place results its schema marks as aliases) are counted
     from creation until their storage dies: a storage's Python object lives exactly as long as the storage
     (PyTorch preserves it), so a finalizer on it sees tensors that only autograd still holds. Kernels'
-    internal scratch is not seen, and neither is anything created before the block. Deterministic: the
+    internal scratch is not seen, and neither is anything created before the block, nor meta tensors (a
+model built on the meta device holds no memory; fake tensors, which stand for a device's, count). Deterministic: the
     same figures on every machine and under any load, unlike the allocator's."""
 
     def __init__(self):
@@ -103,7 +104,7 @@ class LiveTensorBytes(TorchDispatchMode):
         for declared, value in zip(func._schema.returns, out if isinstance(out, tuple) else (out,)):
             if declared.alias_info is None:  # a fresh result, not a view or an in-place one
                 for t in tree_leaves(value):
-                    if isinstance(t, torch.Tensor):
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta":  # meta tensors hold no memory
                         self._track(t.untyped_storage())
         return out
 
