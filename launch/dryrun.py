@@ -18,7 +18,7 @@ import multiprocessing
 import sys
 import traceback
 
-from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+from moe_pretrain.config import EX_CONFIG, ConfigError, add_config_arguments, load_config_or_exit
 
 GB = 1e9
 
@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--micro-batches: {err}", file=sys.stderr)
             return 2
 
+    from parallel.state import resolve_layout
+
+    try:  # a layout the world cannot hold fails here, in one line, before any rank is played
+        resolve_layout(cfg, args.gpus)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return EX_CONFIG
     ranks = args.rank or role_ranks(args.gpus, cfg.parallel.pp)
     bad = [r for r in ranks if not 0 <= r < args.gpus]
     if bad:

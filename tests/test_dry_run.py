@@ -115,3 +115,11 @@ def test_collectives_take_the_link_they_cross_and_only_the_optimizers_overlap():
     assert time.exposed_s == pytest.approx(0.75) and time.step_s == pytest.approx(3.75)
     assert predict(3.0, {"dp": 2.5}, 0.0, GPUS["h200"]).exposed_s == pytest.approx(0.5)
     assert time.mfu == pytest.approx(2.0 / 3.75)
+
+
+def test_a_layout_the_world_cannot_hold_is_refused_in_one_line_before_any_rank_runs():
+    result = subprocess.run([sys.executable, "-m", "launch.dryrun", "configs/smoke.yaml", "parallel.tp=3",
+                             "--gpus", "8"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78
+    lines = [line for line in result.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
+    assert len(lines) == 1 and "parallel.tp=3" in lines[0], result.stderr

@@ -90,10 +90,11 @@ def split_sizes(send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: i
     """(rows sent to, rows received from) each rank of the expert-parallel all-to-all, from the counts
     [ranks, local experts] this rank (`rank` of the group, sending `rows` routed copies) sends and receives;
     under a dry run the assumed routing's."""
-    if not is_fake(send_counts):
-        send, receive = torch.stack([send_counts.sum(1), receive_counts.sum(1)]).tolist()
+    splits = torch.stack([send_counts.sum(1), receive_counts.sum(1)])
+    if not is_fake(splits):
+        send, receive = splits.tolist()
         return send, receive
-    _issue_read(torch.stack([send_counts.sum(1), receive_counts.sum(1)]))
+    _issue_read(splits)
     ep, local = send_counts.shape
     return _assumptions("the all-to-all's split sizes").split_sizes(rows, ep, rank, ep * local)
 
