@@ -51,6 +51,8 @@ def print_trace(trace: dict) -> None:
           f"{trace['state_bytes'] / GB:.3f} GB, while building {trace['build_peak_bytes'] / GB:.3f} GB; of the "
           f"state: parameters {trace['param_bytes'] / GB:.3f}, gradients {trace['grad_bytes'] / GB:.3f}, "
           f"optimizer {trace['optimizer_bytes'] / GB:.3f} GB")
+    for site, size in trace["peak_sites"].items():
+        print(f"    at the peak {size / GB:8.3f} GB made by {site}")
     print(f"  {trace['flops'] / 1e12:.4g} TFLOP in {trace['launches']} kernel launches")
     for group, (calls, size) in trace["collectives"].items():
         print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB, "

@@ -42,3 +42,22 @@ def test_what_autograd_saves_is_counted_until_backward_frees_it():
         del loss
         leaf.grad = None
     assert live.live == 0
+
+
+def test_the_peak_is_filed_under_the_lines_of_ours_that_made_it():
+    from moe_pretrain.ops.norms import rms_norm
+    from moe_pretrain.planning.peak_sites import PeakSites
+
+    x = torch.randn(64, 32)
+    with PeakSites() as live:
+        big = torch.zeros(100_000)  # made by a test: no line of the project's packages
+        normed = rms_norm(x, torch.ones(32), 1e-6)
+        del big
+        small = torch.zeros(10)
+    sites = dict(live.at_peak)
+    assert sum(sites.values()) == live.peak == 400_000 + sum(
+        size for site, size in sites.items() if site != "zeros at ?")
+    assert sites["zeros at ?"] == 400_000
+    assert any(site.startswith(("mul at moe_pretrain/ops/norms.py", "_to_copy at moe_pretrain/ops/norms.py"))
+               for site in sites), sites
+    assert normed.shape == x.shape and small.numel() == 10

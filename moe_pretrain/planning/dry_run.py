@@ -30,14 +30,16 @@ from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
 from moe_pretrain.planning.host_reads import HostReads
-from moe_pretrain.planning.measured import LiveTensorBytes
 from moe_pretrain.planning.op_census import OpCensus
+from moe_pretrain.planning.peak_sites import PeakSites
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.step_time import GPUS, GpuSpec, predict
 from moe_pretrain.training import Trainer
 from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
 
 log = logging.getLogger(__name__)
+PEAK_SITES = 16
+"""How many of the peak's largest holders a trace keeps."""
 
 
 @dataclass
@@ -55,6 +57,8 @@ class StepTrace:
     peak_bytes: int
     """Peak live tensor bytes from the build through the step."""
     end_bytes: int
+    peak_sites: dict[str, int]
+    """What holds the peak: bytes by 'op at file:line' that made them, the largest first (planning/peak_sites.py)."""
     param_bytes: int
     """Of the rank's state after the step: its parameters (the optimizer's flat buckets)..."""
     grad_bytes: int
@@ -138,7 +142,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     (a real run under them routes as the dry run assumes, to compare the two)."""
     start = time.perf_counter()
     host = assuming(assumptions) if assumptions is not None else contextlib.nullcontext()
-    with LiveTensorBytes() as live:
+    with PeakSites() as live:
         trainer = Trainer(cfg, ctx, fake=fake)
         trainer.tokens_seen = sum(s.tokens for s in cfg.stages[:stage])
         build_peak, state = live.peak, live.live
@@ -157,7 +161,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
     predicted = predict(ops.roofline_s, collective_s, model_flops, gpu)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), build_peak, state, live.peak,
-                     live.live, params, grads, optimizer.state_bytes(), ops.flops, ops.launches,
+                     live.live, dict(live.at_peak.most_common(PEAK_SITES)), params, grads,
+                     optimizer.state_bytes(), ops.flops, ops.launches,
                      dict(sorted(ops.launches_by_op.items())),
                      traffic.by_group(), traffic.sent_bytes(),
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},

@@ -40,12 +40,13 @@ _READERS = (__file__, str(_ROOT / "moe_pretrain" / "ops" / "host_values.py"))
 """Where reads are made on a caller's behalf (ops/host_values.py's reads are its callers')."""
 
 
-def _site() -> str:
-    """The innermost caller in the project's packages (file:line), or '?'."""
-    frame = sys._getframe(2)
+def project_site(skip: tuple[str, ...] = _READERS) -> str:
+    """The innermost caller in the project's packages (file:line) whose file is not one of (or under) `skip`,
+    or '?'."""
+    frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_PACKAGES) and path not in _READERS:
+        if path.startswith(_PACKAGES) and not path.startswith(skip):
             return f"{Path(path).relative_to(_ROOT)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
@@ -78,5 +79,5 @@ class HostReads(TorchFunctionMode):
         kind = _kind(func, args, kwargs)
         if kind is not None:
             self.by_kind[kind] += 1
-            self.by_site[kind, _site()] += 1
+            self.by_site[kind, project_site()] += 1
         return func(*args, **kwargs)

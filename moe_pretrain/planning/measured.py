@@ -90,8 +90,8 @@ class LiveTensorBytes(TorchDispatchMode):
     from creation until their storage dies: a storage's Python object lives exactly as long as the storage
     (PyTorch preserves it), so a finalizer on it sees tensors that only autograd still holds. Kernels'
     internal scratch is not seen, and neither is anything created before the block, nor meta tensors (a
-model built on the meta device holds no memory; fake tensors, which stand for a device's, count). Deterministic: the
-    same figures on every machine and under any load, unlike the allocator's."""
+    model built on the meta device holds no memory; fake tensors, which stand for a device's, count).
+    Deterministic: the same figures on every machine and under any load, unlike the allocator's."""
 
     def __init__(self):
         super().__init__()
