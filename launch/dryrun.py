@@ -57,6 +57,8 @@ def print_trace(trace: dict) -> None:
     for group, (calls, size) in trace["collectives"].items():
         print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB, "
               f"{trace['collective_s'].get(group, 0.0) * 1e3:.3g} ms on the fabric")
+    for site, size in trace["collective_sites"].items():
+        print(f"    {size / GB:8.3f} GB by {site}")
     print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
           f"{trace['bytes_moved'] / GB:.4g} GB moved), MFU {trace['mfu']:.1%}")
     for site, n in trace["host_reads"].items():

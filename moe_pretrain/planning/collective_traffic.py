@@ -10,15 +10,20 @@ the same on every machine.
 """
 
 import collections
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_pretrain.config import ClusterConfig
+from moe_pretrain.planning.host_reads import project_site
 from moe_pretrain.planning.op_census import tensor_bytes as _bytes
 from moe_pretrain.planning.step_time import collective_seconds, sent_share
 
+_PLANNING = str(Path(__file__).resolve().parent) + "/"
+_COLLECTIVES = str(Path(__file__).resolve().parents[2] / "parallel" / "collectives.py")
+"""Frames never named as a collective's site: the meters', and the module every collective passes through."""
 _INPUT_IS_PAYLOAD = ("alltoall", "_reduce_scatter_base_", "reduce_scatter_")
 """Ops whose input (their second argument) is what they move; the others move their largest tensor."""
 
@@ -47,6 +52,8 @@ class CollectiveTraffic(TorchDispatchMode):
                 self.ranks[name] = dist.get_process_group_ranks(group)
         self.calls: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
+        self.bytes_by_site: collections.Counter = collections.Counter()
+        """Payload bytes by (group, op, the innermost line of the project's code that issued it)."""
 
     def by_group(self) -> dict[str, tuple[int, int]]:
         """group name -> (calls, bytes) over every op."""
@@ -87,6 +94,8 @@ class CollectiveTraffic(TorchDispatchMode):
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]
             key = (self._group_name(args), name)
+            payload = _payload(name, args)
             self.calls[key] += 1
-            self.bytes[key] += _payload(name, args)
+            self.bytes[key] += payload
+            self.bytes_by_site[(*key, project_site((_PLANNING, _COLLECTIVES)))] += payload
         return func(*args, **(kwargs or {}))

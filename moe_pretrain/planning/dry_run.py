@@ -74,6 +74,8 @@ class StepTrace:
     """Group -> (calls, payload bytes) in the step."""
     sent_bytes: dict[str, float] = field(default_factory=dict)
     """Group -> bytes this GPU sends in the step (launch.plan's measure)."""
+    collective_sites: dict[str, int] = field(default_factory=dict)
+    """'group op at file:line' -> payload bytes, the largest first."""
     host_reads: dict[str, int] = field(default_factory=dict)
     """'kind at file:line' -> reads in the step."""
     bytes_moved: int = 0
@@ -165,6 +167,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      optimizer.state_bytes(), ops.flops, ops.launches,
                      dict(sorted(ops.launches_by_op.items())),
                      traffic.by_group(), traffic.sent_bytes(),
+                     {f"{group} {op} at {site}": size
+                      for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
                      ops.bytes_moved, ops.roofline_s, collective_s, predicted.step_s, predicted.mfu,
                      time.perf_counter() - start)
