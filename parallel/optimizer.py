@@ -313,6 +313,14 @@ class ShardedOptimizer:
         root.register_state_dict_pre_hook(lambda *_: self.finish_parameter_gathers())
         self._gated = True
 
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters (the buckets' flat buffers, which the parameters view)."""
+        return sum(b.data.numel() * b.data.element_size() for b in self.buckets)
+
+    def grad_bytes(self) -> int:
+        """Bytes of this rank's gradient buffers (allocated at the first step)."""
+        return sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buckets if b.grad_data is not None)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: the Adam moments and Muon momenta of its slices (the master
         slice is a view of the parameters)."""

@@ -16,7 +16,7 @@ Outside a dry run, or on real tensors, each function is the plain read it stands
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -85,31 +85,31 @@ def routed(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return active.routing(tokens, k, num_experts, topk_idx.device)
 
 
+def _read(values: torch.Tensor, what: str, answer: Callable[[Assumptions], list]) -> list:
+    """values.tolist(); for a fake tensor, the read is issued (for the meters) and `answer` gives the assumed
+    values."""
+    if not is_fake(values):
+        return values.tolist()
+    _issue_read(values)
+    return answer(_assumptions(what))
+
+
 def split_sizes(send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: int, rank: int
                 ) -> tuple[list[int], list[int]]:
     """(rows sent to, rows received from) each rank of the expert-parallel all-to-all, from the counts
     [ranks, local experts] this rank (`rank` of the group, sending `rows` routed copies) sends and receives;
     under a dry run the assumed routing's."""
-    splits = torch.stack([send_counts.sum(1), receive_counts.sum(1)])
-    if not is_fake(splits):
-        send, receive = splits.tolist()
-        return send, receive
-    _issue_read(splits)
     ep, local = send_counts.shape
-    return _assumptions("the all-to-all's split sizes").split_sizes(rows, ep, rank, ep * local)
+    send, receive = _read(torch.stack([send_counts.sum(1), receive_counts.sum(1)]), "the all-to-all's split sizes",
+                          lambda a: list(a.split_sizes(rows, ep, rank, ep * local)))
+    return send, receive
 
 
 def expert_rows(counts: torch.Tensor, rows: int) -> list[int]:
     """counts.tolist(): the rows of each expert, `rows` in all; under a dry run the assumed routing's."""
-    if not is_fake(counts):
-        return counts.tolist()
-    _issue_read(counts)
-    return _assumptions("the experts' row counts").expert_rows(rows, counts.shape[0])
+    return _read(counts, "the experts' row counts", lambda a: a.expert_rows(rows, counts.shape[0]))
 
 
 def scalar_list(values: torch.Tensor) -> list[float]:
     """values.tolist() of a step's 1-D logged scalars; under a dry run the assumed ones."""
-    if not is_fake(values):
-        return values.tolist()
-    _issue_read(values)
-    return _assumptions("the step's scalars").scalars(values.numel())
+    return _read(values, "the step's scalars", lambda a: a.scalars(values.numel()))

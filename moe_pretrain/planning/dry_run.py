@@ -157,13 +157,12 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
     optimizer = trainer.optimizer
-    params = sum(b.data.numel() * b.data.element_size() for b in optimizer.buckets)
-    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in optimizer.buckets)
     collective_s = traffic.seconds(cfg.cluster)
     model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
     predicted = predict(ops.roofline_s, collective_s, model_flops, gpu)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), build_peak, state, live.peak,
-                     live.live, dict(live.at_peak.most_common(PEAK_SITES)), params, grads,
+                     live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
+                     optimizer.grad_bytes(),
                      optimizer.state_bytes(), ops.flops, ops.launches,
                      dict(sorted(ops.launches_by_op.items())),
                      traffic.by_group(), traffic.sent_bytes(),
