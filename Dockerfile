@@ -20,7 +20,7 @@ WORKDIR /workspace/moe-pretrain
 COPY pyproject.toml README.md ./
 COPY moe_pretrain ./moe_pretrain
 COPY parallel ./parallel
-COPY kernels ./kernels
+COPY gpu_kernels ./gpu_kernels
 COPY launch ./launch
 COPY checkpoints_tool ./checkpoints_tool
 COPY configs ./configs

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.choice import Kernels
-from kernels.triton_support import triton_unavailable_reason
+from gpu_kernels.choice import Kernels
+from gpu_kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm, fp8_unavailable_reason
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
 from moe_pretrain.fp8.settings import Engine, Fp8Settings

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.choice import Kernels
+from gpu_kernels.choice import Kernels
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
 from moe_pretrain.model.init import initialize

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from kernels.fast_paths import state_kernels
+from gpu_kernels.fast_paths import state_kernels
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import read_trainer_state
 from moe_pretrain.config import load_config

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kernels.fast_paths import describe as describe_fast_paths
+from gpu_kernels.fast_paths import describe as describe_fast_paths
 from moe_pretrain.checkpoint import CheckpointError
 from moe_pretrain.checkpoint.store import CheckpointMismatchError, StorageFullError
 from moe_pretrain.config import Config, ConfigError

@@ -18,7 +18,7 @@ import sys
 
 from moe_pretrain.config.errors import ConfigError
 
-PACKAGES = ("moe_pretrain", "parallel", "kernels", "launch", "checkpoints_tool")
+PACKAGES = ("moe_pretrain", "parallel", "gpu_kernels", "launch", "checkpoints_tool")
 """Our top-level packages: their loggers get the handlers; third-party loggers are left alone."""
 LEVEL_ENV = "MOE_PRETRAIN_LOG_LEVEL"
 LEVELS = ("debug", "info", "warning", "error")

@@ -10,7 +10,7 @@ import torch
 
 if not torch.cuda.is_available():
     # Our Triton kernels run on CPU tensors only in Triton's interpreter, which is chosen when a kernel is
-    # defined (kernels/ import triton lazily, so setting it here, before any test runs, is early enough).
+    # defined (gpu_kernels/ import triton lazily, so setting it here, before any test runs, is early enough).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

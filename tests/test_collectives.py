@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from launch.local import run_distributed
+from moe_pretrain.log import PACKAGES
 from parallel.collectives import (
     CollectiveDeviceError,
     all_gather_into_async,
@@ -181,7 +182,7 @@ def test_every_collective_goes_through_parallel_collectives():
     assert collective_calls(ast.parse("dist.all_reduce(x)\nfrom parallel.torch_compat import all_gather_single\n"
                                       "all_gather_single(a, b)")) == [(1, "all_reduce"), (3, "all_gather_single")]
     direct = []
-    for package in ["moe_pretrain", "parallel", "kernels", "launch", "checkpoints_tool", "bench"]:
+    for package in (*PACKAGES, "bench"):
         for path in sorted((ROOT / package).rglob("*.py")):
             relative = str(path.relative_to(ROOT))
             if relative != "parallel/collectives.py":

@@ -1,14 +1,14 @@
-"""The kernel seam (kernels/choice.py, kernels/fast_paths.py): a run's kernels are resolved once, forced choices
+"""The kernel seam (gpu_kernels/choice.py, gpu_kernels/fast_paths.py): a run's kernels are resolved once, forced choices
 this machine cannot run are refused naming their key, the model's modules are built with the choices (no process
 state: two models with different choices run side by side), and the report reads them from the built model."""
 
 import pytest
 import torch
 
-from kernels.choice import Kernels
-from kernels.fast_paths import describe, resolve
-from kernels.kda import fla_backend
-from kernels.kda.fla_backend import fla_unavailable_reason, safe_gate_reason
+from gpu_kernels.choice import Kernels
+from gpu_kernels.fast_paths import describe, resolve
+from gpu_kernels.kda import fla_backend
+from gpu_kernels.kda.fla_backend import fla_unavailable_reason, safe_gate_reason
 from moe_pretrain.config import ConfigError
 from moe_pretrain.fp8 import RECIPES
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason

@@ -1,11 +1,11 @@
-"""kernels/flex_attention.py (MLA's GPU attention path) against the per-document SDPA reference, forward on a
+"""gpu_kernels/flex_attention.py (MLA's GPU attention path) against the per-document SDPA reference, forward on a
 CPU (FlexAttention compiles its forward here; its backward is CUDA-only, tests/gpu/test_flex_attention_gpu.py)."""
 
 import pytest
 import torch
 
-from kernels.choice import Kernels
-from kernels.flex_attention import document_block_mask, flex_document_attention
+from gpu_kernels.choice import Kernels
+from gpu_kernels.flex_attention import document_block_mask, flex_document_attention
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.choice import Kernels
+from gpu_kernels.choice import Kernels
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import committed_checkpoints
 from moe_pretrain.config import ConfigError

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.triton_support import triton_unavailable_reason
+from gpu_kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.ops import situ_glu
 from moe_pretrain.ops.permute import permute, unpermute
 from parallel.dispatch import LocalTokenDispatcher

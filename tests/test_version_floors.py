@@ -10,8 +10,10 @@ import torch.distributed as dist
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from moe_pretrain.log import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["moe_pretrain", "parallel", "kernels", "launch", "checkpoints_tool"]
+SOURCES = PACKAGES
 
 FIRST_TORCH = {
     # pattern in our source -> first torch release that has it (PyTorch release notes / pull requests)

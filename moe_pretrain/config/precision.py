@@ -28,7 +28,7 @@ class PrecisionConfig:
 @dataclass
 class KernelsConfig:
     triton: Literal["auto", "triton", "torch"] = "auto"
-    """Our Triton kernels (kernels/): fused SiTU-GLU and the MoE permute / unpermute. auto: on CUDA
+    """Our Triton kernels (gpu_kernels/): fused SiTU-GLU and the MoE permute / unpermute. auto: on CUDA
     tensors when triton is installed; triton: always (on a CPU only under TRITON_INTERPRET=1, for tests);
     torch: the PyTorch references."""
     grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"
@@ -37,7 +37,7 @@ class KernelsConfig:
     error otherwise); loop: one matmul per expert (the reference)."""
     attention: Literal["auto", "flex", "sdpa"] = "auto"
     """MLA's document-causal attention. auto: FlexAttention on CUDA (one call per layer over every document,
-    kernels/flex_attention.py), else one SDPA per document (the reference, moe_pretrain/ops/document_attention.py);
+    gpu_kernels/flex_attention.py), else one SDPA per document (the reference, moe_pretrain/ops/document_attention.py);
     flex: required (a start-up error where its backward cannot run: CPU); sdpa: the reference everywhere."""
     fp8_gemm: Literal["auto", "transformer_engine", "torch"] = "auto"
     """The engine of the FP8 expert GEMMs (precision.fp8). auto: Transformer Engine's grouped GEMM where TE

@@ -8,7 +8,7 @@ model/transformer.py) and returns the partial sum with its two sublayer outputs 
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.kda import KimiDeltaAttention

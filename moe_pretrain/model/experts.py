@@ -13,7 +13,7 @@ was built with.
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.fp8.experts import FP8_HISTORY, Fp8Experts, amax_buffers, fp8_grouped_mm
 from moe_pretrain.model.init import Normal
 from moe_pretrain.model.weight_casts import cast_weights

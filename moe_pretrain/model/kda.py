@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import KDAConfig
 from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, LogUniform
 from moe_pretrain.model.layout import DocumentLayout

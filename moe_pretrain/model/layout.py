@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from kernels.flex_attention import document_block_mask
+from gpu_kernels.flex_attention import document_block_mask
 from moe_pretrain.ops.host_values import data_values
 from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
@@ -68,7 +68,7 @@ class DocumentLayout:
     @functools.cached_property
     def attention_mask(self) -> BlockMask:
         """FlexAttention's block mask of the whole flattened sequence (causal, within documents), built on the
-        device once per forward and shared by every MLA layer (kernels/flex_attention.py)."""
+        device once per forward and shared by every MLA layer (gpu_kernels/flex_attention.py)."""
         return document_block_mask(self.cu_seqlens, self.document_bounds[-1])
 
     @functools.cached_property

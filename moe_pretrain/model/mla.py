@@ -5,7 +5,7 @@ c_Q = RMSNorm(W_DQ x); q = W_UQ c_Q -> [q_nope | q_rope]; [c_KV | k_rope] = W_DK
 [k_nope | v] = W_UKV RMSNorm(c_KV); k = [k_nope | k_rope shared by all heads];
 out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
 (ops.document_causal_attention, one SDPA per document, no T x T mask; on CUDA one FlexAttention call per
-layer, kernels/flex_attention.py, with the block mask built once per forward).
+layer, gpu_kernels/flex_attention.py, with the block mask built once per forward).
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
 down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. The layer
@@ -17,8 +17,8 @@ _attend by the latent exchange (parallel.cp_mla).
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
-from kernels.flex_attention import flex_document_attention
+from gpu_kernels.choice import REFERENCES, Kernels
+from gpu_kernels.flex_attention import flex_document_attention
 from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear

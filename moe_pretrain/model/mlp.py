@@ -8,7 +8,7 @@ is their concatenation, so the shared experts are built as one MLP of num_shared
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.ops import situ_glu
 

@@ -8,7 +8,7 @@ Expert parallelism therefore moves l-dim rows, half the bytes of d-dim ones at f
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.linear import make_linear

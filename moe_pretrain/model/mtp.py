@@ -15,7 +15,7 @@ and travel to the last stage beside the bank's embeddings.
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.data import IGNORE_INDEX
 from moe_pretrain.model.decoder_layer import DecoderLayer

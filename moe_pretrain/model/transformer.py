@@ -13,7 +13,7 @@ index, so a pipeline stage can keep a subset and keep the global parameter names
 import torch
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
@@ -35,11 +35,11 @@ from parallel.sequence import NoSequenceParallel
 
 class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels = REFERENCES):
-        """kernels: the implementations every module runs (kernels/choice.py; the references by default)."""
+        """kernels: the implementations every module runs (gpu_kernels/choice.py; the references by default)."""
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
-        """What the modules were built with; its why_not notes feed the start-up report (kernels/fast_paths.py)."""
+        """What the modules were built with; its why_not notes feed the start-up report (gpu_kernels/fast_paths.py)."""
         d = cfg.hidden_size
         self.embedding = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
         self.embedding.param_init = {"weight": Normal(cfg.init_std)}

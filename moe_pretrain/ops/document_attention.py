@@ -10,7 +10,7 @@ with unequal dims SDPA silently takes its math path, which saves each document's
 (measured: ~doc length x heads floats per token). So the narrower of q/k and v is zero-padded to the
 wider and the output sliced back to Dv.
 This is the CPU path and the reference; on CUDA MLA does all documents in one FlexAttention call
-(kernels/flex_attention.py, kernels.attention).
+(gpu_kernels/flex_attention.py, kernels.attention).
 """
 
 import itertools

@@ -3,7 +3,7 @@
 Shape legend: R rows grouped by expert (counts[e] rows of expert e, in order), I in features, O out
 features, E experts. w_EOI is the experts' stacked weight, as the model stores it.
 
-Two implementations with one contract (the caller's `kernel`, fixed when the model is built: kernels/choice.py):
+Two implementations with one contract (the caller's `kernel`, fixed when the model is built: gpu_kernels/choice.py):
 - the grouped kernel, torch._grouped_mm, forward and backward (three grouped GEMMs; the weight gradient
   is the 2-D x 2-D form, one [O, I] block per expert, zeros for an expert with no rows). The group offsets
   stay on the device: no host sync on the token counts. torch's own autograd for it fails on CPU, hence

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.kda import fla_chunk_kda
+from gpu_kernels.kda import fla_chunk_kda
 from moe_pretrain.ops.norms import compute_dtype
 
 

@@ -1,5 +1,5 @@
 """MoE permute / unpermute: routed copies of tokens into expert order and back (the reference for
-kernels/permute.py, which the ops run with fused=True: Kernels.triton).
+gpu_kernels/permute.py, which the ops run with fused=True: Kernels.triton).
 
 Shape legend: T tokens, k experts per token, R = T * k routed copies in expert order, L row width.
 token_index [R]: the token each expert-order row copies. positions [T, k]: the expert-order row of copy j
@@ -13,7 +13,7 @@ def permute(x_TL: torch.Tensor, token_index: torch.Tensor, positions_TK: torch.T
             ) -> torch.Tensor:
     """[T, L] -> [R, L]: rows[r] = x[token_index[r]]. positions_TK only serves the kernel's backward."""
     if fused:
-        from kernels.permute import permute as kernel
+        from gpu_kernels.permute import permute as kernel
 
         return kernel(x_TL, token_index, positions_TK)
     return x_TL[token_index]
@@ -24,7 +24,7 @@ def unpermute(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: tor
     """[R, L] -> [T, L]: out[t] = sum_j weights[t, j] rows[positions[t, j]], in the rows' dtype (gradients
     flow to the rows and to the weights, which is how the router learns from the experts' outputs)."""
     if fused:
-        from kernels.permute import unpermute as kernel
+        from gpu_kernels.permute import unpermute as kernel
 
         return kernel(rows_RL, positions_TK, weights_TK)
     return (rows_RL[positions_TK] * weights_TK.to(rows_RL.dtype).unsqueeze(-1)).sum(1)

@@ -45,7 +45,7 @@ class _SiTUGLU(torch.autograd.Function):
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""What the fused kernel (kernels/situ_glu.py, Kernels.triton) takes; float64 stays here."""
+"""What the fused kernel (gpu_kernels/situ_glu.py, Kernels.triton) takes; float64 stays here."""
 
 
 def situ_glu(
@@ -58,7 +58,7 @@ def situ_glu(
     if beta <= 0 or linear_beta <= 0:
         raise ValueError(f"situ_glu: beta ({beta}) and linear_beta ({linear_beta}) must be positive")
     if fused and gate.dtype in _KERNEL_DTYPES:
-        from kernels.situ_glu import situ_glu as kernel
+        from gpu_kernels.situ_glu import situ_glu as kernel
 
         return kernel(gate, up, beta, linear_beta)
     return _SiTUGLU.apply(gate, up, beta, linear_beta)

@@ -19,7 +19,7 @@ HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "_
 DATA_DEPENDENT = frozenset({"nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount"})
 """Ops whose output's shape depends on the values (bincount: CUDA's reads the maximum to size its output)."""
 _ROOT = Path(__file__).resolve().parents[2]
-_PACKAGES = tuple(str(_ROOT / name) + "/" for name in ("moe_pretrain", "parallel", "kernels", "launch"))
+_PACKAGES = tuple(str(_ROOT / name) + "/" for name in ("moe_pretrain", "parallel", "gpu_kernels", "launch"))
 
 
 def _kind(func, args: tuple, kwargs: dict) -> str | None:

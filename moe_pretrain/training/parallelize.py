@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.choice import REFERENCES, Kernels
-from kernels.fast_paths import resolve as resolve_kernels
+from gpu_kernels.choice import REFERENCES, Kernels
+from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kernels.choice import Kernels
+from gpu_kernels.choice import Kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.checkpoint import GlobalState
 from moe_pretrain.checkpoint.export import model_tensor_metadata

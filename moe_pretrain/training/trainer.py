@@ -21,7 +21,7 @@ import torch.distributed as dist
 import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernels.fast_paths import resolve as resolve_kernels
+from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData

@@ -1,9 +1,9 @@
-"""FlexAttention (kernels/flex_attention.py) on CUDA, forward and backward, against the per-document SDPA
+"""FlexAttention (gpu_kernels/flex_attention.py) on CUDA, forward and backward, against the per-document SDPA
 reference: float32 within 1e-4 (outputs and gradients, relative rms), MLA's head dims (192 / 128)."""
 
 import torch
 
-from kernels.flex_attention import document_block_mask, flex_document_attention
+from gpu_kernels.flex_attention import document_block_mask, flex_document_attention
 from moe_pretrain.ops.document_attention import document_causal_attention
 from tests.helpers import rel_rms
 

@@ -1,6 +1,6 @@
 """Which fast paths a run's model is built with, and what they are: resolved once, then read from the model.
 
-resolve() turns the kernels and precision sections into a Kernels value (kernels/choice.py) for the run's
+resolve() turns the kernels and precision sections into a Kernels value (gpu_kernels/choice.py) for the run's
 device and compute dtype: auto picks the fast path where it runs, and a forced fast path or an FP8 recipe
 this machine cannot run is a ConfigError naming its key (never a silent fallback). The model is built with
 it (training/parallelize.build_model), and fast_paths() reads the choices back from the built modules, so
@@ -11,10 +11,10 @@ PyTorch references.
 import torch
 from torch import nn
 
-from kernels.choice import Kernels
-from kernels.flex_attention import flex_unavailable_reason
-from kernels.kda import fla_unavailable_reason
-from kernels.triton_support import triton_unavailable_reason
+from gpu_kernels.choice import Kernels
+from gpu_kernels.flex_attention import flex_unavailable_reason
+from gpu_kernels.kda import fla_unavailable_reason
+from gpu_kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.fp8 import RECIPES, fp8_unavailable_reason
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason

@@ -3,8 +3,8 @@
 A Kernels value travels into the module tree at construction (MoETransformer(cfg, kernels)): every module
 keeps the choices it uses and passes them to its ops as arguments, so a forward never consults
 process-wide state, two models with different choices live in one process, and the start-up report reads
-the choices from the built modules (kernels/fast_paths.py). The defaults are the PyTorch references (the
-grouped GEMM's `auto` asks the operands, see ops/grouped_mm.py); kernels/fast_paths.resolve turns a run's
+the choices from the built modules (gpu_kernels/fast_paths.py). The defaults are the PyTorch references (the
+grouped GEMM's `auto` asks the operands, see ops/grouped_mm.py); gpu_kernels/fast_paths.resolve turns a run's
 kernels and precision sections into the choices its device can run, refusing a forced one it cannot.
 """
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Kernels:
     triton: bool = False
-    """SiTU-GLU and the MoE permute / unpermute through our Triton kernels (kernels/situ_glu.py, permute.py)."""
+    """SiTU-GLU and the MoE permute / unpermute through our Triton kernels (gpu_kernels/situ_glu.py, permute.py)."""
     grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"
     """The routed experts' GEMMs: one torch._grouped_mm, one matmul per expert, or (auto) whichever the
     operands' device, dtype and widths allow (ops/grouped_mm.py)."""
