@@ -5,26 +5,59 @@ Column: input [B, T/tp, I] -> all-gather along T -> [B, T, I] @ W[O/tp rows]^T -
 Row:    input [B, T, I/tp] @ W[:, I/tp cols]^T -> partial [B, T, O] -> reduce-scatter -> [B, T/tp, O].
 Both take this rank's slice of the weight as it is (parallel/plan.py says which slice, and the model's
 initialisation draws its values): they add only the communication around the matmul.
+The column layers of one model share an InputGather, so an input several of them read (KDA's q, k, v, beta
+and gate projections; the MLP's gate and up) crosses the wire once each way, as megatron-core's fused QKV
+projection does.
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from parallel.collectives import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 
 
+class InputGather:
+    """All-gathers each sequence shard once, however many column-parallel layers read it.
+
+    The gathered tensor is remembered while its shard lives (keyed by identity, checked against the shard's
+    version, grad mode and autocast dtype, so an in-place change or a re-forward under recompute gathers
+    afresh); autograd sums the readers' gradients before the gather's single reduce-scatter. Under autocast
+    the shard is cast to the autocast dtype before it is sent: the matmul would cast it anyway, so the wire
+    carries bf16 (the precision megatron-core sends) instead of the fp32 residual stream.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._gathered = WeakIdKeyDictionary()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        key = (x._version, torch.is_grad_enabled(), dtype)
+        hit = self._gathered.get(x)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        wire = x.to(dtype) if x.is_floating_point() else x
+        gathered = gather_from_sequence_parallel(wire, self.group)
+        self._gathered[x] = (key, gathered)
+        return gathered
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup):
-        """linear: holding this rank's rows, weight [O/tp, I] and bias [O/tp]."""
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, gather: InputGather | None = None):
+        """linear: holding this rank's rows, weight [O/tp, I] and bias [O/tp]; gather: shared by the model's
+        column layers (a private one if not given)."""
         super().__init__()
         self.group = group
+        self.gather = gather or InputGather(group)
         self.weight = linear.weight
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(gather_from_sequence_parallel(x, self.group), self.weight, self.bias)
+        return F.linear(self.gather(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

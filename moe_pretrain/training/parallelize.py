@@ -32,9 +32,8 @@ from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
 from parallel.statistics import GroupStatistics
-from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_embedding
+from parallel.tensor_parallel import ColumnParallelLinear, InputGather, RowParallelLinear, vocab_parallel_embedding
 
-TP_MODULES = {Style.COLUMN: ColumnParallelLinear, Style.ROW: RowParallelLinear}
 SLAB_ELEMENTS = 1 << 22
 """Elements drawn at a time when materialising (float64: 32 MB)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -90,11 +89,14 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
             module_name, _, leaf = name.rpartition(".")
             model.get_submodule(module_name)._buffers[leaf] = torch.empty(local, dtype=buffer.dtype, device="meta")
     if layout.tp > 1:
+        gather = InputGather(ctx.tp_group)
         for path, module in list(model.named_modules()):
             style = plan.style(path)
-            if style in TP_MODULES and isinstance(module, nn.Linear):
+            if style in (Style.COLUMN, Style.ROW) and isinstance(module, nn.Linear):
                 parent, _, leaf = path.rpartition(".")
-                setattr(model.get_submodule(parent), leaf, TP_MODULES[style](module, ctx.tp_group))
+                parallel = ColumnParallelLinear(module, ctx.tp_group, gather) if style == Style.COLUMN \
+                    else RowParallelLinear(module, ctx.tp_group)
+                setattr(model.get_submodule(parent), leaf, parallel)
         model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
         model.sequence = SequenceParallel(ctx.tp_group)
     if layout.cp > 1:
