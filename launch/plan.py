@@ -99,8 +99,8 @@ def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float =
 
 
 def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> bool:
-    print(f"{'stage':8s} {'layout':29s} {'dp':>5s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'mixers':>7s} "
-          f"{'activ':>7s} {'a2a':>7s} {'qb':>7s} {'vision':>7s} {'total':>7s} {'host':>7s} {'fits':>5s} | "
+    columns = ("params", "grads", "optim", "copies", "mixers", "activ", "a2a", "qb", "vision", "total", "host")
+    print(f"{'stage':8s} {'layout':29s} {'dp':>5s} " + " ".join(f"{c:>7s}" for c in columns) + f" {'fits':>5s} | "
           f"GB sent/step: "
           f"{'tp':>6s} {'ep':>6s} {'pp':>6s} {'cp':>6s} {'dp':>6s}")
     all_fit = True
@@ -118,11 +118,11 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
         w, c = result["worst"], result["communication"]
         fits = within(result, capacity)
         all_fit &= fits
-        print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} {gigabytes(w['param_bytes'])} "
-              f"{gigabytes(w['grad_bytes'])} {gigabytes(w['optimizer_bytes'])} {gigabytes(w['mixer_state_bytes'])} "
-              f"{gigabytes(w['activation_bytes'])} {gigabytes(w['buffer_bytes'])} {gigabytes(w['balancing_bytes'])} "
-              f"{gigabytes(result['first']['vision_bytes'])} {gigabytes(w['total_bytes'])} "
-              f"{gigabytes(result['host_bytes'])} {'yes' if fits else 'NO':>5s} |               "
+        sizes = [w[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "compute_copy_bytes",
+                                "mixer_state_bytes", "activation_bytes", "buffer_bytes", "balancing_bytes")]
+        sizes += [result["first"]["vision_bytes"], w["total_bytes"], result["host_bytes"]]
+        print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} " + " ".join(map(gigabytes, sizes))
+              + f" {'yes' if fits else 'NO':>5s} |               "
               + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
         if w["muon_flops"]:
             print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step, its exchange "

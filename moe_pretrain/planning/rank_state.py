@@ -7,7 +7,10 @@ parameter's moments divided over its gradient-reduce group (data parallel for te
 parallel for replicated parameters, expert-data parallel for routed experts); with optim.name=muon, one
 momentum for the parameters Muon takes (training/muon_params.py), and Muon's work per step: its Newton-Schulz
 FLOPs and the bytes its exchange sends (parallel/muon.py), both per rank of the stage. The optimizer's master slice
-is a view of the parameters and costs nothing. Activations, communication buffers and the allocator's
+is a view of the parameters and costs nothing. Under bf16 autocast the routed experts' weights are also held
+in bf16 through each step's forwards and backwards (model/weight_casts.py, step_reuse.py: cast once, reused by
+every micro-batch), and under FP8 their quantized copies besides: "compute_copy_bytes", apart from the state
+because they are dropped before the optimizer step. Activations, communication buffers and the allocator's
 slack are not counted. Within a stage every rank holds the same amounts (even splits), so a stage's worst
 rank is any of them; the first global rank of the stage is reported (megatron-core orders ranks
 tp-cp-ep-dp-pp, so pipeline rank p starts at p x world / pp).
@@ -26,6 +29,16 @@ from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks, pipelin
 from parallel.state import ParallelLayout, resolve_layout
 
 PARAM_BYTES = {"bfloat16": 4, "float32": 4, "float64": 8}
+FP8_COPY_BYTES = 2
+"""Bytes per routed-expert weight element of its FP8 copies: one for the forward, one for the transposed copy
+the backward's dx = dy W reads (fp8/experts.py); scales are ignored. Not yet checked by a dry run."""
+
+
+def compute_copy_width(cfg: Config) -> int:
+    """Bytes each routed-expert weight element's per-step compute copies take (see the module docstring)."""
+    if cfg.train.dtype != "bfloat16":
+        return 0
+    return 2 + (FP8_COPY_BYTES if cfg.precision.fp8 != "off" else 0)
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -73,6 +86,8 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
     width = PARAM_BYTES[cfg.train.dtype]
     chunks = pipeline_chunks(cfg)
     params = [0] * layout.pp
+    experts = [0] * layout.pp
+    """Per stage: routed-expert weight elements (their compute copies)."""
     reduced = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
     muon = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
     """Per stage and reduction group: elements Muon takes (one momentum instead of two moments)."""
@@ -86,6 +101,7 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
         local = placement.local_shape(shape, layout.tp, layout.ep)
         numel = math.prod(local)
         params[pp_rank] += numel
+        experts[pp_rank] += numel if placement.expert_dim is not None else 0
         reduced[pp_rank][placement.reduce_group] += numel
         rule = muon_rule(name, torch.empty(local, device="meta"), cfg.model) if cfg.optim.name == "muon" else None
         if rule is not None:
@@ -112,7 +128,8 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                  "params": params[pp_rank], "param_bytes": params[pp_rank] * width,
                  "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width,
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
-                 "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width}
+                 "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
+                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg)}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
     return stages

@@ -187,11 +187,13 @@ class MemoryPlanner:
             # Muon's step runs after the backward freed the activations: the direction and two exchange buffers
             # (its momentum's size each: parallel/muon.py) and one batch's Newton-Schulz work.
             muon_step = 3 * state["muon_momentum_bytes"] + MUON_STEP_BYTES if state["muon_momentum_bytes"] else 0
-            total = state["total_bytes"] + max(act.peak + buffers + balancing + vision, muon_step)
+            copies = state["compute_copy_bytes"]
+            total = state["total_bytes"] + max(act.peak + buffers + balancing + vision + copies, muon_step)
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
-                   "balancing_bytes": balancing, "vision_bytes": vision, "total_bytes": total,
+                   "balancing_bytes": balancing, "vision_bytes": vision, "compute_copy_bytes": copies,
+                   "total_bytes": total,
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
                    "muon_step_bytes": muon_step}
             most_host = max(most_host, act.host)
