@@ -3,12 +3,12 @@
 and how long each dry run took here.
 
 Run: .venv/bin/python bench/dry_run.py [--config configs/full.yaml --config configs/stages/full.yaml]
-         [--gpus 2048] [--stage 8k ...] [--micro-batches 4] [--gpu h200]
+         [--gpus 2048] [--stage 8k ...] [--micro-batches 4] [--gpu h200] [--traces DIR]
 Defaults: the full-size model and schedule at 2048 GPUs, each stage's first step cut to parallel.pp
 micro-batches (a 1F1B pipeline's peak is set in its warm-up; the plan is computed for the same cut step),
 one rank per pipeline role. A full-width rank takes tens of CPU minutes per stage here; the smoke model
 (--config configs/smoke.yaml --config configs/stages/tiny.yaml parallel.tp=2 parallel.pp=2 parallel.ep=2
-train.dtype=bfloat16 --gpus 8) takes seconds. Ratios are traced / plan; the plan's memory is live tensor
+train.dtype=bfloat16 --gpus 4) takes seconds. Ratios are traced / plan; the plan's memory is live tensor
 bytes' counterpart (allocator slack, NCCL buffers and the CUDA context are in neither).
 """
 
@@ -20,24 +20,9 @@ import tempfile
 from pathlib import Path
 
 from moe_pretrain.config import add_config_arguments, load_config_or_exit
+from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import first_micro_batches
-from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
-
-COLUMNS = ("tp", "ep", "pp", "cp", "dp")
-
-
-def traced_columns(sent: dict[str, float]) -> dict[str, float]:
-    """The dry run's sent bytes per group, in the plan's columns (dp: every group that reduces gradients)."""
-    columns = dict.fromkeys(COLUMNS, 0.0)
-    for group, size in sent.items():
-        if group.startswith("cp"):
-            columns["cp"] += size
-        elif group in ("dp", "edp", "tp x dp"):
-            columns["dp"] += size
-        elif group in columns:
-            columns[group] += size
-    return columns
 
 
 def ratio(traced: float, planned: float) -> str:
@@ -51,6 +36,9 @@ def main() -> int:
     parser.add_argument("--stage", action="append", default=[], help="stage names (default: every stage)")
     parser.add_argument("--micro-batches", type=int, default=0, help="default: parallel.pp")
     parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
+                        help="keep each stage's dry run in DIR/<stage>.json and reuse one found there (the plan is "
+                             "computed afresh: to check a change of the plan against the code without tracing again)")
     args = parser.parse_intermixed_args()
     if not args.config and not args.config_items:
         args.config = ["configs/full.yaml", "configs/stages/full.yaml"]
@@ -64,31 +52,31 @@ def main() -> int:
     print(f"plan vs dry run at {args.gpus} x {args.gpu}, {run.describe()}, each stage's first {micro} "
           f"micro-batches; ratios traced / plan")
     print(f"{'stage':6s} {'rank':>5s} {'role':13s} {'GB plan':>8s} {'traced':>8s} {'ratio':>6s} | "
-          + " ".join(f"{c + ' GB':>8s} {'ratio':>6s}" for c in COLUMNS)
+          + " ".join(f"{c + ' GB':>8s} {'ratio':>6s}" for c in PLAN_COLUMNS)
           + f" | {'TFLOP':>8s} {'ratio':>6s} | {'step s':>7s} {'MFU':>6s} | {'here s':>6s}")
     for name in names:
         index = [s.name for s in cfg.stages].index(name)
         cut = first_micro_batches(cfg, index, micro)
         planner = MemoryPlanner(cut)
         planned = planner.stage(run, cut.stages[index], stage_layouts_of(cut)[index])
-        stage = cut.stages[index]
-        flops_planned = count(cut.model, stage.seq_len)["flops_per_token"] * stage.batch_tokens / args.gpus
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "traces.json"
-            subprocess.run([sys.executable, "-m", "launch.dryrun", *(f"--config={f}" for f in files), *overrides,
-                            "data.prefetch=false", "--gpus", str(args.gpus), "--stage", name,
-                            "--micro-batches", str(micro), "--gpu", args.gpu, "--json", str(out)],
-                           check=True, stdout=subprocess.DEVNULL)
+            out = (args.traces or Path(tmp)) / f"{name}.json"
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                subprocess.run([sys.executable, "-m", "launch.dryrun", *(f"--config={f}" for f in files),
+                                *overrides, "data.prefetch=false", "--gpus", str(args.gpus), "--stage", name,
+                                "--micro-batches", str(micro), "--gpu", args.gpu, "--json", str(out)],
+                               check=True, stdout=subprocess.DEVNULL)
             traces = json.loads(out.read_text())
         per_stage_rank = args.gpus // p.pp
         for trace in traces:
             row = planned["ranks"][trace["rank"] // per_stage_rank]
-            sent = traced_columns(trace["sent_bytes"])
-            comm = planned["communication"]
+            sent = plan_columns(trace["sent_bytes"])
+            comm = row["communication"]
             print(f"{name:6s} {trace['rank']:5d} {trace['role']:13s} {row['total_bytes'] / 1e9:8.2f} "
                   f"{trace['peak_bytes'] / 1e9:8.2f} {ratio(trace['peak_bytes'], row['total_bytes'])} | "
-                  + " ".join(f"{sent[c] / 1e9:8.3f} {ratio(sent[c], comm[c])}" for c in COLUMNS)
-                  + f" | {trace['flops'] / 1e12:8.1f} {ratio(trace['flops'], flops_planned)} | "
+                  + " ".join(f"{sent[c] / 1e9:8.3f} {ratio(sent[c], comm[c])}" for c in PLAN_COLUMNS)
+                  + f" | {trace['flops'] / 1e12:8.1f} {ratio(trace['flops'], row['flops'])} | "
                   f"{trace['step_s']:7.3f} {trace['mfu']:6.1%} | {trace['seconds']:6.0f}")
     return 0
 

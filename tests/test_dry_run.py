@@ -1,6 +1,7 @@
 """The dry run (launch/dryrun.py) plays a rank as the real run of the same layout does: the same live tensor
 bytes, FLOPs, collectives per group and host reads, rank by rank, against a gloo run of 8 processes routing
-as the dry run assumes (ops/host_values.routed)."""
+as the dry run assumes (ops/host_values.routed). The plan (planning/stage_memory.py) agrees with both on each
+rank's bytes sent per group and its FLOPs, within PLAN_TOLERANCE."""
 
 import dataclasses
 import json
@@ -12,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from launch.local import run_distributed
-from moe_pretrain.config import load_config
+from moe_pretrain.config import Config, StageConfig, load_config
 from moe_pretrain.planning.assumed_values import AssumedValues, apportion
+from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
 from parallel.collectives import gather_objects
-from parallel.state import destroy_parallel, init_parallel
+from parallel.state import derive_micro_batches, destroy_parallel, init_parallel
 
 BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.progress=false",
         "train.run_dir=/nonexistent"]
@@ -26,6 +29,7 @@ LAYOUTS = {
 }
 WORLD = 8
 PEAK_TOLERANCE = 0.02
+PLAN_TOLERANCE = 0.05
 
 
 def real_traces(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
@@ -46,6 +50,17 @@ def dry_traces(tmp_path, overrides: list[str], ranks: list[int]) -> dict[int, di
     return {trace["rank"]: trace for trace in json.loads(out.read_text())}
 
 
+def planned_ranks(cfg: Config) -> list[dict]:
+    """The plan of the unstaged run as its one stage: each pipeline rank's row (MemoryPlanner.stage)."""
+    batch = cfg.data.batch_size * cfg.data.seq_len
+    stage = StageConfig(name="run", tokens=batch * cfg.train.steps, seq_len=cfg.data.seq_len, batch_tokens=batch,
+                        micro_batches=derive_micro_batches(cfg)[0][0])
+    staged = dataclasses.replace(cfg, stages=[stage])
+    p = cfg.parallel
+    return MemoryPlanner(staged).stage(RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp), stage,
+                                       stage_layouts_of(staged)[0])["ranks"]
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
@@ -64,6 +79,12 @@ def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
             assert got[state] == want[state], (rank, state)
         assert got["peak_bytes"] == pytest.approx(want["peak_bytes"], rel=PEAK_TOLERANCE), rank
         assert got["state_bytes"] == pytest.approx(want["state_bytes"], rel=PEAK_TOLERANCE), rank
+    plan = planned_ranks(load_config("configs/smoke.yaml", [*BASE, *overrides]))
+    for rank in ranks:
+        row, sent = plan[rank // (WORLD // (2 if "pp2" in layout else 1))], plan_columns(dry[rank]["sent_bytes"])
+        for column in PLAN_COLUMNS:
+            assert sent[column] == pytest.approx(row["communication"][column], rel=PLAN_TOLERANCE), (rank, column)
+        assert dry[rank]["flops"] == pytest.approx(row["flops"], rel=PLAN_TOLERANCE), rank
 
 
 def test_the_assumed_routing_sends_what_each_rank_receives():

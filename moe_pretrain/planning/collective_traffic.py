@@ -99,3 +99,21 @@ class CollectiveTraffic(TorchDispatchMode):
             self.bytes[key] += payload
             self.bytes_by_site[(*key, project_site((_PLANNING, _COLLECTIVES)))] += payload
         return func(*args, **(kwargs or {}))
+
+
+PLAN_COLUMNS = ("tp", "ep", "pp", "cp", "dp")
+"""launch.plan's communication columns."""
+
+
+def plan_columns(sent: dict[str, float]) -> dict[str, float]:
+    """Sent bytes by group (CollectiveTraffic.sent_bytes) in launch.plan's columns: cp takes every context-
+    parallel group, dp every group that reduces gradients or the balancers' statistics."""
+    columns = dict.fromkeys(PLAN_COLUMNS, 0.0)
+    for group, size in sent.items():
+        if group.startswith("cp"):
+            columns["cp"] += size
+        elif group in ("dp", "edp", "tp x dp"):
+            columns["dp"] += size
+        elif group in columns:
+            columns[group] += size
+    return columns

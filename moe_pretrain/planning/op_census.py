@@ -1,7 +1,8 @@
 """The FLOPs and kernel launches of the aten ops a piece of code runs (the dry run's meter, and a real run's).
 
 FLOPs come from torch's formulas (torch.utils.flop_counter's registry: matrix products, convolutions,
-scaled products, flash and flex attention) and ours for what it lacks (the experts' grouped products),
+scaled products, flash and flex attention) and ours for what it lacks (the experts' grouped products, SDPA's
+CPU kernel),
 evaluated on each op's shapes, so fake tensors count as real ones do. FlopCounterMode itself is not used:
 its module tracker hooks every module's forward and fails on modules called inside an autograd.Function's
 forward (MLA's latent exchange expands keys so), and it decomposes ops it has no formula for, which changes
@@ -16,7 +17,7 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from moe_pretrain.planning.step_time import GpuSpec
 from parallel.collectives import inside_backend
@@ -33,7 +34,25 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> int:
     return 2 * a.numel() * b.shape[-1]
 
 
-EXTRA_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+def _cpu_attention_flops(query, key, value, dropout_p=0.0, is_causal=False, **kwargs) -> int:
+    """SDPA's CPU kernel (the per-document reference MLA and the vision tower take off a GPU), which torch's
+    registry lacks: its formula for the other SDPA kernels, halved when causal (the masked half is skipped,
+    as the causal GPU kernels skip it; the plan counts causal attention so)."""
+    flops = sdpa_flop_count(query.shape, key.shape, value.shape)
+    return flops // 2 if is_causal else flops
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False,
+                                  **kwargs) -> int:
+    flops = sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return flops // 2 if is_causal else flops
+
+
+EXTRA_FORMULAS = {
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
 """FLOP formulas torch's registry lacks, on the op's arguments."""
 
 _NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",

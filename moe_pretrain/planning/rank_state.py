@@ -129,7 +129,8 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                  "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width,
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
-                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg)}
+                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg),
+                 "reduce_groups": [(group_size[g], n * width) for g, n in reduced[pp_rank].items()]}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
     return stages

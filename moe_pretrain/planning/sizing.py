@@ -91,6 +91,95 @@ def moe_params(d: int, c: MoEConfig) -> dict[str, int]:
     }
 
 
+def mixing_flops_per_token(cfg: ModelConfig, index: int, seq_len: int) -> float:
+    """Training FLOPs per token of layer `index`'s sequence mixing beyond its projections (module docstring)."""
+    if cfg.layer_kind(index) == "mla":
+        m = cfg.mla
+        return 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len / 2
+    k = cfg.kda
+    C, K, V = k.chunk_size, k.head_dim, k.head_dim
+    return 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
+
+
+def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int) -> float:
+    """Training FLOPs per token of decoder layer `index` (a multi-token-prediction block's from num_layers on):
+    6 per parameter a token multiplies (of the routed experts, its top_k), its norms and AttnRes mixes
+    included, plus its sequence mixing."""
+    d = cfg.hidden_size
+    params = 3 * 2 * d + (kda_params(d, cfg.kda) if cfg.layer_kind(index) == "kda" else mla_params(d, cfg.mla))
+    if cfg.is_moe_layer(index):
+        moe = moe_params(d, cfg.moe)
+        params += moe["router"] + moe["latent_projections"] + moe["shared_experts"]
+        params += cfg.moe.top_k * routed_expert_params(cfg.moe)
+    else:
+        params += situ_glu_params(d, cfg.dense_intermediate)
+    return 6 * params + mixing_flops_per_token(cfg, index, seq_len)
+
+
+def ends_params(cfg: ModelConfig, last: bool) -> int:
+    """Parameters multiplying activations outside the decoder layers, per token, on the first pipeline stage
+    (none: the embedding is a lookup, the vision tower acts on patches) or the last: the final mix and norm,
+    the head once per head call (the backbone's and each multi-token-prediction block's) and the blocks'
+    own projections and norms."""
+    if not last:
+        return 0
+    d = cfg.hidden_size
+    return 3 * d + (1 + cfg.mtp.layers) * d * cfg.vocab_size + cfg.mtp.layers * (2 * d * d + 3 * d)
+
+
+def final_projection_params(cfg: ModelConfig, index: int) -> int:
+    """The weights of layer `index`'s last matmul: the dense MLP's or the shared experts' down projection, or
+    the MoE's latent up projection without shared experts."""
+    d = cfg.hidden_size
+    if not cfg.is_moe_layer(index):
+        return cfg.dense_intermediate * d
+    if cfg.moe.num_shared_experts:
+        return cfg.moe.num_shared_experts * cfg.moe.shared_intermediate * d
+    return cfg.moe.latent_size * d
+
+
+LATENT_KEY_BLOCK = 1024
+"""ops.latent_attention's key block: the diagonal block of a query tile is computed whole."""
+
+
+def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, recompute: str, rows: int) -> float:
+    """What MLA's latent exchange (context parallelism by the latent, ops/latent_attention.py) adds per local
+    token over the plain layer: each rank expands the keys and values of all cp x its positions (the kv
+    up-projection: forward, again in the backward, and its two gradient products; once more for full
+    recomputation) instead of its own, and the score tiles are whole key blocks of the micro-batch's `rows`
+    rows flattened, so a query meets half a block more keys than the causal half, or every key of the
+    micro-batch when one block holds them all."""
+    a = cfg.mla
+    up = a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    passes = 10 if recompute == "full" else 8
+    expand = passes * cp * up - (8 if recompute == "full" else 6) * up
+    keys = rows * seq_len if rows * seq_len <= LATENT_KEY_BLOCK else min(seq_len, (seq_len + LATENT_KEY_BLOCK) / 2)
+    tiles = (3.5 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
+             * (keys - seq_len / 2))
+    return expand + tiles * (4 / 3.5 if recompute == "full" else 1.0)
+
+
+def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
+                          cp: int = 1, mla: str = "ulysses", rows: int = 1) -> float:
+    """FLOPs a pipeline stage spends per token of its micro-batches: its layers', and the last stage's ends.
+    Full recomputation runs each layer's forward again up to its last saved input (torch.utils.checkpoint
+    stops early), i.e. all but the last matmul; selective recomputes the sequence mixing's forward. Under
+    context parallelism by the latent (mla="latent", cp > 1) MLA layers add latent_exchange_flops_per_token
+    (`rows`: the micro-batch's sequences)."""
+    flops = sum(layer_flops_per_token(cfg, i, seq_len) for i in layers)
+    if recompute == "full":
+        flops += sum(layer_flops_per_token(cfg, i, seq_len) / 3 - 2 * final_projection_params(cfg, i)
+                     for i in layers)
+    elif recompute == "selective":
+        flops += sum(mixing_flops_per_token(cfg, i, seq_len) for i in layers) / 3
+    mla_layers = [i for i in layers if cfg.layer_kind(i) == "mla"]
+    # Attention's backward recomputes the scores: 2.5 forwards, not 2 (torch's FLOP formulas count it so).
+    flops += sum(mixing_flops_per_token(cfg, i, seq_len) / 6 for i in mla_layers)
+    if cp > 1 and mla == "latent":
+        flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows)
+    return flops + 6 * ends_params(cfg, last)
+
+
 def count(cfg: ModelConfig, seq_len: int) -> dict:
     d = cfg.hidden_size
     per_layer_vectors = 3 * 2 * d  # two AttnRes mixes (query + norm weight) and two pre-norms
@@ -124,17 +213,10 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
     idle_experts = moe_layers * (cfg.moe.num_experts - cfg.moe.top_k) * routed_expert_params(cfg.moe)
     active = total - idle_experts
 
-    kda_layers = sum(cfg.layer_kind(i) == "kda" for i in layers)
-    mla_layers = len(layers) - kda_layers
-    m = cfg.mla
-    mla_flops = 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len / 2
-    k = cfg.kda
-    C, K, V = k.chunk_size, k.head_dim, k.head_dim
-    kda_flops = 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
-    # The shared head runs once more per multi-token-prediction block.
-    matmul_active = active - breakdown["embedding"] - breakdown["vision_tower"] - breakdown["mm_projector"] \
-        + cfg.mtp.layers * breakdown["head"]
-    flops = 6 * matmul_active + mla_layers * mla_flops + kda_layers * kda_flops
+    layer_flops = [layer_flops_per_token(cfg, i, seq_len) for i in layers]
+    mixing = [mixing_flops_per_token(cfg, i, seq_len) for i in layers]
+    flops = sum(layer_flops) + 6 * ends_params(cfg, last=True)
+    kda = sum(f for i, f in zip(layers, mixing) if cfg.layer_kind(i) == "kda")
     return {
         "total_params": total,
         "active_params": active,
@@ -143,9 +225,9 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
         "moe_layers": moe_layers,
         "breakdown": breakdown,
         "flops_breakdown": {
-            "dense_matmuls": 6 * matmul_active,
-            "mla_attention": mla_layers * mla_flops,
-            "kda_mixing": kda_layers * kda_flops,
+            "dense_matmuls": flops - sum(mixing),
+            "mla_attention": sum(mixing) - kda,
+            "kda_mixing": kda,
         },
     }
 

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
 from moe_pretrain.data.image_size import run_max_pixels
-from moe_pretrain.planning.balancing_state import balancing_bytes
-from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
+from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
+from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
+from moe_pretrain.planning.rank_state import PARAM_BYTES, parameter_shapes, stage_state_bytes
+from moe_pretrain.planning.sizing import stage_flops_per_token
 from moe_pretrain.planning.step_activations import (
     LayerActivations,
     activation_bytes,
@@ -32,9 +34,10 @@ from moe_pretrain.planning.step_activations import (
     layer_activations,
     vision_activations,
 )
+from moe_pretrain.planning.tensor_parallel_traffic import ring_share, tensor_parallel_bytes
 from parallel.context_parallel import mla_exchange
 from parallel.muon import BATCH_ELEMENTS
-from parallel.plan import ShardingPlan
+from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelLayout, derive_micro_batches
 
 GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
@@ -76,10 +79,6 @@ class StageLayout:
         kept = f"/{self.saved_inputs}" if self.saved_inputs != "device" else ""
         return f"cp={self.cp}{' latent' if self.cp > 1 and self.mla == 'latent' else ''} {self.recompute}{kept} " \
                f"M={self.micro_batches}"
-
-
-def _sent(size: int, nbytes: float) -> float:
-    return nbytes * (size - 1) / size if size > 1 else 0.0
 
 
 def within(result: dict, gpu_bytes: float, headroom: float = 0.0) -> bool:
@@ -148,8 +147,8 @@ class MemoryPlanner:
         return found
 
     def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> dict:
-        """The worst pipeline rank's bytes (and every pipeline rank's: "ranks") and every GPU's communication
-        for one stage."""
+        """The worst pipeline rank's bytes (and every pipeline rank's: "ranks", each with its GPUs'
+        communication) and the busiest pipeline rank's communication, for one stage."""
         cfg, states = self._run_state(run)
         m = cfg.model
         dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
@@ -195,15 +194,19 @@ class MemoryPlanner:
                    "balancing_bytes": balancing, "vision_bytes": vision, "compute_copy_bytes": copies,
                    "total_bytes": total,
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
-                   "muon_step_bytes": muon_step}
+                   "muon_step_bytes": muon_step,
+                   "communication": self.communication(cfg, run, stage, layout, tokens, state),
+                   "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
+                       m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows)}
             most_host = max(most_host, act.host)
             ranks.append(row)
             if worst is None or total > worst["total_bytes"]:
                 worst = row
             if p == 0:
                 first = row
+        busiest = max((r["communication"] for r in ranks), key=lambda sent: sum(sent.values()))
         return {"worst": worst, "first": first, "ranks": ranks, "host_bytes": most_host, "dp": dp,
-                "rows_per_micro": rows, "communication": self.communication(cfg, run, stage, layout, tokens, states)}
+                "rows_per_micro": rows, "communication": busiest}
 
     def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
                      act_bytes: int, tp: int) -> float:
@@ -218,32 +221,40 @@ class MemoryPlanner:
         return patches * (saved * act_bytes * in_flight + transient * 4)
 
     def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
-                      tokens: int, states: list[dict]) -> dict:
-        """Bytes one GPU of the busiest pipeline rank sends per optimizer step, per group."""
+                      tokens: int, state: dict) -> dict:
+        """Bytes one GPU of a pipeline rank (its state: rank_state.stage_state_bytes) sends per optimizer step,
+        per group."""
         m, M = cfg.model, layout.micro_batches
         b = ACTIVATION_BYTES[cfg.train.dtype]
-        state = max(states, key=lambda s: len(s["layers"]))
-        layers = state["layers"]
+        p = state["pp_rank"]
+        first, last = p == 0, p == run.pp - 1
+        # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
+        layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * last
         passes = 3 if layout.recompute == "full" else 2  # forward, backward (+ the re-forward)
-        d = m.hidden_size
-        tp = M * len(layers) * passes * 4 * _sent(run.tp, tokens * d * b)
+        tp = M * tensor_parallel_bytes(m, layers, tokens, run.tp, b, passes, first, last)
         moe = sum(m.is_moe_layer(i) for i in layers)
-        ep = M * moe * passes * 2 * _sent(run.ep, m.moe.top_k * tokens / run.tp * m.moe.latent_size * b)
-        entries = 2 + m.num_layers // m.attn_res.block_size
-        pp = M * run.vpp * 2 * entries * tokens / run.tp * d * b if run.pp > 1 else 0.0
+        ep = M * moe * passes * 2 * ring_share(run.ep, m.moe.top_k * tokens / run.tp * m.moe.latent_size * b)
+        chunks = pipeline_chunks(cfg)
+        pp = M * pipeline_bytes(m, chunks, chunks_of_rank(len(chunks), run.pp, p), tokens / run.tp,
+                                PARAM_BYTES[cfg.train.dtype], b)
         mla = sum(m.layer_kind(i) == "mla" for i in layers)
         kda = len(layers) - mla
         a, k = m.mla, m.kda
         head_dims = 3 * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.v_head_dim
         if layout.mla == "latent":  # all-gather of the latent forward (and re-forward), reduce-scatter back
-            mla_bytes = passes * _sent(layout.cp, layout.cp * tokens * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
+            mla_bytes = passes * ring_share(layout.cp, layout.cp * tokens * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
         else:
-            mla_bytes = passes * 2 * _sent(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
-        kda_bytes = passes * _sent(layout.cp, 2 * layout.cp * k.num_heads / run.tp * k.head_dim * 2 * k.head_dim
-                                   * 4 * tokens * layout.cp / stage.seq_len)
+            mla_bytes = passes * 2 * ring_share(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
+        # KDA: every fragment's fp32 state summary [H, K, K + V], and the halos of its q, k, v convolutions.
+        rows = tokens * layout.cp / stage.seq_len
+        inner = k.num_heads / run.tp * k.head_dim
+        kda_bytes = passes * ring_share(layout.cp, 2 * layout.cp * rows * inner * 2 * k.head_dim * 4) \
+            + passes * ring_share(layout.cp, 3 * 2 * layout.cp * rows * (k.conv_size - 1) * inner * b)
         cp = M * (mla * mla_bytes + kda * kda_bytes)
-        dp_cp = run.gpus // (run.tp * run.pp)
-        dp = 2 * _sent(dp_cp, state["param_bytes"]) + state["muon_exchange_bytes"]
+        # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
+        # balancers' statistics all-reduced over tensor x data x context parallel.
+        dp = sum(2 * ring_share(size, nbytes) for size, nbytes in state["reduce_groups"]) + state["muon_exchange_bytes"]
+        dp += 2 * ring_share(run.gpus // run.pp, reduced_bytes(m.moe, moe))
         return {"tp": tp, "ep": ep, "pp": pp, "cp": cp, "dp": dp}
 
     def fits(self, run: RunLayout, stage: StageConfig, layout: StageLayout, gpu_bytes: float,

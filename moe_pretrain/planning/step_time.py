@@ -44,9 +44,9 @@ def sent_share(op: str, n: int) -> float:
         return 2 * (n - 1) / n
     if op.startswith(("allgather", "_allgather", "reduce_scatter", "_reduce_scatter", "alltoall")):
         return (n - 1) / n
-    if op.startswith(("send", "recv", "broadcast")):
+    if op.startswith(("send", "broadcast")):
         return 1.0
-    return 0.0  # barrier, monitored barrier
+    return 0.0  # a receive (its sender counts the bytes, and the link is full duplex), a barrier
 
 
 def collective_seconds(op: str, payload: int, ranks: list[int], cluster: ClusterConfig) -> float:
