@@ -70,6 +70,7 @@ class StepTrace:
     launches: int
     """aten ops that compute (planning/op_census.py): kernel launches on a GPU."""
     launches_by_op: dict[str, int] = field(default_factory=dict)
+    flops_by_op: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Group -> (calls, payload bytes) in the step."""
     sent_bytes: dict[str, float] = field(default_factory=dict)
@@ -164,7 +165,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
                      optimizer.grad_bytes(),
                      optimizer.state_bytes(), ops.flops, ops.launches,
-                     dict(sorted(ops.launches_by_op.items())),
+                     dict(sorted(ops.launches_by_op.items())), dict(ops.flops_by_op.most_common()),
                      traffic.by_group(), traffic.sent_bytes(),
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},

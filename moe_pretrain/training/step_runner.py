@@ -26,6 +26,7 @@ from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
 from moe_pretrain.training.pipeline import Pipeline, StepShape
 from parallel.image_split import placed_images
 from parallel.state import ParallelContext
+from parallel.torch_compat import without_outputs
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -173,7 +174,10 @@ class StepRunner:
         self._pipeline_score = score
         try:
             with self.autocast(), reused_in_step():
-                (schedule.step if train else schedule.eval)(*args, target=target, losses=losses)
+                if train:
+                    schedule.step(*args, target=target, losses=losses, **without_outputs(schedule.step))
+                else:
+                    schedule.eval(*args, target=target, losses=losses)
         finally:
             self._pipeline_score = None
         if not pipeline.holds_last or self.ctx.tp_rank != 0:
