@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from moe_pretrain.step_reuse import autocast_weight
 from parallel.collectives import gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel
 
 
@@ -57,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.gather(x), self.weight, self.bias)
+        return F.linear(self.gather(x), autocast_weight(self.weight), autocast_weight(self.bias))
 
 
 class RowParallelLinear(nn.Module):
@@ -70,7 +71,7 @@ class RowParallelLinear(nn.Module):
         self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_scatter_to_sequence_parallel(F.linear(x, self.weight), self.group)
+        return reduce_scatter_to_sequence_parallel(F.linear(x, autocast_weight(self.weight)), self.group)
 
 
 def vocab_parallel_embedding(embedding: nn.Embedding, group: dist.ProcessGroup) -> nn.Module:

@@ -86,3 +86,26 @@ def test_bf16_recomputation_reuses_the_steps_copies_and_trains_identically(tmp_p
     for mode in ("selective", "full"):
         assert runs[mode][0] == runs["none"][0], mode
         assert all(torch.equal(runs[mode][1][k], v) for k, v in runs["none"][1].items()), mode
+
+
+def test_each_weight_gradient_reaches_its_master_as_its_layer_finishes_backward():
+    """The step's bf16 copies (step_reuse.cast_for_step) give every use its own cast node, so a layer's weight
+    gradient is accumulated into the fp32 master as soon as that layer's backward is done; one shared cast node
+    (autocast's cache, or a cast made at the step's first use) runs after every other node, holding each
+    layer's bf16 weight gradient until the backward ends (about 20 GB per rank at full size)."""
+    from moe_pretrain.model.linear import make_linear
+    from moe_pretrain.step_reuse import reused_in_step
+
+    layers = [make_linear(16, 16) for _ in range(3)]
+    events = []
+    for i, layer in enumerate(layers):
+        layer.weight.register_post_accumulate_grad_hook(lambda p, i=i: events.append(f"weight {i}"))
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), reused_in_step():
+        for _ in range(2):  # two micro-batches share the step's copies
+            h = x
+            for i, layer in enumerate(layers):
+                h = torch.tanh(layer(h))
+                h.register_hook(lambda grad, i=i: events.append(f"layer {i}"))
+            h.float().sum().backward()
+    assert events == 2 * ["layer 2", "weight 2", "layer 1", "weight 1", "layer 0", "weight 0"], events

@@ -44,7 +44,7 @@ class GroupedExperts(nn.Module):
         weights = (self.w_gate, self.w_up, self.w_down)
         if not torch.is_autocast_enabled(device_type):
             return weights
-        return cast_weights(self, weights, torch.get_autocast_dtype(device_type))
+        return cast_weights(weights, torch.get_autocast_dtype(device_type))
 
     def forward(self, x_RL: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_RL: rows grouped by expert; counts [E] rows per expert (summing to R) -> [R, L].

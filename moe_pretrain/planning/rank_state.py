@@ -7,10 +7,13 @@ parameter's moments divided over its gradient-reduce group (data parallel for te
 parallel for replicated parameters, expert-data parallel for routed experts); with optim.name=muon, one
 momentum for the parameters Muon takes (training/muon_params.py), and Muon's work per step: its Newton-Schulz
 FLOPs and the bytes its exchange sends (parallel/muon.py), both per rank of the stage. The optimizer's master slice
-is a view of the parameters and costs nothing. Under bf16 autocast the routed experts' weights are also held
-in bf16 through each step's forwards and backwards (model/weight_casts.py, step_reuse.py: cast once, reused by
-every micro-batch), and under FP8 their quantized copies besides: "compute_copy_bytes", apart from the state
-because they are dropped before the optimizer step. Activations, communication buffers and the allocator's
+is a view of the parameters and costs nothing. Under bf16 autocast the matmuls' weights are also held in bf16
+through each step's forwards and backwards: every linear layer's but the routers' (which run in fp32) in
+autocast's cast cache, which lives as long as the trainer's autocast region around the whole step, and the
+routed experts' stacked weights (model/weight_casts.py, step_reuse.py: cast once, reused by every
+micro-batch), with their FP8 copies besides under FP8: "compute_copy_bytes", apart from the state because
+they are dropped before the optimizer step (in effect megatron-core's bf16 parameters beside fp32 masters).
+Activations, communication buffers and the allocator's
 slack are not counted. Within a stage every rank holds the same amounts (even splits), so a stage's worst
 rank is any of them; the first global rank of the stage is reported (megatron-core orders ranks
 tp-cp-ep-dp-pp, so pipeline rank p starts at p x world / pp).
@@ -20,6 +23,7 @@ import copy
 import math
 
 import torch
+from torch import nn
 
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
@@ -77,6 +81,22 @@ def parameter_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+_AUTOCAST_WEIGHTS: dict[str, frozenset[str]] = {}
+"""autocast_weights by the model config's text: the layout search asks once per run layout."""
+
+
+def autocast_weights(cfg: Config) -> frozenset[str]:
+    """Names of the parameters autocast casts (and caches) for the matmuls: every nn.Linear's weight but the
+    routers' (see the module docstring)."""
+    key = repr(cfg.model)
+    if key not in _AUTOCAST_WEIGHTS:
+        with torch.device("meta"):
+            model = MoETransformer(cfg.model)
+        _AUTOCAST_WEIGHTS[key] = frozenset(f"{path}.weight" for path, module in model.named_modules()
+                                           if isinstance(module, nn.Linear) and not path.endswith("router.gate"))
+    return _AUTOCAST_WEIGHTS[key]
+
+
 def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: ParallelLayout) -> list[dict]:
     """Per pipeline rank: parameters, gradients and ZeRO-1 Adam moments of its worst (any) rank."""
     plan = ShardingPlan()
@@ -88,6 +108,9 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
     params = [0] * layout.pp
     experts = [0] * layout.pp
     """Per stage: routed-expert weight elements (their compute copies)."""
+    copied = [0] * layout.pp
+    """Per stage: linear weights' elements (autocast's copies)."""
+    linear = autocast_weights(cfg) if cfg.train.dtype == "bfloat16" else frozenset()
     reduced = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
     muon = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
     """Per stage and reduction group: elements Muon takes (one momentum instead of two moments)."""
@@ -102,6 +125,7 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
         numel = math.prod(local)
         params[pp_rank] += numel
         experts[pp_rank] += numel if placement.expert_dim is not None else 0
+        copied[pp_rank] += numel if name in linear else 0
         reduced[pp_rank][placement.reduce_group] += numel
         rule = muon_rule(name, torch.empty(local, device="meta"), cfg.model) if cfg.optim.name == "muon" else None
         if rule is not None:
@@ -129,7 +153,7 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                  "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width,
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
-                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg),
+                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg) + copied[pp_rank] * 2,
                  "reduce_groups": [(group_size[g], n * width) for g, n in reduced[pp_rank].items()]}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
