@@ -153,11 +153,10 @@ def test_stages_change_context_parallel_in_place(uninterrupted, tmp_path):
 @pytest.mark.timeout(120)
 def test_plan_prints_the_schedule_and_its_memory(capsys):
     """The full-size schedule on its stated layout (configs/stages/full.yaml: 2048 H200, tp 4 x pp 4, MLA's
-    latent exchange under cp): every stage valid and fitting, 1M included (it did not with Ulysses' cap), 8K
-    with 10% headroom (with the layers split evenly, the vision tower's first stage took the plan past it: the
-    plan must follow the config's parallel.pipeline_layers). The longer stages lost their headroom when the
-    plan learnt of the routed experts' bf16 copies (rank_state.compute_copy_width); the dry run traces more
-    than the plan on every stage (docs/planning.md), so the layout is re-chosen once the two agree."""
+    latent exchange under cp): every stage valid and fitting, 1M included (it did not with Ulysses' cap). With
+    the weights' bf16 copies and the gradient shards counted (issue 40; the plan then agreed with the 8K dry
+    run within 2%), the longer stages needed twice the cp and micro-batches, and every stage keeps 8% of the
+    GPU, not the 10% --propose asks for: the layout is to be re-chosen (configs/stages/full.yaml)."""
     from launch.plan import main
 
     code = main(["--config", "configs/full.yaml", "--config", "configs/stages/full.yaml", "--gpus", "2048"])
@@ -169,10 +168,10 @@ def test_plan_prints_the_schedule_and_its_memory(capsys):
     memory = out.split("memory per GPU")[1]
     verdicts = {line.split()[0]: line.split("|")[0].split()[-1] for line in memory.splitlines()[2:] if "|" in line}
     assert verdicts == {"8k": "yes", "64k": "yes", "256k": "yes", "1m": "yes"}, memory
-    assert "\n1m       cp=64 latent full M=32 " in memory
+    assert "\n1m       cp=128 latent full M=64 " in memory
     assert memory.splitlines()[1].split("|")[0].split()[-3:] == ["total", "host", "fits"]
     totals = [float(line.split("|")[0].split()[-3]) for line in memory.splitlines()[2:] if "|" in line]
-    assert len(totals) == 4 and totals[0] <= 0.9 * 141 and max(totals) <= 141, memory
+    assert len(totals) == 4 and max(totals) <= 0.92 * 141, memory
 
 
 @pytest.mark.timeout(120)
@@ -200,7 +199,8 @@ def test_full_schedule_validates_on_its_stated_layout():
     layout = resolve_layout(cfg, 2048)
     assert (layout.tp, layout.pp, layout.ep) == (4, 4, 128)
     assert cfg.parallel.pipeline_layers == [22, 25, 25, 21]  # the first holds the tower, the last the MTP block
-    assert [stage.cp for stage in cfg.stages] == [1, 4, 16, 64]
+    assert [stage.cp for stage in cfg.stages] == [1, 8, 32, 128]
+    assert [stage.micro_batches for stage in cfg.stages] == [64, 64, 64, 64]
 
 
 def test_stage_rope_base_reaches_the_mla_layers(tmp_path):

@@ -13,7 +13,8 @@ autocast's cast cache, which lives as long as the trainer's autocast region arou
 routed experts' stacked weights (model/weight_casts.py, step_reuse.py: cast once, reused by every
 micro-batch), with their FP8 copies besides under FP8: "compute_copy_bytes", apart from the state because
 they are dropped before the optimizer step (in effect megatron-core's bf16 parameters beside fp32 masters).
-Activations, communication buffers and the allocator's
+The reduce-scattered gradient shards the optimizer steps with ("grad_shard_bytes") live from the last
+backward to the step's end. Activations, communication buffers and the allocator's
 slack are not counted. Within a stage every rank holds the same amounts (even splits), so a stage's worst
 rank is any of them; the first global rank of the stage is reported (megatron-core orders ranks
 tp-cp-ep-dp-pp, so pipeline rank p starts at p x world / pp).
@@ -154,7 +155,8 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
                  "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg) + copied[pp_rank] * 2,
-                 "reduce_groups": [(group_size[g], n * width) for g, n in reduced[pp_rank].items()]}
+                 "reduce_groups": [(group_size[g], n * width) for g, n in reduced[pp_rank].items()],
+                 "grad_shard_bytes": sum(math.ceil(n / group_size[g]) for g, n in reduced[pp_rank].items()) * width}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)
     return stages

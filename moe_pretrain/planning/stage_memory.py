@@ -164,10 +164,10 @@ class MemoryPlanner:
                 in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)
             # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
             layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * (p == run.pp - 1)
-            act = activation_bytes(m, layers, layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
-                                   in_flight=in_flight, last=p == run.pp - 1,
-                                   layer_of=lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp),
-                                   saved_inputs=layout.saved_inputs)
+            # The warm-up's micro-batches in flight, and the last backward's one.
+            act, tail = (activation_bytes(m, layers, layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
+                                          in_flight=flight, last=p == run.pp - 1, layer_of=self._layer_of(layout, run),
+                                          saved_inputs=layout.saved_inputs) for flight in (in_flight, 1))
             moe_layers = [i for i in layers if m.is_moe_layer(i)]
             buffers = 0.0
             if run.ep > 1 and moe_layers:
@@ -187,12 +187,19 @@ class MemoryPlanner:
             # (its momentum's size each: parallel/muon.py) and one batch's Newton-Schulz work.
             muon_step = 3 * state["muon_momentum_bytes"] + MUON_STEP_BYTES if state["muon_momentum_bytes"] else 0
             copies = state["compute_copy_bytes"]
-            total = state["total_bytes"] + max(act.peak + buffers + balancing + vision + copies, muon_step)
+            # The gradients' reduce-scatters start in the last micro-batch's backward (one in flight), and their
+            # shards live until the optimizer has stepped.
+            shards = state["grad_shard_bytes"]
+            last_backward = tail.peak + (
+                self.vision_bytes(stage, layout, rows, 1, act_bytes, run.tp) if p == 0 else 0.0)
+            total = state["total_bytes"] + max(act.peak + buffers + balancing + vision + copies,
+                                               last_backward + buffers + balancing + copies + shards,
+                                               muon_step + shards)
             row = {"pp_rank": p, "param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                    "optimizer_bytes": state["optimizer_bytes"], "mixer_state_bytes": act.mixers,
                    "activation_bytes": act.other + act.transient + act.head, "buffer_bytes": buffers,
                    "balancing_bytes": balancing, "vision_bytes": vision, "compute_copy_bytes": copies,
-                   "total_bytes": total,
+                   "grad_shard_bytes": shards, "total_bytes": total,
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
                    "muon_step_bytes": muon_step,
                    "communication": self.communication(cfg, run, stage, layout, tokens, state),
@@ -207,6 +214,10 @@ class MemoryPlanner:
         busiest = max((r["communication"] for r in ranks), key=lambda sent: sum(sent.values()))
         return {"worst": worst, "first": first, "ranks": ranks, "host_bytes": most_host, "dp": dp,
                 "rows_per_micro": rows, "communication": busiest}
+
+    def _layer_of(self, layout: StageLayout, run: RunLayout):
+        """activation_bytes' per-layer coefficients under this layout."""
+        return lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp)
 
     def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
                      act_bytes: int, tp: int) -> float:
