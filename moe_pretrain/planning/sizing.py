@@ -156,7 +156,7 @@ def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, rec
     keys = rows * seq_len if rows * seq_len <= LATENT_KEY_BLOCK else min(seq_len, (seq_len + LATENT_KEY_BLOCK) / 2)
     tiles = (3.5 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
              * (keys - seq_len / 2))
-    return expand + tiles * (4 / 3.5 if recompute == "full" else 1.0)
+    return expand + tiles * (4.5 / 3.5 if recompute == "full" else 1.0)  # recomputation: a forward more
 
 
 def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
