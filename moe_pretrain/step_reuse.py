@@ -1,7 +1,7 @@
 """Values derived from the parameters, made at most once per optimizer step and reused by every micro-batch.
 
 Two kinds today: the matmuls' weights cast to the compute dtype (cast_for_step: every linear layer's, and the
-routed experts' stacked weights, model/weight_casts.py) and the experts' FP8 quantizations (fp8/experts.py: without
+routed experts' stacked weights, model/experts.py) and the experts' FP8 quantizations (fp8/experts.py: without
 reuse every micro-batch would quantize every expert's weights again). The values live only inside
 `reused_in_step()`, which the trainer opens around one step's forward and backward passes (every micro-batch, or
 the pipeline schedule) and closes before the optimizer writes the parameters: a value never outlives the parameters

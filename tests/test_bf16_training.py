@@ -50,7 +50,7 @@ def test_expert_compute_copies_are_fresh_casts_of_the_masters_at_every_step(tmp_
 
     def record(module, args, output):
         """The copies this forward used (asked again inside the step's region) against casts made now."""
-        used = module.compute_weights("cpu")
+        used = module.compute_weights()
         masters = (module.w_gate, module.w_up, module.w_down)
         fresh.append(all(torch.equal(c, w.detach().to(torch.bfloat16)) for c, w in zip(used, masters)))
         if module is first:  # the experts as this step computes them, on the same rows every step

@@ -106,14 +106,14 @@ def test_expert_weights_are_cast_once_per_step_under_autocast():
     experts = moe.experts
     x = [torch.randn(2, 7, 12) for _ in range(2)]
     with torch.autocast("cpu", dtype=torch.bfloat16), reused_in_step():
-        first = experts.compute_weights("cpu")
+        first = experts.compute_weights()
         for xb in x:
             moe(xb)[0].float().pow(2).sum().backward()
-        assert same_storage(experts.compute_weights("cpu")[0], first[0])  # the copy, each use its own node
+        assert same_storage(experts.compute_weights()[0], first[0])  # the copy, each use its own node
     cached = [p.grad.clone() for p in experts.parameters()]
     moe.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not same_storage(experts.compute_weights("cpu")[0], experts.compute_weights("cpu")[0])  # fresh
+        assert not same_storage(experts.compute_weights()[0], experts.compute_weights()[0])  # fresh
         for xb in x:
             moe(xb)[0].float().pow(2).sum().backward()
     for got, expected in zip(cached, [p.grad for p in experts.parameters()]):
@@ -124,8 +124,8 @@ def test_expert_weights_are_cast_once_per_step_under_autocast():
     flat.add_(1.0)  # the update lands on the buffer: the parameter's version counter does not move
     assert experts.w_up._version == version
     with torch.autocast("cpu", dtype=torch.bfloat16), reused_in_step():
-        assert torch.equal(experts.compute_weights("cpu")[1], experts.w_up.detach().to(torch.bfloat16))
-    assert experts.compute_weights("cpu")[0] is experts.w_gate  # no autocast: the parameters themselves
+        assert torch.equal(experts.compute_weights()[1], experts.w_up.detach().to(torch.bfloat16))
+    assert experts.compute_weights()[0] is experts.w_gate  # no autocast: the parameters themselves
 
 
 def test_routing_and_health_make_no_host_reads_but_one_per_step():

@@ -4,8 +4,8 @@ Shape legend: E experts (E / ep on an expert-parallel rank), L latent width (exp
 latent vectors), F expert intermediate, R routed rows grouped by expert. w_gate_EFL, w_up_EFL, w_down_ELF.
 
 Under autocast the stacked weights are cast to the compute dtype once per optimizer step and reused by every
-micro-batch (model/weight_casts.py: autocast's own weight cache only holds leaf tensors, and an expert's
-slice w[e] is not one). The matmuls are ops.grouped_mm, whose backward writes the stacked weight gradients
+micro-batch (step_reuse.autocast_weight, as every linear layer's weight: autocast's own cache runs its cast
+node after the whole backward). The matmuls are ops.grouped_mm, whose backward writes the stacked weight gradients
 directly, or with FP8 (Kernels.fp8) moe_pretrain.fp8's grouped GEMM under the recipe and engine the module
 was built with.
 """
@@ -16,8 +16,8 @@ from torch import nn
 from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.fp8.experts import FP8_HISTORY, Fp8Experts, amax_buffers, fp8_grouped_mm
 from moe_pretrain.model.init import Normal
-from moe_pretrain.model.weight_casts import cast_weights
 from moe_pretrain.ops import grouped_mm, situ_glu
+from moe_pretrain.step_reuse import autocast_weight
 
 
 class GroupedExperts(nn.Module):
@@ -38,13 +38,10 @@ class GroupedExperts(nn.Module):
         for name, buffer in amax_buffers(num_experts, kernels.fp8).items():
             self.register_buffer(name, buffer, persistent=name == FP8_HISTORY)
 
-    def compute_weights(self, device_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_gate, w_up, w_down) in autocast's dtype (weight_casts.cast_weights: once per step inside the
+    def compute_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w_gate, w_up, w_down) in autocast's dtype (step_reuse.autocast_weight: once per step inside the
         trainer's reused_in_step region); the parameters themselves outside autocast."""
-        weights = (self.w_gate, self.w_up, self.w_down)
-        if not torch.is_autocast_enabled(device_type):
-            return weights
-        return cast_weights(weights, torch.get_autocast_dtype(device_type))
+        return tuple(autocast_weight(w) for w in (self.w_gate, self.w_up, self.w_down))
 
     def forward(self, x_RL: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_RL: rows grouped by expert; counts [E] rows per expert (summing to R) -> [R, L].
@@ -52,7 +49,7 @@ class GroupedExperts(nn.Module):
         Grouped matmuls (ops.grouped_mm: one grouped GEMM, or one matmul per expert): experts with no rows
         cost nothing.
         """
-        w_gate, w_up, w_down = self.compute_weights(x_RL.device.type)
+        w_gate, w_up, w_down = self.compute_weights()
         x_RL = x_RL.to(w_gate.dtype)
         fp8 = None if self.fp8_settings is None else Fp8Experts(self.fp8_settings, self)
         gate, up = self._matmul(x_RL, w_gate, counts, "gate", fp8), self._matmul(x_RL, w_up, counts, "up", fp8)

@@ -10,7 +10,7 @@ FLOPs and the bytes its exchange sends (parallel/muon.py), both per rank of the 
 is a view of the parameters and costs nothing. Under bf16 autocast the matmuls' weights are also held in bf16
 through each step's forwards and backwards: every linear layer's but the routers' (which run in fp32) in
 autocast's cast cache, which lives as long as the trainer's autocast region around the whole step, and the
-routed experts' stacked weights (model/weight_casts.py, step_reuse.py: cast once, reused by every
+routed experts' stacked weights (step_reuse.py: cast once, reused by every
 micro-batch), with their FP8 copies besides under FP8: "compute_copy_bytes", apart from the state because
 they are dropped before the optimizer step (in effect megatron-core's bf16 parameters beside fp32 masters).
 The reduce-scattered gradient shards the optimizer steps with ("grad_shard_bytes") live from the last
