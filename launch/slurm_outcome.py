@@ -31,6 +31,10 @@ from moe_pretrain.training.outcome import (
 NODE_CHECK_TIMEOUT_S = 300
 """The node check's time on every node together (CUDA start-up and one product per GPU take seconds)."""
 
+EXCLUDE_WITHIN_S = 20
+"""Seconds the held job's ExcNodeList update is retried before the job is released: well within SLURM's default
+KillWait (30 s), after which the script that must release it is killed."""
+
 
 def node_check_command(launch: LaunchConfig, gpus_per_node: int, run_dir: Path) -> list[str]:
     if launch.node_check:
@@ -91,17 +95,38 @@ def outcome_lines(launch: LaunchConfig, gpus_per_node: int, run_dir: Path, conta
         '  scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",
-        'excluded=$(scontrol show job "$SLURM_JOB_ID" | sed -n \'s/.*ExcNodeList=\\([^ ]*\\).*/\\1/p\' | head -n 1)',
-        'case "$excluded" in ""|"(null)") excluded=$sick ;; *) excluded="$excluded,$sick" ;; esac',
+        "# The job's ExcNodeList as slurmctld holds it now, one host a line ((null) and compressed lists expanded).",
+        "excluded_now() {",
+        '  list=$(scontrol show job "$SLURM_JOB_ID" | sed -n \'s/.*ExcNodeList=\\([^ ]*\\).*/\\1/p\' | head -n 1)',
+        '  case "$list" in ""|"(null)") ;; *) scontrol show hostnames "$list" ;; esac',
+        "}",
+        "# 0 when every sick host is in the job's ExcNodeList.",
+        "all_excluded() {",
+        '  held=$(excluded_now)',
+        '  for host in $(scontrol show hostnames "$sick"); do',
+        '    printf "%s\\n" "$held" | grep -qx "$host" || return 1',
+        "  done",
+        "}",
+        'excluded=$(excluded_now | paste -sd, -)',
+        'excluded="${excluded}${excluded:+,}$sick"',
         'echo "job $SLURM_JOB_ID: excluding $sick (failed the node check or did not answer); ExcNodeList=$excluded"',
         "# A running job's ExcNodeList cannot change: requeue it held (SLURM then sends this script SIGTERM, which",
-        "# the trap survives, and SIGKILL after KillWait), change it once the job has left RUNNING, release it.",
+        "# the trap survives, and SIGKILL after KillWait), change it once the job has left RUNNING (read back: under",
+        "# load slurmctld refuses updates for a while after the requeue), release it.",
         'scontrol requeuehold "$SLURM_JOB_ID"',
-        "for try in $(seq 20); do",
-        '  scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" 2>/dev/null && break',
+        f"give_up=$((SECONDS + {EXCLUDE_WITHIN_S}))",
+        'until { scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" 2>/dev/null && all_excluded; }; do',
+        '  [ "$SECONDS" -lt "$give_up" ] || break',
         "  sleep 1",
         "done",
         'scontrol release "$SLURM_JOB_ID"',
-        'echo "job $SLURM_JOB_ID: released with ExcNodeList=$excluded: it waits for other nodes"',
+        'if all_excluded; then',
+        '  echo "job $SLURM_JOB_ID: released with ExcNodeList=$(excluded_now | paste -sd, -): it waits for other '
+        'nodes"',
+        "else",
+        f'  echo "job $SLURM_JOB_ID: SLURM refused ExcNodeList=$excluded for {EXCLUDE_WITHIN_S} s; released '
+        'without it: the job may meet $sick again (drain it: scontrol update NodeName=$sick State=DRAIN '
+        'Reason=node_check)"',
+        "fi",
         "exit 0",
     ]
