@@ -13,6 +13,7 @@ Sums accumulate in fp32 and are written in the rows' dtype.
 import torch
 import triton
 import triton.language as tl
+from torch.library import custom_op
 
 
 @triton.jit
@@ -61,14 +62,19 @@ def _block(width: int) -> int:
     return triton.next_power_of_2(width)
 
 
-def _gather(x_TL: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+# Each kernel is a custom op with a fake implementation: fake tensors (the dry run) and torch.compile see one
+# kernel and its outputs' shapes, never the launch.
+@custom_op("moe_pretrain::permute", mutates_args=())
+def _permute(x_TL: torch.Tensor, token_index: torch.Tensor, positions_TK: torch.Tensor) -> torch.Tensor:
     rows = x_TL.new_empty(token_index.shape[0], x_TL.shape[1])
     if rows.shape[0]:
         _gather_rows[(rows.shape[0],)](x_TL, token_index, rows, x_TL.shape[1], BLOCK=_block(x_TL.shape[1]))
     return rows
 
 
-def _row_sum(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+@custom_op("moe_pretrain::unpermute", mutates_args=())
+def _unpermute(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+    """Weighted (weights given) or plain (permute's backward) sums of each token's rows."""
     num_tokens, k = positions_TK.shape
     out = rows_RL.new_empty(num_tokens, rows_RL.shape[1])
     if num_tokens:
@@ -78,42 +84,62 @@ def _row_sum(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torc
     return out
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TL, token_index, positions_TK):
-        ctx.save_for_backward(positions_TK)
-        return _gather(x_TL.contiguous(), token_index)
+@custom_op("moe_pretrain::unpermute_backward", mutates_args=())
+def _unpermute_backward_op(grad_out: torch.Tensor, rows_RL: torch.Tensor, positions_TK: torch.Tensor,
+                           weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_rows, grad_weights = torch.empty_like(rows_RL), torch.empty_like(weights_TK)
+    num_tokens, k = positions_TK.shape
+    if num_tokens:
+        _unpermute_backward[(num_tokens,)](grad_out, rows_RL, positions_TK, weights_TK, grad_rows, grad_weights,
+                                           rows_RL.shape[1], K=k, BLOCK=_block(rows_RL.shape[1]))
+    return grad_rows, grad_weights
 
-    @staticmethod
-    def backward(ctx, grad_rows):
-        (positions_TK,) = ctx.saved_tensors
-        return _row_sum(grad_rows.contiguous(), positions_TK, None), None, None
+
+@_permute.register_fake
+def _(x_TL: torch.Tensor, token_index: torch.Tensor, positions_TK: torch.Tensor) -> torch.Tensor:
+    return x_TL.new_empty(token_index.shape[0], x_TL.shape[1])
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RL, positions_TK, weights_TK):
-        rows_RL = rows_RL.contiguous()
-        ctx.save_for_backward(rows_RL, positions_TK, weights_TK)
-        return _row_sum(rows_RL, positions_TK, weights_TK)
+@_unpermute.register_fake
+def _(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+    return rows_RL.new_empty(positions_TK.shape[0], rows_RL.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        rows_RL, positions_TK, weights_TK = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_rows, grad_weights = torch.empty_like(rows_RL), torch.empty_like(weights_TK)
-        num_tokens, k = positions_TK.shape
-        if num_tokens:
-            _unpermute_backward[(num_tokens,)](grad_out, rows_RL, positions_TK, weights_TK, grad_rows, grad_weights,
-                                               rows_RL.shape[1], K=k, BLOCK=_block(rows_RL.shape[1]))
-        return grad_rows, None, grad_weights
+
+@_unpermute_backward_op.register_fake
+def _(grad_out: torch.Tensor, rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(rows_RL), torch.empty_like(weights_TK)
+
+
+def _save_positions(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[2])
+
+
+def _permute_backward(ctx, grad_rows: torch.Tensor):
+    """A token's gradient is the sum of its copies'."""
+    (positions_TK,) = ctx.saved_tensors
+    return _unpermute(grad_rows.contiguous(), positions_TK, None), None, None
+
+
+def _save_unpermute(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _unpermute_grads(ctx, grad_out: torch.Tensor):
+    rows_RL, positions_TK, weights_TK = ctx.saved_tensors
+    grad_rows, grad_weights = _unpermute_backward_op(grad_out.contiguous(), rows_RL, positions_TK, weights_TK)
+    return grad_rows, None, grad_weights
+
+
+_permute.register_autograd(_permute_backward, setup_context=_save_positions)
+_unpermute.register_autograd(_unpermute_grads, setup_context=_save_unpermute)
 
 
 def permute(x_TL: torch.Tensor, token_index: torch.Tensor, positions_TK: torch.Tensor) -> torch.Tensor:
     """[T, L] -> [T * k, L] rows in expert order (x_TL[token_index]); positions_TK is the inverse map."""
-    return _Permute.apply(x_TL, token_index.contiguous(), positions_TK.contiguous())
+    return _permute(x_TL.contiguous(), token_index.contiguous(), positions_TK.contiguous())
 
 
 def unpermute(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """[T * k, L] expert-order rows -> [T, L] weighted sums per token, in the rows' dtype."""
-    return _Unpermute.apply(rows_RL, positions_TK.contiguous(), weights_TK.contiguous())
+    return _unpermute(rows_RL.contiguous(), positions_TK.contiguous(), weights_TK.contiguous())

@@ -9,6 +9,7 @@ the same work. tanh(x) is written 2 sigmoid(2x) - 1 (no tanh in triton.language)
 import torch
 import triton
 import triton.language as tl
+from torch.library import custom_op
 
 BLOCK = 1024
 
@@ -49,28 +50,52 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK),)
 
 
-class _FusedSiTUGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, beta, linear_beta):
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        _situ_glu_forward[_grid(gate.numel())](gate, up, out, gate.numel(), beta, linear_beta, BLOCK=BLOCK)
-        ctx.save_for_backward(gate, up)
-        ctx.betas = beta, linear_beta
-        return out
+@custom_op("moe_pretrain::situ_glu", mutates_args=())
+def situ_glu_forward(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """h from contiguous (gate, up). A custom op with a fake implementation: fake tensors (the dry run) and
+    torch.compile see one kernel and its output's shape, never the launch (under TRITON_INTERPRET the
+    interpreter would read the fake tensors' storage)."""
+    out = torch.empty_like(gate)
+    _situ_glu_forward[_grid(gate.numel())](gate, up, out, gate.numel(), beta, linear_beta, BLOCK=BLOCK)
+    return out
 
-    @staticmethod
-    def backward(ctx, grad_h):
-        gate, up = ctx.saved_tensors
-        grad_h = grad_h.contiguous()
-        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        _situ_glu_backward[_grid(gate.numel())](grad_h, gate, up, grad_gate, grad_up, gate.numel(), *ctx.betas,
-                                                BLOCK=BLOCK)
-        return grad_gate, grad_up, None, None
+
+@custom_op("moe_pretrain::situ_glu_backward", mutates_args=())
+def situ_glu_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+    _situ_glu_backward[_grid(gate.numel())](grad_h, gate, up, grad_gate, grad_up, gate.numel(), beta, linear_beta,
+                                            BLOCK=BLOCK)
+    return grad_gate, grad_up
+
+
+@situ_glu_forward.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    return torch.empty_like(gate)
+
+
+@situ_glu_backward.register_fake
+def _(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+def _save(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    gate, up, beta, linear_beta = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.betas = beta, linear_beta
+
+
+def _backward(ctx, grad_h: torch.Tensor):
+    gate, up = ctx.saved_tensors
+    return *situ_glu_backward(grad_h.contiguous(), gate, up, *ctx.betas), None, None
+
+
+situ_glu_forward.register_autograd(_backward, setup_context=_save)
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
     """The fused kernel; same contract as moe_pretrain.ops.situ_glu (fp32 math, output in gate's dtype)."""
     if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"kernels.situ_glu: gate and up must share fp32 / bf16 / fp16, got {gate.dtype}, {up.dtype}")
-    return _FusedSiTUGLU.apply(gate, up, float(beta), float(linear_beta))
+    return situ_glu_forward(gate.contiguous(), up.contiguous(), float(beta), float(linear_beta))

@@ -6,11 +6,16 @@ kernels compute in fp32 with tanh as 2 sigmoid(2x) - 1); bf16 within two bf16 ul
 reference computed from the same bf16 inputs.
 """
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
+from torch.library import opcheck
 
 pytest.importorskip("triton")
 
+import gpu_kernels
 from gpu_kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.ops import situ_glu
 from moe_pretrain.ops.permute import permute, unpermute
@@ -19,6 +24,8 @@ from parallel.dispatch import LocalTokenDispatcher
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEVICE) is not None,
                                 reason=str(triton_unavailable_reason(DEVICE)))
+for _module in pkgutil.walk_packages(gpu_kernels.__path__, "gpu_kernels."):
+    importlib.import_module(_module.name)  # importing a module registers its custom ops
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}
 
 
@@ -104,3 +111,37 @@ def test_dispatch_round_trip_through_the_kernels():
         scale = torch.repeat_interleave(torch.arange(1.0, 7.0, device=DEVICE), counts)
         outs[fused] = dispatcher.combine(rows * scale[:, None], meta)
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-6, atol=1e-6)
+
+
+def kernel_samples() -> dict[str, tuple]:
+    """Arguments for each of our GPU kernels' custom ops (gpu_kernels/), in bf16 as training runs them."""
+    gen = torch.Generator().manual_seed(6)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    num_tokens, k, width = 11, 2, 24
+    positions = torch.randperm(num_tokens * k, generator=gen).reshape(num_tokens, k).to(DEVICE)
+    token_index = positions.reshape(-1).argsort() // k
+    rows, weights = randn(num_tokens * k, width), randn(num_tokens, k, dtype=torch.float32)
+    gate, up = randn(5, 300), randn(5, 300)
+    return {"situ_glu": (gate, up, 4.0, 25.0), "situ_glu_backward": (randn(5, 300), gate, up, 4.0, 25.0),
+            "permute": (randn(num_tokens, width), token_index, positions),
+            "unpermute": (rows, positions, weights),
+            "unpermute_backward": (randn(num_tokens, width), rows, positions, weights)}
+
+
+def test_every_gpu_kernel_op_has_a_sample_here():
+    """A kernel added to gpu_kernels/ without a fake-vs-real check below fails here."""
+    namespace = torch.ops.moe_pretrain
+    ops = {name for name in dir(namespace) if isinstance(getattr(namespace, name), torch._ops.OpOverloadPacket)}
+    assert ops == set(kernel_samples())
+
+
+@pytest.mark.parametrize("name", sorted(kernel_samples()))
+def test_each_gpu_kernel_fake_gives_its_real_outputs_shapes_and_dtypes(name):
+    """torch.library.opcheck runs the op for real (Triton under the interpreter here, natively on a GPU) and
+    under fake tensors, and compares the outputs' shapes, dtypes and strides; also the schema and the
+    autograd registration. What the dry run (planning/dry_run.py) and torch.compile rely on."""
+    opcheck(getattr(torch.ops.moe_pretrain, name), kernel_samples()[name],
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -55,6 +55,8 @@ EXTRA_FORMULAS = {
 }
 """FLOP formulas torch's registry lacks, on the op's arguments."""
 
+LAUNCHING_NAMESPACES = ("aten", "moe_pretrain")
+"""torch's ops and our GPU kernels' custom ops (gpu_kernels/: one launch each, seen whole, fake or real)."""
 _NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
                            "lift_fresh", "_local_scalar_dense", "set_", "alias", "_to_copy_meta"})
 
@@ -92,7 +94,7 @@ class OpCensus(TorchDispatchMode):
         if flops:
             self.flops += flops
             self.flops_by_op[name] += flops
-        if func.namespace == "aten" and not func.is_view and name not in _NOT_LAUNCHES \
+        if func.namespace in LAUNCHING_NAMESPACES and not func.is_view and name not in _NOT_LAUNCHES \
                 and any(isinstance(r.type, torch.TensorType) for r in func._schema.returns):
             self.launches += 1
             self.launches_by_op[name] += 1
