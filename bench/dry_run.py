@@ -20,13 +20,9 @@ import tempfile
 from pathlib import Path
 
 from moe_pretrain.config import add_config_arguments, load_config_or_exit
-from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import first_micro_batches
+from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
-
-
-def ratio(traced: float, planned: float) -> str:
-    return f"{traced / planned:6.2f}" if planned else "     -"
 
 
 def main() -> int:
@@ -51,9 +47,7 @@ def main() -> int:
     run = RunLayout(args.gpus, p.tp, p.pp, p.ep, p.vpp)
     print(f"plan vs dry run at {args.gpus} x {args.gpu}, {run.describe()}, each stage's first {micro} "
           f"micro-batches; ratios traced / plan")
-    print(f"{'stage':6s} {'rank':>5s} {'role':13s} {'GB plan':>8s} {'traced':>8s} {'ratio':>6s} | "
-          + " ".join(f"{c + ' GB':>8s} {'ratio':>6s}" for c in PLAN_COLUMNS)
-          + f" | {'TFLOP':>8s} {'ratio':>6s} | {'step s':>7s} {'MFU':>6s} | {'here s':>6s}")
+    print(HEADER)
     for name in names:
         index = [s.name for s in cfg.stages].index(name)
         cut = first_micro_batches(cfg, index, micro)
@@ -68,16 +62,7 @@ def main() -> int:
                                 "--micro-batches", str(micro), "--gpu", args.gpu, "--json", str(out)],
                                check=True, stdout=subprocess.DEVNULL)
             traces = json.loads(out.read_text())
-        per_stage_rank = args.gpus // p.pp
-        for trace in traces:
-            row = planned["ranks"][trace["rank"] // per_stage_rank]
-            sent = plan_columns(trace["sent_bytes"])
-            comm = row["communication"]
-            print(f"{name:6s} {trace['rank']:5d} {trace['role']:13s} {row['total_bytes'] / 1e9:8.2f} "
-                  f"{trace['peak_bytes'] / 1e9:8.2f} {ratio(trace['peak_bytes'], row['total_bytes'])} | "
-                  + " ".join(f"{sent[c] / 1e9:8.3f} {ratio(sent[c], comm[c])}" for c in PLAN_COLUMNS)
-                  + f" | {trace['flops'] / 1e12:8.1f} {ratio(trace['flops'], row['flops'])} | "
-                  f"{trace['step_s']:7.3f} {trace['mfu']:6.1%} | {trace['seconds']:6.0f}")
+        print("\n".join(comparison_lines(name, planned["ranks"], traces)))
     return 0
 
 

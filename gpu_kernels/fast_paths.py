@@ -14,7 +14,7 @@ from torch import nn
 from gpu_kernels.choice import Kernels
 from gpu_kernels.flex_attention import flex_unavailable_reason
 from gpu_kernels.kda import fla_unavailable_reason
-from gpu_kernels.triton_support import triton_unavailable_reason
+from gpu_kernels.triton_support import triton_installed, triton_unavailable_reason
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.fp8 import RECIPES, fp8_unavailable_reason
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
@@ -64,6 +64,13 @@ def fp8_engine(cfg: Config, device: torch.device) -> Engine:
         else "torch"
 
 
+def fp8_settings(cfg: Config, device: torch.device) -> Fp8Settings | None:
+    """precision.fp8's recipe with its engine on this device; None when FP8 is off."""
+    if cfg.precision.fp8 == "off":
+        return None
+    return Fp8Settings(RECIPES[cfg.precision.fp8], cfg.precision.fp8_amax_history, fp8_engine(cfg, device))
+
+
 def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:
     """The kernels a model for this run is built with, on this device and compute dtype (train.dtype's)."""
     k = cfg.kernels
@@ -78,14 +85,38 @@ def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:
     grouped = _choose("grouped_gemm", k.grouped_gemm, "grouped", reasons["grouped_gemm"], True)
     flex = _choose("attention", k.attention, "flex", reasons["attention"], cuda)
     fla = _choose("kda", k.kda, "fla", reasons["kda"], cuda)
-    fp8 = None
-    if cfg.precision.fp8 != "off":
-        fp8 = Fp8Settings(RECIPES[cfg.precision.fp8], cfg.precision.fp8_amax_history, fp8_engine(cfg, device))
+    fp8 = fp8_settings(cfg, device)
     chosen = {key: getattr(k, key) for key in reasons}
     why_not = {key: (f"kernels.{key}={chosen[key]}" if chosen[key] != "auto"
                      else reason or "auto takes it on CUDA only") for key, reason in reasons.items()}
     return Kernels(triton=triton, grouped_gemm="grouped" if grouped else "loop", kda="fla" if fla else "torch",
                    attention="flex" if flex else "sdpa", fp8=fp8, why_not=tuple(why_not.items()))
+
+
+DRY_RUN_REFERENCES = {
+    "attention": "in a dry run: FlexAttention refuses a backward on the CPU, where fake tensors live; same FLOPs",
+    "kda": "in a dry run: fla's kernels have no fake implementation; same FLOPs, more memory traffic than fla's",
+}
+"""The GPU paths a dry run cannot play, and what it plays instead."""
+
+
+def resolve_for_gpu(cfg: Config, dtype: torch.dtype) -> Kernels:
+    """The kernels a CUDA GPU resolves for this run (kernels.* at auto take every fast path that is installed),
+    as a dry run plays them on fake tensors: our Triton kernels through their custom ops' fake implementations,
+    the experts' torch._grouped_mm through its meta implementation; FlexAttention and fla through the
+    references (DRY_RUN_REFERENCES); FP8 as this machine resolves it."""
+    k = cfg.kernels
+    triton_reason = None if triton_installed() else "triton is not installed"
+    grouped_reason = (f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}" if dtype != torch.bfloat16
+                      else grouped_gemm_reason(cfg, torch.device("cpu"), dtype))
+    triton = _choose("triton", k.triton, "triton", triton_reason, True)
+    grouped = _choose("grouped_gemm", k.grouped_gemm, "grouped", grouped_reason, True)
+    fp8 = fp8_settings(cfg, torch.device("cpu"))
+    why_not = {"triton": None if triton else f"kernels.triton={k.triton}" if k.triton != "auto" else triton_reason,
+               "grouped_gemm": None if grouped else f"kernels.grouped_gemm={k.grouped_gemm}"
+               if k.grouped_gemm != "auto" else grouped_reason, **DRY_RUN_REFERENCES}
+    return Kernels(triton=triton, grouped_gemm="grouped" if grouped else "loop", fp8=fp8,
+                   why_not=tuple((key, reason) for key, reason in why_not.items() if reason))
 
 
 def state_kernels(cfg: Config) -> Kernels:

@@ -31,7 +31,7 @@ def parse_load(text: str) -> list[float] | None:
 
 
 def _play(args: tuple) -> dict:
-    cfg, gpus, rank, load, stage, gpu = args
+    cfg, gpus, rank, load, stage, gpu, kernels = args
     from moe_pretrain.log import setup_logging
     from moe_pretrain.planning.dry_run import dry_run
 
@@ -40,13 +40,14 @@ def _play(args: tuple) -> dict:
     try:
         from moe_pretrain.planning.step_time import GPUS
 
-        return dataclasses.asdict(dry_run(cfg, gpus, rank, load, stage, GPUS[gpu]))
+        return dataclasses.asdict(dry_run(cfg, gpus, rank, load, stage, GPUS[gpu], kernels == "gpu"))
     except Exception as err:  # torch's errors may not pickle back to the parent: send the text
         raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
 
 
 def print_trace(trace: dict) -> None:
     print(f"rank {trace['rank']} ({trace['role']}), {trace['layout']}: {trace['seconds']:.1f} s here")
+    print("  kernels: " + "; ".join(f"{path}: {state}" for path, state in trace["kernels"].items()))
     print(f"  live tensor bytes: peak {trace['peak_bytes'] / GB:.3f} GB, at the step's start "
           f"{trace['state_bytes'] / GB:.3f} GB, while building {trace['build_peak_bytes'] / GB:.3f} GB; of the "
           f"state: parameters {trace['param_bytes'] / GB:.3f}, gradients {trace['grad_bytes'] / GB:.3f}, "
@@ -59,6 +60,8 @@ def print_trace(trace: dict) -> None:
               f"{trace['collective_s'].get(group, 0.0) * 1e3:.3g} ms on the fabric")
     for site, size in trace["collective_sites"].items():
         print(f"    {size / GB:8.3f} GB by {site}")
+    for name, size in list(trace["bytes_by_op"].items())[:8]:
+        print(f"    {size / GB:8.1f} GB read and written by {name}")
     print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
           f"{trace['bytes_moved'] / GB:.4g} GB moved), MFU {trace['mfu']:.1%}")
     for site, n in trace["host_reads"].items():
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, required=True, help="world size of the job to play")
     parser.add_argument("--gpu", choices=["a100", "b200", "h100", "h200"], default="h200",
                         help="the target whose roofline and peak the step time is predicted for")
+    parser.add_argument("--kernels", choices=["gpu", "here"], default="gpu",
+                        help="the kernels the model is built with: those a CUDA GPU resolves (default), or this "
+                             "machine's (to compare with a real run here)")
     parser.add_argument("--rank", type=int, action="append", default=[], help="a rank to play (repeatable; "
                         "default: one of each pipeline role)")
     parser.add_argument("--stage", default="", help="the stage (name in cfg.stages) whose first step runs")
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Each rank in a fresh process: the fake world is a process's default group.
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        traces = pool.map(_play, [(cfg, args.gpus, r, args.expert_load, stage, args.gpu) for r in ranks])
+        traces = pool.map(_play, [(cfg, args.gpus, r, args.expert_load, stage, args.gpu, args.kernels)
+                                  for r in ranks])
     for trace in traces:
         print_trace(trace)
     if args.json:

@@ -4,17 +4,25 @@
     python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --propose
 
 Per stage: tokens, steps, sequence length, global batch, micro-batches, learning-rate range, and with
---gpus the training FLOPs per token (which grow with the attention span) and the estimated time; then
-the memory plan (moe_pretrain/planning/stage_memory.py) of the config's layout (parallel.* and each stage's cp,
-recompute and micro-batches): the worst pipeline rank's GB per GPU, flagged when it does not fit, and the
-bytes each GPU sends per step per group. --propose searches layouts and prints the smallest that fits
-every stage with 10% headroom.
+--gpus the training FLOPs per token (which grow with the attention span); then the memory plan
+(moe_pretrain/planning/stage_memory.py) of the config's layout (parallel.* and each stage's cp, recompute and
+micro-batches): the worst pipeline rank's GB per GPU, flagged when it does not fit, and the bytes each GPU
+sends per step per group; then each stage's step time, MFU and days from the plan's step-time model
+(planning/plan_step_time.py: no assumed MFU). --traces DIR sets the dry run's figures (launch.dryrun, kept
+by bench/dry_run.py --traces DIR) beside the plan's, and takes its step time too. --propose searches layouts
+and prints the smallest that fits every stage with 10% headroom.
 """
 
 import argparse
+import dataclasses
+import json
 import sys
+from pathlib import Path
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+from moe_pretrain.planning.dry_run import first_micro_batches
+from moe_pretrain.planning.plan_step_time import planned_step, traced_stage_step
+from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines
 from moe_pretrain.planning.sizing import count, total_parts
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
@@ -25,7 +33,7 @@ from moe_pretrain.planning.stage_memory import (
     stage_layouts_of,
     within,
 )
-from moe_pretrain.training.peak_flops import PEAK_TFLOPS
+from moe_pretrain.planning.step_time import GPUS, GpuSpec
 from moe_pretrain.training.schedule import plan
 
 
@@ -35,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs in the cluster (0: no time estimate)")
     parser.add_argument("--gpu", choices=sorted(GPU_BYTES), default="h200")  # memory and peak both known
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak")
-    parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
+                        help="dry-run traces, DIR/<stage>.json (bench/dry_run.py --traces DIR): print them beside "
+                             "the plan and give the days at their step time as well")
     parser.add_argument("--gpu-gb", type=float, default=0.0, help="override the GPU's memory (GB, 1e9 bytes)")
     parser.add_argument("--propose", action="store_true", help="search the smallest layout that fits each stage")
     args = parser.parse_intermixed_args(argv)
@@ -43,34 +53,28 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.stages:
         print("config error: the config has no stages section", file=sys.stderr)
         return EX_CONFIG
-    peak = (args.peak_tflops or PEAK_TFLOPS[args.gpu]) * 1e12
     sizes = count(cfg.model, cfg.stages[0].seq_len)
     print(f"model: {sizes['total_params']:.4g} parameters ({total_parts(cfg.model, cfg.stages[0].seq_len)}), "
           f"{sizes['active_params']:.4g} active per token")
     header = f"{'stage':8s} {'tokens':>10s} {'steps':>8s} {'seq_len':>9s} {'batch tok':>10s} {'seqs':>6s} " \
              f"{'micro':>6s} {'lr first -> last':>22s}"
-    if args.gpus:
-        header += f" {'TFLOP/token':>12s} {'days':>8s}"
-    print(header)
-    total_days = 0.0
+    print(header + (f" {'TFLOP/token':>12s}" if args.gpus else ""))
     for row in plan(cfg):
         line = (f"{row['stage']:8s} {row['tokens']:10.4g} {row['steps']:8d} {row['seq_len']:9d} "
                 f"{row['batch_tokens']:10.4g} {row['sequences']:6d} {row['micro_batches'] or 'auto':>6} "
                 f"{row['lr_first']:10.3g} -> {row['lr_last']:8.3g}")
         if args.gpus:
-            flops = count(cfg.model, row["seq_len"])["flops_per_token"]
-            days = flops * row["tokens"] / (args.gpus * peak * args.mfu) / 86400
-            total_days += days
-            line += f" {flops / 1e12:12.3f} {days:8.1f}"
+            line += f" {count(cfg.model, row['seq_len'])['flops_per_token'] / 1e12:12.3f}"
         print(line)
-    total_tokens = sum(s.tokens for s in cfg.stages)
-    summary = f"total    {total_tokens:10.4g} {cfg.train.steps:8d}"
-    if args.gpus:
-        summary += f"   on {args.gpus} x {args.gpu} at {args.mfu:.0%} MFU: {total_days:.1f} days"
-    print(summary)
-    if args.gpus:
-        return print_memory_plan(cfg, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
-    return 0
+    print(f"total    {sum(s.tokens for s in cfg.stages):10.4g} {cfg.train.steps:8d}")
+    if not args.gpus:
+        return 0
+    code = print_memory_plan(cfg, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
+    gpu = GPUS[args.gpu]
+    if args.peak_tflops:
+        gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
+    print_step_times(cfg, args.gpus, gpu, args.traces)
+    return code
 
 
 def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> int:
@@ -128,6 +132,49 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
             print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step, its exchange "
                   f"in dp's column; its step holds {w['muon_step_bytes'] / 1e9:.1f} GB after the activations are freed")
     return all_fit
+
+
+
+def print_step_times(cfg, gpus: int, gpu: GpuSpec, traces: Path | None) -> None:
+    """Each stage's step time, MFU and days on the config's layout: the plan's model, and with traces the dry
+    run's (its predicted rank times scaled to the stage's micro-batches, with the same bubble)."""
+    planner, p = MemoryPlanner(cfg), cfg.parallel
+    run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
+    print(f"\nstep time on {gpus} x {gpu.name} ({gpu.peak_flops / 1e12:.0f} TFLOP/s dense peak), layout "
+          f"{run.describe()}: the plan's FLOPs at the peak (a bound: memory-bound ops are the dry run's to count), "
+          f"its communication on the links it crosses, the 1F1B bubble")
+    print(f"{'stage':8s} {'step s':>8s} {'MFU':>6s} {'days':>7s}" + (f" | dry run: {'step s':>8s} {'MFU':>6s} "
+                                                                       f"{'days':>7s}" if traces else ""))
+    days = {"plan": 0.0, "dry run": 0.0}
+    traced_stages = []
+    for index, (stage, layout) in enumerate(zip(cfg.stages, stage_layouts_of(cfg), strict=True)):
+        if layout is None or planner.problems(run, stage, layout):
+            print(f"{stage.name:8s} {'-':>8s} (no valid layout)")
+            continue
+        planned = planned_step(cfg, run, stage, layout, planner.stage(run, stage, layout)["ranks"], gpu,
+                               cfg.cluster)
+        days["plan"] += planned.days
+        line = f"{stage.name:8s} {planned.step_s:8.2f} {planned.mfu:6.1%} {planned.days:7.1f}"
+        found = traces / f"{stage.name}.json" if traces else None
+        if found and found.exists():
+            traced = json.loads(found.read_text())
+            step = traced_stage_step(cfg, run, stage, layout, traced, gpu)
+            days["dry run"] += step.days
+            traced_stages.append((index, traced))
+            line += f" |          {step.step_s:8.2f} {step.mfu:6.1%} {step.days:7.1f}"
+        print(line)
+    summary = f"total days: {days['plan']:.1f} (plan)"
+    if traced_stages:
+        names = ", ".join(cfg.stages[i].name for i, _ in traced_stages)
+        summary += f", {days['dry run']:.1f} (dry run, stages {names})"
+    print(summary)
+    if traced_stages:
+        print("\nthe plan beside the dry run (ratios traced / plan; the plan of the traced step's micro-batches)")
+        print(HEADER)
+        for index, traced in traced_stages:
+            cut = first_micro_batches(cfg, index, traced[0]["micro_batches"])
+            ranks = MemoryPlanner(cut).stage(run, cut.stages[index], stage_layouts_of(cut)[index])["ranks"]
+            print("\n".join(comparison_lines(cfg.stages[index].name, ranks, traced)))
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ from moe_pretrain.config import Config, StageConfig, load_config
 from moe_pretrain.planning.assumed_values import AssumedValues, apportion
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
+from moe_pretrain.planning.plan_step_time import column_groups, column_seconds
+from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
 from parallel.collectives import gather_objects
 from parallel.state import derive_micro_batches, destroy_parallel, init_parallel
 
 BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.progress=false",
-        "train.run_dir=/nonexistent"]
+        "train.run_dir=/nonexistent", "cluster.gpus_per_node=2"]
 LAYOUTS = {
     "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2"],
     "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"],
@@ -45,7 +47,7 @@ def real_traces(rank: int, world_size: int, overrides: list[str]) -> list[dict]:
 def dry_traces(tmp_path, overrides: list[str], ranks: list[int]) -> dict[int, dict]:
     out = tmp_path / "traces.json"
     subprocess.run([sys.executable, "-m", "launch.dryrun", "configs/smoke.yaml", *BASE, *overrides,
-                    "--gpus", str(WORLD), *(f"--rank={r}" for r in ranks), "--json", str(out)],
+                    "--gpus", str(WORLD), "--kernels=here", *(f"--rank={r}" for r in ranks), "--json", str(out)],
                    check=True, timeout=400, capture_output=True)
     return {trace["rank"]: trace for trace in json.loads(out.read_text())}
 
@@ -85,6 +87,17 @@ def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
         for column in PLAN_COLUMNS:
             assert sent[column] == pytest.approx(row["communication"][column], rel=PLAN_TOLERANCE), (rank, column)
         assert dry[rank]["flops"] == pytest.approx(row["flops"], rel=PLAN_TOLERANCE), rank
+    # The plan's step-time model puts each column on the links megatron-core's groups for the layout cross
+    # (nodes of 2 GPUs here, so that dp, pp, cp and ep4 leave the node), as the dry run times what it sent.
+    cfg = load_config("configs/smoke.yaml", [*BASE, *overrides])
+    p = cfg.parallel
+    groups = column_groups(RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp), p.cp)
+    for rank in ranks:
+        row = plan[rank // (WORLD // p.pp)]
+        planned = column_seconds(row["communication"], groups, cfg.cluster)
+        traced = plan_columns(dry[rank]["collective_s"])
+        for column in PLAN_COLUMNS:
+            assert traced[column] == pytest.approx(planned[column], rel=PLAN_TOLERANCE), (rank, column)
 
 
 def test_the_assumed_routing_sends_what_each_rank_receives():
@@ -137,6 +150,27 @@ def test_collectives_take_the_link_they_cross_and_only_the_optimizers_overlap():
     assert predict(3.0, {"dp": 2.5}, 0.0, GPUS["h200"]).exposed_s == pytest.approx(0.5)
     assert time.mfu == pytest.approx(2.0 / 3.75)
 
+
+
+def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_bubble():
+    """launch.plan --traces: a dry run of the step's first 2 micro-batches priced for the stage's 8: compute and
+    the per-micro-batch collectives 4 times, the optimizer's once (hidden behind 2/3 of the compute as far as
+    it lasts), then the 1F1B bubble of pp 2 (one micro-batch slot in 8)."""
+    from moe_pretrain.planning.plan_step_time import traced_stage_step
+    from moe_pretrain.planning.stage_memory import StageLayout
+    from moe_pretrain.planning.step_time import GPUS
+
+    cfg = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml"])
+    stage, gpu = cfg.stages[0], GPUS["h200"]
+    traces = [{"micro_batches": 2, "compute_s": 1.0, "collective_s": {"ep": 0.5, "dp": 3.0}},
+              {"micro_batches": 2, "compute_s": 0.5, "collective_s": {}}]
+    step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), traces, gpu)
+    slowest = 4.0 + 2.0 + (3.0 - 2 / 3 * 4.0)
+    assert step.rank_step_s == pytest.approx([slowest, 2.0])
+    assert step.step_s == pytest.approx(slowest * (1 + 1 / 8))
+    assert step.days == pytest.approx(stage.steps * step.step_s / 86400)
+    model_flops = count(cfg.model, stage.seq_len)["flops_per_token"] * stage.batch_tokens / 8
+    assert step.mfu == pytest.approx(model_flops / (step.step_s * gpu.peak_flops))
 
 def test_a_layout_the_world_cannot_hold_is_refused_in_one_line_before_any_rank_runs():
     result = subprocess.run([sys.executable, "-m", "launch.dryrun", "configs/smoke.yaml", "parallel.tp=3",

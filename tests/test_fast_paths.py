@@ -4,9 +4,10 @@ state: two models with different choices run side by side), and the report reads
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpu_kernels.choice import Kernels
-from gpu_kernels.fast_paths import describe, resolve
+from gpu_kernels.fast_paths import describe, resolve, resolve_for_gpu
 from gpu_kernels.kda import fla_backend
 from gpu_kernels.kda.fla_backend import fla_unavailable_reason, safe_gate_reason
 from moe_pretrain.config import ConfigError
@@ -14,7 +15,10 @@ from moe_pretrain.fp8 import RECIPES
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.init import initialize
+from moe_pretrain.ops.host_values import assuming
+from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.host_reads import HostReads
+from moe_pretrain.planning.op_census import OpCensus
 from moe_pretrain.training.parallelize import build_model
 from tests.models import tiny_config
 
@@ -96,3 +100,28 @@ def test_fla_takes_only_the_gate_floors_its_safe_gate_is_exact_for(monkeypatch):
         resolve(tiny_config("kernels.kda=fla", "model.kda.lower_bound=-6"), CPU, torch.float32)
     assert "KDA: PyTorch chunk form (fla's safe gate takes model.kda.lower_bound" in describe(
         build_model(tiny_config("model.kda.lower_bound=-6")))
+
+
+def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
+    """resolve_for_gpu takes what a CUDA GPU resolves (Triton kernels, grouped GEMM) and says which GPU paths a
+    dry run plays by their references; the model built with it runs forward and backward on fake tensors,
+    each Triton kernel through its custom op's fake implementation, one launch per call."""
+    cfg = tiny_config("train.dtype=bfloat16", "model.moe.num_experts=4")
+    kernels = resolve_for_gpu(cfg, torch.bfloat16)
+    assert (kernels.triton, kernels.grouped_gemm, kernels.kda, kernels.attention) == (True, "grouped", "torch", "sdpa")
+    assert set(dict(kernels.why_not)) == {"kda", "attention"}
+    model = build_model(cfg, kernels=kernels)
+    assert "MLA attention: one SDPA per document (in a dry run: FlexAttention refuses a backward" in describe(model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.zeros_like(tokens)  # real, as the data loader's are in a dry run: one document a row
+    with FakeTensorMode(allow_non_fake_inputs=True), assuming(AssumedValues()), OpCensus() as ops, \
+            torch.autocast("cpu", torch.bfloat16):
+        logits, balance = model(tokens, doc_ids)
+        (logits.float().logsumexp(-1).mean() + balance).backward()
+    moe_layers = cfg.model.num_layers - cfg.model.dense_layers
+    launched = ops.launches_by_op
+    # One dispatch and one combine per MoE layer; permute's backward is an unweighted unpermute.
+    assert (launched["permute"], launched["unpermute"], launched["unpermute_backward"]) == (
+        moe_layers, 2 * moe_layers, moe_layers), launched
+    # SiTU-GLU in every MLP (routed experts, shared experts, the dense layers, the vision tower's), once each way.
+    assert launched["situ_glu"] == launched["situ_glu_backward"] >= 2 * moe_layers + cfg.model.dense_layers

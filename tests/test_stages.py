@@ -172,6 +172,13 @@ def test_plan_prints_the_schedule_and_its_memory(capsys):
     assert memory.splitlines()[1].split("|")[0].split()[-3:] == ["total", "host", "fits"]
     totals = [float(line.split("|")[0].split()[-3]) for line in memory.splitlines()[2:] if "|" in line]
     assert len(totals) == 4 and max(totals) <= 0.92 * 141, memory
+    # Days from the plan's step-time model (no assumed MFU): every stage priced, the total their sum.
+    times = out.split("step time on 2048 x h200")[1].splitlines()
+    rows = {line.split()[0]: [float(x.rstrip("%")) for x in line.split()[1:4]] for line in times[2:6]}
+    assert list(rows) == ["8k", "64k", "256k", "1m"] and all(step > 0 and 0 < mfu < 100 for step, mfu, _ in
+                                                               rows.values()), times
+    total = float(times[6].split("total days: ")[1].split()[0])
+    assert total == pytest.approx(sum(days for _, _, days in rows.values()), abs=0.2)
 
 
 @pytest.mark.timeout(120)

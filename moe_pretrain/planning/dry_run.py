@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from gpu_kernels.choice import Kernels
+from gpu_kernels.fast_paths import fast_paths, resolve_for_gpu
 from moe_pretrain.config import Config
 from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
@@ -35,6 +37,7 @@ from moe_pretrain.planning.peak_sites import PeakSites
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.step_time import GPUS, GpuSpec, predict
 from moe_pretrain.training import Trainer
+from moe_pretrain.training.parallelize import DTYPES
 from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,12 @@ class StepTrace:
     layout: str
     role: str
     """Its place in the pipeline: first / middle / last stage, or the whole model."""
+    pipeline_rank: int
+    """Its pipeline stage (the plan's row: MemoryPlanner.stage(...)["ranks"][pipeline_rank])."""
+    kernels: dict[str, str]
+    """Each fast path's state as the model was built (gpu_kernels/fast_paths.fast_paths)."""
+    micro_batches: int
+    """The step's micro-batches (a cut step's: --micro-batches)."""
     build_peak_bytes: int
     """Peak live tensor bytes while the rank's trainer was built (state, data)."""
     state_bytes: int
@@ -71,6 +80,8 @@ class StepTrace:
     """aten ops that compute (planning/op_census.py): kernel launches on a GPU."""
     launches_by_op: dict[str, int] = field(default_factory=dict)
     flops_by_op: dict[str, int] = field(default_factory=dict)
+    bytes_by_op: dict[str, int] = field(default_factory=dict)
+    """The launches' bytes read and written, by aten op (the largest first)."""
     collectives: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Group -> (calls, payload bytes) in the step."""
     sent_bytes: dict[str, float] = field(default_factory=dict)
@@ -138,15 +149,16 @@ def pipeline_role(trainer: Trainer) -> str:
 
 
 def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None = None,
-                assumptions: AssumedValues | None = None, stage: int = 0, gpu: GpuSpec = GPUS["h200"]
-                ) -> StepTrace:
+                assumptions: AssumedValues | None = None, stage: int = 0, gpu: GpuSpec = GPUS["h200"],
+                kernels: Kernels | None = None) -> StepTrace:
     """Build this rank's trainer and run the first step of stage `stage` (an index into cfg.stages) under the
     meters. fake: the dry run's mode (None: a real run); assumptions: the routing and host values assumed
-    (a real run under them routes as the dry run assumes, to compare the two)."""
+    (a real run under them routes as the dry run assumes, to compare the two); kernels: the model's (None:
+    this machine's)."""
     start = time.perf_counter()
     host = assuming(assumptions) if assumptions is not None else contextlib.nullcontext()
     with PeakSites() as live:
-        trainer = Trainer(cfg, ctx, fake=fake)
+        trainer = Trainer(cfg, ctx, fake=fake, kernels=kernels)
         trainer.tokens_seen = sum(s.tokens for s in cfg.stages[:stage])
         build_peak, state = live.peak, live.live
         plan = trainer.step_plan()
@@ -161,11 +173,13 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     collective_s = traffic.seconds(cfg.cluster)
     model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
     predicted = predict(ops.roofline_s, collective_s, model_flops, gpu)
-    return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), build_peak, state, live.peak,
+    return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank, fast_paths(trainer.model),
+                     plan.micro_batches, build_peak, state, live.peak,
                      live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
                      optimizer.grad_bytes(),
                      optimizer.state_bytes(), ops.flops, ops.launches,
                      dict(sorted(ops.launches_by_op.items())), dict(ops.flops_by_op.most_common()),
+                     dict(ops.bytes_by_op.most_common()),
                      traffic.by_group(), traffic.sent_bytes(),
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
@@ -175,9 +189,10 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
 
 
 def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = None, stage: int = 0,
-            gpu: GpuSpec = GPUS["h200"]) -> StepTrace:
+            gpu: GpuSpec = GPUS["h200"], gpu_kernels: bool = True) -> StepTrace:
     """Play `rank` of a `world_size`-GPU job of cfg, the first step of stage `stage`, in this process (the
-    fake world is the process's default group while it runs)."""
+    fake world is the process's default group while it runs). gpu_kernels: the kernels a CUDA GPU resolves
+    (gpu_kernels/fast_paths.resolve_for_gpu), else this machine's (to compare with a real run here)."""
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group (it makes the fake world)")
     if not 0 <= rank < world_size:
@@ -186,7 +201,8 @@ def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         ctx = init_parallel(cfg)
+        kernels = resolve_for_gpu(cfg, DTYPES[cfg.train.dtype]) if gpu_kernels else None
         return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), AssumedValues(load), stage,
-                           gpu)
+                           gpu, kernels)
     finally:
         destroy_parallel()

@@ -75,6 +75,7 @@ class OpCensus(TorchDispatchMode):
         self.launches = 0
         self.flops_by_op: collections.Counter = collections.Counter()
         self.launches_by_op: collections.Counter = collections.Counter()
+        self.bytes_by_op: collections.Counter = collections.Counter()
 
     def _flops(self, func, args: tuple, kwargs: dict, out) -> int:
         packet = func._overloadpacket
@@ -100,6 +101,7 @@ class OpCensus(TorchDispatchMode):
             self.launches_by_op[name] += 1
             moved = tensor_bytes((args, kwargs)) + tensor_bytes(out)
             self.bytes_moved += moved
+            self.bytes_by_op[name] += moved
             if self.gpu is not None:
                 self.roofline_s += max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
         return out

@@ -9,16 +9,18 @@ all-to-all sends the share meant for its own node's GPUs over NVLink, the rest o
 Overlap: the data-parallel groups' traffic (the sharded optimizer's bucketed reduce-scatters, started
 during the last backward, and its parameter all-gathers) is hidden behind the backward's compute, two
 thirds of the step's, as far as that lasts; every other collective (tensor parallel, the experts'
-all-to-alls, pipeline sends) waits in line with the compute that needs its result. What this cannot
-tell: kernels' real efficiency (the roofline is a bound), contention, stragglers.
+all-to-alls, pipeline sends) waits in line with the compute that needs its result. A pipeline's step adds
+its schedule's bubble to its slowest rank's time (pipeline_step_seconds). What this cannot tell: kernels'
+real efficiency (the roofline is a bound), contention, stragglers.
 """
 
 from dataclasses import dataclass
 
 from moe_pretrain.config import ClusterConfig
 
-OVERLAPPED_GROUPS = ("dp", "edp")
-"""Groups whose traffic the code issues asynchronously, overlapping the backward (parallel/optimizer.py)."""
+OVERLAPPED_GROUPS = ("dp", "edp", "tp x dp")
+"""Groups whose traffic the code issues asynchronously, overlapping the backward: the sharded optimizer's
+buckets (parallel/optimizer.py), the sequence-parallel replicated parameters' over tp x dp among them."""
 BACKWARD_SHARE = 2 / 3
 """The backward's share of a step's compute (twice the forward's FLOPs)."""
 
@@ -49,20 +51,31 @@ def sent_share(op: str, n: int) -> float:
     return 0.0  # a receive (its sender counts the bytes, and the link is full duplex), a barrier
 
 
-def collective_seconds(op: str, payload: int, ranks: list[int], cluster: ClusterConfig) -> float:
-    """Time of `payload` bytes of collective `op` over a group of `ranks` (their global numbers)."""
+def link_seconds(sent: float, ranks: list[int], cluster: ClusterConfig, all_to_all: bool = False) -> float:
+    """Time to send `sent` bytes from one GPU of a group of `ranks` (their global numbers): over NVLink when the
+    group shares a node, else the NIC; an all-to-all sends its own node's share over NVLink at once."""
     n = len(ranks)
     if n < 2:
         return 0.0
-    sent = payload * sent_share(op, n)
     nvlink, nic = cluster.nvlink_gb_s * 1e9, cluster.nic_gb_s * 1e9
     nodes = {r // cluster.gpus_per_node for r in ranks}
     if len(nodes) == 1:
         return sent / nvlink
-    if op.startswith("alltoall"):
+    if all_to_all:
         local = (n / len(nodes) - 1) / (n - 1)  # the group's share on this GPU's node, itself excluded
         return max(sent * local / nvlink, sent * (1 - local) / nic)
     return sent / nic
+
+
+def collective_seconds(op: str, payload: int, ranks: list[int], cluster: ClusterConfig) -> float:
+    """Time of `payload` bytes of collective `op` over a group of `ranks`."""
+    return link_seconds(payload * sent_share(op, len(ranks)), ranks, cluster, op.startswith("alltoall"))
+
+
+def pipeline_step_seconds(rank_step_s: float, pp: int, vpp: int, micro_batches: int) -> float:
+    """A step of the slowest pipeline rank's time `rank_step_s` (its micro-batches back to back), with the
+    1F1B schedule's bubble: pp - 1 micro-batch slots of warm-up and cool-down, 1 / vpp as long interleaved."""
+    return rank_step_s * (1 + (pp - 1) / (vpp * micro_batches))
 
 
 @dataclass(frozen=True)

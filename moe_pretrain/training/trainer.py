@@ -21,6 +21,7 @@ import torch.distributed as dist
 import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
@@ -84,14 +85,16 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext | None = None, *,
-                 fake: FakeTensorMode | None = None):
+                 fake: FakeTensorMode | None = None, kernels: Kernels | None = None):
         """fake: a dry run's fake-tensor mode (launch/dryrun.py); the rank's state (model, optimizer) is built
-        in it, its initial values not drawn."""
+        in it, its initial values not drawn. kernels: what the model is built with (None: resolved for this
+        machine's device; a dry run passes those of the GPU it plays)."""
         self.ctx = ctx or ParallelContext.single()
         self.layout = resolve_layout(cfg, self.ctx.layout.world_size)
         """The checked layout with every step shape's micro-batch count (derived where the config leaves 0)."""
         self.dtype = DTYPES[cfg.train.dtype]
-        kernels = resolve_kernels(cfg, self.ctx.device, self.dtype)  # a forced kernel this machine lacks: fail now
+        if kernels is None:  # a forced kernel this machine lacks: fail now
+            kernels = resolve_kernels(cfg, self.ctx.device, self.dtype)
         check_wandb(cfg)
         self.cfg = cfg
         self.data = PretrainingData(cfg)

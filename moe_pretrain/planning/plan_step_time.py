@@ -1,0 +1,90 @@
+"""The plan's own step time and days (launch.plan): no assumed MFU.
+
+Per pipeline rank of a stage's plan (stage_memory.MemoryPlanner.stage): its planned FLOPs at the GPU's dense
+peak, its planned bytes sent per communication column over the link that column's group crosses (the groups
+megatron-core makes for the layout: parallel/state.init_parallel), combined by the overlap the code issues
+(step_time.predict); the stage's step is the slowest rank's with the pipeline bubble
+(step_time.pipeline_step_seconds). Compute here is a bound: the plan counts FLOPs, not the bytes that
+memory-bound ops move, which the dry run's roofline adds (launch.plan --traces sets its step beside this one;
+docs/planning.md has both for every stage at full size).
+"""
+
+from dataclasses import dataclass
+
+from megatron.core.parallel_state import RankGenerator
+
+from moe_pretrain.config import ClusterConfig, Config, StageConfig
+from moe_pretrain.planning.sizing import count
+from moe_pretrain.planning.stage_memory import RunLayout, StageLayout
+from moe_pretrain.planning.step_time import (
+    OVERLAPPED_GROUPS,
+    GpuSpec,
+    link_seconds,
+    pipeline_step_seconds,
+    predict,
+)
+
+ORDER = "tp-cp-ep-dp-pp"
+"""megatron-core's default rank order, which parallel/state.init_parallel takes."""
+
+
+def column_groups(run: RunLayout, cp: int) -> dict[str, list[int]]:
+    """The ranks of rank 0's group for each of the plan's communication columns (a layout's groups of one kind
+    are translations of each other: they cross the same links). dp: the gradients' reduce group, which
+    spans the context-parallel ranks too (megatron-core's data parallel with context parallel)."""
+    dp = run.gpus // (run.tp * run.pp * cp)
+    dense = RankGenerator(tp=run.tp, ep=1, dp=dp, pp=run.pp, cp=cp, order=ORDER)
+    experts = RankGenerator(tp=1, ep=run.ep, dp=run.gpus // (run.pp * run.ep), pp=run.pp, cp=1, order=ORDER)
+    return {"tp": dense.get_ranks("tp")[0], "cp": dense.get_ranks("cp")[0], "dp": dense.get_ranks("dp-cp")[0],
+            "pp": dense.get_ranks("pp")[0], "ep": experts.get_ranks("ep")[0]}
+
+
+def column_seconds(sent: dict[str, float], groups: dict[str, list[int]], cluster: ClusterConfig
+                   ) -> dict[str, float]:
+    """Each communication column's bytes sent per GPU (a plan row's "communication") on its group's links."""
+    return {column: link_seconds(size, groups[column], cluster, all_to_all=column == "ep")
+            for column, size in sent.items()}
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    step_s: float
+    """The stage's step: the slowest pipeline rank's, with the bubble."""
+    rank_step_s: list[float]
+    """Each pipeline rank's time without the bubble."""
+    mfu: float
+    """Model FLOPs (without recomputation) per GPU over step_s x the GPU's peak."""
+    days: float
+    """The stage's steps at step_s."""
+
+
+def _stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, times: list[float],
+                gpu: GpuSpec) -> PlannedStep:
+    """The stage's step from its pipeline ranks' times."""
+    model_flops = count(cfg.model, stage.seq_len)["flops_per_token"] * stage.batch_tokens / run.gpus
+    step = pipeline_step_seconds(max(times), run.pp, run.vpp, layout.micro_batches)
+    return PlannedStep(step, times, model_flops / (step * gpu.peak_flops), stage.steps * step / 86400)
+
+
+def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, ranks: list[dict],
+                 gpu: GpuSpec, cluster: ClusterConfig) -> PlannedStep:
+    """ranks: MemoryPlanner.stage(...)["ranks"], one row per pipeline rank."""
+    groups = column_groups(run, layout.cp)
+    times = [predict(row["flops"] / gpu.peak_flops, column_seconds(row["communication"], groups, cluster), 0.0,
+                     gpu).step_s for row in ranks]
+    return _stage_step(cfg, run, stage, layout, times, gpu)
+
+
+def traced_stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, traces: list[dict],
+                      gpu: GpuSpec) -> PlannedStep:
+    """The stage's step from dry-run traces of some of its ranks (launch.dryrun's JSON; each of the step's
+    first trace["micro_batches"]): each rank's compute and its per-micro-batch collectives scale to the
+    stage's micro-batches, the optimizer's (OVERLAPPED_GROUPS) happen once a step; the slowest traced rank
+    sets the pace."""
+    times = []
+    for trace in traces:
+        scale = layout.micro_batches / trace["micro_batches"]
+        collective_s = {group: t if group in OVERLAPPED_GROUPS else t * scale
+                        for group, t in trace["collective_s"].items()}
+        times.append(predict(trace["compute_s"] * scale, collective_s, 0.0, gpu).step_s)
+    return _stage_step(cfg, run, stage, layout, times, gpu)
