@@ -6,7 +6,7 @@ process-group backend, and what each rank allocates, computes, sends and reads o
 
 By default one rank of each pipeline role (first stage: embeddings and the vision tower; a middle one;
 last: logits and the multi-token-prediction blocks), each in its own process. Routing that the model's
-arithmetic would decide is assumed (--expert-load: balanced, or a load factor per expert); the data's
+arithmetic would decide is assumed (config key dry_run.expert_load: balanced, or a load factor per expert); the data's
 document boundaries are the real loader's (moe_pretrain/planning/dry_run.py says what is real and what is
 assumed). What it cannot tell: numerics and kernel speed.
 """
@@ -23,15 +23,8 @@ from moe_pretrain.config import EX_CONFIG, ConfigError, add_config_arguments, lo
 GB = 1e9
 
 
-def parse_load(text: str) -> list[float] | None:
-    """'balanced' -> None; '1,1,3,...' -> one factor per expert."""
-    if text == "balanced":
-        return None
-    return [float(x) for x in text.split(",")]
-
-
 def _play(args: tuple) -> dict:
-    cfg, gpus, rank, load, stage, gpu, kernels = args
+    cfg, gpus, rank, stage, gpu, kernels = args
     from moe_pretrain.log import setup_logging
     from moe_pretrain.planning.dry_run import dry_run
 
@@ -40,7 +33,7 @@ def _play(args: tuple) -> dict:
     try:
         from moe_pretrain.planning.step_time import GPUS
 
-        return dataclasses.asdict(dry_run(cfg, gpus, rank, load, stage, GPUS[gpu], kernels == "gpu"))
+        return dataclasses.asdict(dry_run(cfg, gpus, rank, stage, GPUS[gpu], kernels == "gpu"))
     except Exception as err:  # torch's errors may not pickle back to the parent: send the text
         raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
 
@@ -83,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", type=int, default=0,
                         help="run only the step's first N micro-batches (a multiple of parallel.pp: the pipeline's "
                              "peak is reached in its warm-up); figures are then those of N micro-batches")
-    parser.add_argument("--expert-load", default="balanced", type=parse_load,
-                        help="'balanced', or each expert's load relative to the mean, comma-separated")
     parser.add_argument("--json", default="", help="also write the traces to this file")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config_or_exit(args)
@@ -120,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Each rank in a fresh process: the fake world is a process's default group.
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        traces = pool.map(_play, [(cfg, args.gpus, r, args.expert_load, stage, args.gpu, args.kernels)
+        traces = pool.map(_play, [(cfg, args.gpus, r, stage, args.gpu, args.kernels)
                                   for r in ranks])
     for trace in traces:
         print_trace(trace)

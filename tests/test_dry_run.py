@@ -178,3 +178,8 @@ def test_a_layout_the_world_cannot_hold_is_refused_in_one_line_before_any_rank_r
     assert result.returncode == 78
     lines = [line for line in result.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
     assert len(lines) == 1 and "parallel.tp=3" in lines[0], result.stderr
+    # The assumed routing is a config key, checked against the model before any rank runs.
+    result = subprocess.run([sys.executable, "-m", "launch.dryrun", "configs/smoke.yaml", "dry_run.expert_load=[1,3]",
+                             "--gpus", "8"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78
+    assert "dry_run.expert_load has 2 factors for model.moe.num_experts=16" in result.stderr, result.stderr

@@ -2,6 +2,7 @@
 
 from moe_pretrain.config.blend import BlendConfig
 from moe_pretrain.config.cli import add_config_arguments, load_config_from_args, load_config_or_exit
+from moe_pretrain.config.dry_run import DryRunConfig
 from moe_pretrain.config.errors import EX_CONFIG, ConfigError
 from moe_pretrain.config.evaluation import EvalConfig
 from moe_pretrain.config.loader import config_to_dict, load_config
@@ -37,6 +38,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DryRunConfig",
     "EvalConfig",
     "KDAConfig",
     "KernelsConfig",

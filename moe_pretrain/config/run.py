@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moe_pretrain.config.blend import BlendConfig, check_long_documents
+from moe_pretrain.config.dry_run import DryRunConfig
 from moe_pretrain.config.errors import require, require_positive
 from moe_pretrain.config.evaluation import EvalConfig
 from moe_pretrain.config.inert import check_inert_settings
@@ -364,6 +365,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     stages: list[StageConfig] = field(default_factory=list)
     """The staged context-extension schedule; empty = one stage from data.* and optim.* (train.steps)."""
 
@@ -377,6 +379,9 @@ class Config:
                     f"set train.steps={total}")
             require(self.train.exit_at_step <= total, f"train.exit_at_step={self.train.exit_at_step} is past the "
                     f"schedule's {total} steps")
+        load = self.dry_run.expert_load
+        require(not load or len(load) == self.model.moe.num_experts,
+                f"dry_run.expert_load has {len(load)} factors for model.moe.num_experts={self.model.moe.num_experts}")
         require(self.precision.fp8 == "off" or self.train.dtype != "float64",
                 f"precision.fp8={self.precision.fp8} needs train.dtype float32 or bfloat16, not float64")
         vision = self.model.vision

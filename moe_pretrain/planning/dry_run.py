@@ -188,11 +188,12 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      time.perf_counter() - start)
 
 
-def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = None, stage: int = 0,
-            gpu: GpuSpec = GPUS["h200"], gpu_kernels: bool = True) -> StepTrace:
+def dry_run(cfg: Config, world_size: int, rank: int, stage: int = 0, gpu: GpuSpec = GPUS["h200"],
+            gpu_kernels: bool = True) -> StepTrace:
     """Play `rank` of a `world_size`-GPU job of cfg, the first step of stage `stage`, in this process (the
-    fake world is the process's default group while it runs). gpu_kernels: the kernels a CUDA GPU resolves
-    (gpu_kernels/fast_paths.resolve_for_gpu), else this machine's (to compare with a real run here)."""
+    fake world is the process's default group while it runs), routing by dry_run.expert_load. gpu_kernels:
+    the kernels a CUDA GPU resolves (gpu_kernels/fast_paths.resolve_for_gpu), else this machine's (to
+    compare with a real run here)."""
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group (it makes the fake world)")
     if not 0 <= rank < world_size:
@@ -202,7 +203,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, load: list[float] | None = 
     try:
         ctx = init_parallel(cfg)
         kernels = resolve_for_gpu(cfg, DTYPES[cfg.train.dtype]) if gpu_kernels else None
-        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), AssumedValues(load), stage,
-                           gpu, kernels)
+        assumed = AssumedValues(cfg.dry_run.expert_load or None)
+        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), assumed, stage, gpu, kernels)
     finally:
         destroy_parallel()
