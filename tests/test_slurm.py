@@ -222,13 +222,18 @@ argument)."""
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("fit", "excluded"), [("node2 node3", "node1"), ("", "")], ids=["one-sick", "all-failing"])
 def test_a_crashed_run_excludes_the_nodes_that_fail_the_check(tmp_path, fit, excluded):
-    """Three nodes; stand-ins for srun (see CHECKING_SRUN) and scontrol (records its arguments): one failing node is
-    excluded (requeuehold, ExcNodeList, release); all three failing is a shared cause, and the job requeues as it is."""
+    """Three nodes; stand-ins for srun (see CHECKING_SRUN) and scontrol (records its arguments, holds the job's
+    ExcNodeList, refuses its first update as slurmctld does while the job still runs): one failing node is
+    excluded (requeuehold, ExcNodeList retried until read back, release); all three failing is a shared cause,
+    and the job requeues as it is."""
     scontrol = f"""#!/bin/bash
 echo "$@" >> {tmp_path}/scontrol
 case "$*" in
-  "show hostnames"*) printf "node1\\nnode2\\nnode3\\n" ;;
-  "show job"*) echo "JobId=7 ExcNodeList=(null) Restarts=0" ;;
+  "show hostnames node[1-3]") printf "node1\\nnode2\\nnode3\\n" ;;
+  "show hostnames"*) printf "%s\\n" ${{3//,/ }} ;;
+  "show job"*) echo "JobId=7 ExcNodeList=$(cat {tmp_path}/held 2>/dev/null || echo '(null)') Restarts=0" ;;
+  "update JobId=7 ExcNodeList="*) [ -e {tmp_path}/refused ] || {{ touch {tmp_path}/refused; exit 1; }}
+                                  echo "${{3#ExcNodeList=}}" > {tmp_path}/held ;;
 esac
 """
     programs = {"srun": CHECKING_SRUN.replace("TMP", str(tmp_path)).replace("FIT", fit), "scontrol": scontrol}
@@ -238,8 +243,11 @@ esac
     calls = (tmp_path / "scontrol").read_text().splitlines()
     assert "python -m launch.node_check --gpus=0" in (tmp_path / "check").read_text()
     if excluded:
-        assert calls[-3:] == ["requeuehold 7", f"update JobId=7 ExcNodeList={excluded}", "release 7"]
+        changes = [call for call in calls if not call.startswith("show")]
+        update = f"update JobId=7 ExcNodeList={excluded}"
+        assert changes[-4:] == ["requeuehold 7", update, update, "release 7"], calls  # refused once, then held
         assert f"excluding {excluded} (failed the node check or did not answer)" in done.stdout
+        assert f"released with ExcNodeList={excluded}: it waits for other nodes" in done.stdout
     else:
         assert calls[-1] == "requeue 7" and not [call for call in calls if call.startswith("update")]
         assert "all 3 nodes failed the node check: a shared cause, no node excluded" in done.stdout
