@@ -182,7 +182,7 @@ def render(request: JobRequest, cfg: Config) -> str:
         "TORCH_FR_DUMP_TEMP_FILE": str(hang_dir / FR_TRACE_PREFIX),
         # How long torchrun lets the workers save after forwarding the signal, before SIGKILL. The variable,
         # not torchrun's shutdown-timeout flag: torch < 2.11 has none (it would refuse to start) and ignores the
-        # variable, keeping its 30 s (too short for a full-size save; README, "Operations").
+        # variable, keeping its 30 s (too short for a full-size save; docs/operations.md).
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(lead.seconds),
         **launch.env,
     }

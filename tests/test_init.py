@@ -82,7 +82,7 @@ def test_initial_model_is_bitwise_the_same_on_every_layout(world_size, overrides
 
 @pytest.mark.timeout(120)
 def test_full_size_model_builds_on_meta():
-    """~2 s here (README); the time is the bench's to print, not a test's to bound."""
+    """~2 s here (docs/status.md); the time is the bench's to print, not a test's to bound."""
     cfg = load_config("configs/full.yaml")
     model, parameters = meta_model(cfg)
     total = sum(p.numel() for p in model.parameters())

@@ -339,8 +339,8 @@ def test_import_refuses_what_the_model_cannot_represent(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_continued_pretraining_imports_the_release_and_trains_a_new_stage(tmp_path):
-    """README's workflow at tiny size: import the release, then train a longer-context stage from it (the
-    model-only checkpoint starts the new schedule at its first stage, with a fresh optimizer)."""
+    """docs/checkpoints.md's import workflow at tiny size: import the release, then train a longer-context stage
+    from it (the model-only checkpoint starts the new schedule at its first stage, with a fresh optimizer)."""
     _, _, config_file = release_fixture(tmp_path)
     assert tool("import", tmp_path / "release", tmp_path / "ckpt", "--config", config_file).returncode == 0
     stage = ("stages=[{name: long, tokens: 1536, seq_len: 192, batch_tokens: 768, lr_peak: 0.001, lr_end: 0.0001, "

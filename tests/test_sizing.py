@@ -51,7 +51,8 @@ def test_full_size_figures():
 
 
 def test_the_total_says_what_it_counts():
-    """launch.plan printed 2.81e12 beside README's 2.7795e12 without saying it counts the MTP block and the tower."""
+    """launch.plan printed 2.81e12 beside docs/usage.md's 2.7795e12 without saying it counts the MTP block and the
+    tower."""
     cfg = load_config("configs/full.yaml")
     parts = total_parts(cfg.model, cfg.data.seq_len)
     assert parts == ("2.7795e+12 in the 93-layer backbone with embedding and head, 3.0120e+10 in 1 "

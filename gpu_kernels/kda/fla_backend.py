@@ -2,7 +2,7 @@
 
 fla's Triton kernels do not run on CPU (not even under TRITON_INTERPRET), so the PyTorch chunk form
 in moe_pretrain.ops.kda is the reference and the only path exercised on CPU machines. tests/gpu/test_fla_kda.py
-compares the two on a GPU (bench/gpu_check.sh); see README, "GPU paths", for whether that has run yet.
+compares the two on a GPU (bench/gpu_check.sh); see docs/gpu.md, for whether that has run yet.
 Context parallelism (cp > 1) runs KDA through parallel/context_parallel.py's own chunk form, not fla.
 """
 

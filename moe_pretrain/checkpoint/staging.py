@@ -13,7 +13,7 @@ On CUDA the copies run on a side stream of their own, ordered after an event the
 when it asks for the save (ready_event: everything the step wrote is enqueued before it), as non-blocking
 copies into the pinned buffers with one synchronisation at the end. Copies on the training's stream would
 queue behind the next step's kernels and each blocking copy would wait for them. Nothing of this path has
-run on a GPU yet (README, "GPU paths"); on a CPU the copies are plain memcpys.
+run on a GPU yet (docs/gpu.md); on a CPU the copies are plain memcpys.
 """
 
 import contextlib

@@ -11,7 +11,7 @@ the per-expert loop of fp8/experts.py (reading the counts there, once). The bf16
 
 The kernel itself has no CPU implementation: on CPU the operands this module builds are checked against
 the loop's quantization (exact) and the call against torch's own shape rules (its meta function); whether
-it has run on a GPU is in README, "GPU paths".
+it has run on a GPU is in docs/gpu.md.
 """
 
 import torch

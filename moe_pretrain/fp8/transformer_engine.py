@@ -15,7 +15,7 @@ the forward and columnwise for dgrad, is made once per optimizer step (step_reus
 
 general_grouped_gemm's signature moved between TE 2.9 (workspaces), 2.10 and 2.11+ (quantization_params):
 _grouped_gemm passes what the installed release's signature names. Transformer Engine imports only with
-CUDA: nothing here runs on a CPU, and whether it has run on a GPU is in README, "GPU paths".
+CUDA: nothing here runs on a CPU, and whether it has run on a GPU is in docs/gpu.md.
 """
 
 import functools
