@@ -71,52 +71,53 @@ def fp8_settings(cfg: Config, device: torch.device) -> Fp8Settings | None:
     return Fp8Settings(RECIPES[cfg.precision.fp8], cfg.precision.fp8_amax_history, fp8_engine(cfg, device))
 
 
+def _resolved(cfg: Config, reasons: dict[str, str | None], cuda: bool, fp8: Fp8Settings | None) -> Kernels:
+    """The kernels.* choices against why each fast path cannot run (None: it can); auto takes Triton, fla and
+    FlexAttention on CUDA only, the grouped GEMM wherever it runs. why_not keeps a reason for each path left
+    on its reference."""
+    k = cfg.kernels
+    taken = {"triton": _choose("triton", k.triton, "triton", reasons["triton"], cuda),
+             "grouped_gemm": _choose("grouped_gemm", k.grouped_gemm, "grouped", reasons["grouped_gemm"], True),
+             "attention": _choose("attention", k.attention, "flex", reasons["attention"], cuda),
+             "kda": _choose("kda", k.kda, "fla", reasons["kda"], cuda)}
+    why_not = {key: f"kernels.{key}={getattr(k, key)}" if getattr(k, key) != "auto"
+               else reasons[key] or "auto takes it on CUDA only" for key in taken if not taken[key]}
+    return Kernels(triton=taken["triton"], grouped_gemm="grouped" if taken["grouped_gemm"] else "loop",
+                   kda="fla" if taken["kda"] else "torch", attention="flex" if taken["attention"] else "sdpa",
+                   fp8=fp8, why_not=tuple(why_not.items()))
+
+
 def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:
     """The kernels a model for this run is built with, on this device and compute dtype (train.dtype's)."""
-    k = cfg.kernels
-    cuda = device.type == "cuda"
     reasons = {
         "triton": triton_unavailable_reason(device),
         "grouped_gemm": grouped_gemm_reason(cfg, device, dtype),
         "attention": flex_unavailable_reason(device, training=True),
         "kda": fla_unavailable_reason(device, kda_gate_floor(cfg)),
     }
-    triton = _choose("triton", k.triton, "triton", reasons["triton"], cuda)
-    grouped = _choose("grouped_gemm", k.grouped_gemm, "grouped", reasons["grouped_gemm"], True)
-    flex = _choose("attention", k.attention, "flex", reasons["attention"], cuda)
-    fla = _choose("kda", k.kda, "fla", reasons["kda"], cuda)
-    fp8 = fp8_settings(cfg, device)
-    chosen = {key: getattr(k, key) for key in reasons}
-    why_not = {key: (f"kernels.{key}={chosen[key]}" if chosen[key] != "auto"
-                     else reason or "auto takes it on CUDA only") for key, reason in reasons.items()}
-    return Kernels(triton=triton, grouped_gemm="grouped" if grouped else "loop", kda="fla" if fla else "torch",
-                   attention="flex" if flex else "sdpa", fp8=fp8, why_not=tuple(why_not.items()))
+    return _resolved(cfg, reasons, device.type == "cuda", fp8_settings(cfg, device))
 
 
 DRY_RUN_REFERENCES = {
     "attention": "in a dry run: FlexAttention refuses a backward on the CPU, where fake tensors live; same FLOPs",
     "kda": "in a dry run: fla's kernels have no fake implementation; same FLOPs, more memory traffic than fla's",
 }
-"""The GPU paths a dry run cannot play, and what it plays instead."""
+"""The GPU paths a dry run cannot play, and why (the references run in their place)."""
 
 
 def resolve_for_gpu(cfg: Config, dtype: torch.dtype) -> Kernels:
-    """The kernels a CUDA GPU resolves for this run (kernels.* at auto take every fast path that is installed),
-    as a dry run plays them on fake tensors: our Triton kernels through their custom ops' fake implementations,
-    the experts' torch._grouped_mm through its meta implementation; FlexAttention and fla through the
-    references (DRY_RUN_REFERENCES); FP8 as this machine resolves it."""
-    k = cfg.kernels
-    triton_reason = None if triton_installed() else "triton is not installed"
-    grouped_reason = (f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}" if dtype != torch.bfloat16
-                      else grouped_gemm_reason(cfg, torch.device("cpu"), dtype))
-    triton = _choose("triton", k.triton, "triton", triton_reason, True)
-    grouped = _choose("grouped_gemm", k.grouped_gemm, "grouped", grouped_reason, True)
-    fp8 = fp8_settings(cfg, torch.device("cpu"))
-    why_not = {"triton": None if triton else f"kernels.triton={k.triton}" if k.triton != "auto" else triton_reason,
-               "grouped_gemm": None if grouped else f"kernels.grouped_gemm={k.grouped_gemm}"
-               if k.grouped_gemm != "auto" else grouped_reason, **DRY_RUN_REFERENCES}
-    return Kernels(triton=triton, grouped_gemm="grouped" if grouped else "loop", fp8=fp8,
-                   why_not=tuple((key, reason) for key, reason in why_not.items() if reason))
+    """The kernels a CUDA GPU resolves for this run, as a dry run plays them on fake tensors: our Triton kernels
+    through their custom ops' fake implementations, the experts' torch._grouped_mm through its meta
+    implementation; FlexAttention and fla cannot be played (DRY_RUN_REFERENCES); FP8 as this machine resolves
+    it."""
+    cpu = torch.device("cpu")
+    reasons = {
+        "triton": None if triton_installed() else "triton is not installed",
+        "grouped_gemm": f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}" if dtype != torch.bfloat16
+        else grouped_gemm_reason(cfg, cpu, dtype),
+        **DRY_RUN_REFERENCES,
+    }
+    return _resolved(cfg, reasons, True, fp8_settings(cfg, cpu))
 
 
 def state_kernels(cfg: Config) -> Kernels:

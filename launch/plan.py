@@ -69,27 +69,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total    {sum(s.tokens for s in cfg.stages):10.4g} {cfg.train.steps:8d}")
     if not args.gpus:
         return 0
-    code = print_memory_plan(cfg, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
+    code, planned = print_memory_plan(cfg, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
     gpu = GPUS[args.gpu]
     if args.peak_tflops:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
-    print_step_times(cfg, args.gpus, gpu, args.traces)
+    print_step_times(cfg, args.gpus, planned, gpu, args.traces)
     return code
 
 
-def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> int:
+def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> tuple[int, dict]:
+    """The memory plan of the config's layout (and with propose, the proposed one's): the exit code, and each
+    valid stage's plan on the config's layout by name (MemoryPlanner.stage)."""
     planner = MemoryPlanner(cfg)
     capacity = capacity or GPU_BYTES[gpu]
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     layouts = stage_layouts_of(cfg)
     print(f"\nmemory per GPU, GB, worst pipeline rank ({gpu}: {capacity / 1e9:.3g} GB), layout {run.describe()}")
-    all_fit = print_stages(planner, run, layouts, capacity)
+    all_fit, planned = print_stages(planner, run, layouts, capacity)
     if propose:
         found = planner.propose(gpus, capacity)
         if found is None:
             print(f"\nno layout of {gpus} GPUs fits any stage with {HEADROOM:.0%} headroom")
-            return 1
+            return 1, planned
         run, stages = found
         print(f"\nproposed: {run.describe()} (fits the most stages with {HEADROOM:.0%} headroom, then the least "
               "tp x pp; per stage the least cp, then the cheapest recomputation)")
@@ -97,17 +99,18 @@ def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float =
         unfit = [stage.name for stage, s in zip(cfg.stages, stages, strict=True) if s is None]
         if unfit:
             print(f"no layout of {gpus} GPUs with {run.describe()} fits: {', '.join(unfit)}")
-            return 1
-        return 0
-    return 0 if all_fit else 1
+            return 1, planned
+        return 0, planned
+    return 0 if all_fit else 1, planned
 
 
-def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> bool:
+def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> tuple[bool, dict]:
+    """Whether every stage fits, and each valid stage's plan by name."""
     columns = ("params", "grads", "optim", "copies", "mixers", "activ", "a2a", "qb", "vision", "total", "host")
     print(f"{'stage':8s} {'layout':29s} {'dp':>5s} " + " ".join(f"{c:>7s}" for c in columns) + f" {'fits':>5s} | "
           f"GB sent/step: "
           f"{'tp':>6s} {'ep':>6s} {'pp':>6s} {'cp':>6s} {'dp':>6s}")
-    all_fit = True
+    all_fit, planned = True, {}
     for stage, layout in zip(planner.cfg.stages, layouts, strict=True):
         if layout is None:
             all_fit = False
@@ -118,7 +121,7 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
             all_fit = False
             print(f"{stage.name:8s} {layout.describe():29s} invalid: {'; '.join(problems)}")
             continue
-        result = planner.stage(run, stage, layout)
+        result = planned[stage.name] = planner.stage(run, stage, layout)
         w, c = result["worst"], result["communication"]
         fits = within(result, capacity)
         all_fit &= fits
@@ -131,14 +134,14 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
         if w["muon_flops"]:
             print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step, its exchange "
                   f"in dp's column; its step holds {w['muon_step_bytes'] / 1e9:.1f} GB after the activations are freed")
-    return all_fit
+    return all_fit, planned
 
 
-
-def print_step_times(cfg, gpus: int, gpu: GpuSpec, traces: Path | None) -> None:
-    """Each stage's step time, MFU and days on the config's layout: the plan's model, and with traces the dry
-    run's (its predicted rank times scaled to the stage's micro-batches, with the same bubble)."""
-    planner, p = MemoryPlanner(cfg), cfg.parallel
+def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path | None) -> None:
+    """Each stage's step time, MFU and days on the config's layout: the plan's model (on planned, each valid
+    stage's plan by name), and with traces the dry run's (its predicted rank times scaled to the stage's
+    micro-batches, with the same bubble)."""
+    p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     print(f"\nstep time on {gpus} x {gpu.name} ({gpu.peak_flops / 1e12:.0f} TFLOP/s dense peak), layout "
           f"{run.describe()}: the plan's FLOPs at the peak (a bound: memory-bound ops are the dry run's to count), "
@@ -148,20 +151,19 @@ def print_step_times(cfg, gpus: int, gpu: GpuSpec, traces: Path | None) -> None:
     days = {"plan": 0.0, "dry run": 0.0}
     traced_stages = []
     for index, (stage, layout) in enumerate(zip(cfg.stages, stage_layouts_of(cfg), strict=True)):
-        if layout is None or planner.problems(run, stage, layout):
+        if stage.name not in planned:
             print(f"{stage.name:8s} {'-':>8s} (no valid layout)")
             continue
-        planned = planned_step(cfg, run, stage, layout, planner.stage(run, stage, layout)["ranks"], gpu,
-                               cfg.cluster)
-        days["plan"] += planned.days
-        line = f"{stage.name:8s} {planned.step_s:8.2f} {planned.mfu:6.1%} {planned.days:7.1f}"
+        step = planned_step(cfg, run, stage, layout, planned[stage.name]["ranks"], gpu, cfg.cluster)
+        days["plan"] += step.days
+        line = f"{stage.name:8s} {step.step_s:8.2f} {step.mfu:6.1%} {step.days:7.1f}"
         found = traces / f"{stage.name}.json" if traces else None
         if found and found.exists():
             traced = json.loads(found.read_text())
-            step = traced_stage_step(cfg, run, stage, layout, traced, gpu)
-            days["dry run"] += step.days
+            dry = traced_stage_step(cfg, run, stage, layout, traced, gpu)
+            days["dry run"] += dry.days
             traced_stages.append((index, traced))
-            line += f" |          {step.step_s:8.2f} {step.mfu:6.1%} {step.days:7.1f}"
+            line += f" |          {dry.step_s:8.2f} {dry.mfu:6.1%} {dry.days:7.1f}"
         print(line)
     summary = f"total days: {days['plan']:.1f} (plan)"
     if traced_stages:
