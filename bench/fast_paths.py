@@ -103,10 +103,11 @@ def main() -> None:
                 return situ_glu(g, u, fused=fused)
             return forward_backward(run, gate, up)
         timed("fused SiTU-GLU fwd+bwd", situ(True), situ(False), "eager")
-        tokens = R // args.top_k
-        topk = torch.rand(tokens, E, device=device).topk(args.top_k, dim=1).indices
+        local_k = min(args.top_k, E)  # a token's choices among this rank's experts
+        tokens = R // local_k
+        topk = torch.rand(tokens, E, device=device).topk(local_k, dim=1).indices
         hidden = torch.randn(tokens, L, device=device, dtype=dtype)
-        weights = torch.rand(tokens, args.top_k, device=device)
+        weights = torch.rand(tokens, local_k, device=device)
 
         def moved(fused):
             dispatcher = LocalTokenDispatcher(E, fused=fused)

@@ -89,11 +89,13 @@ def _resolved(cfg: Config, reasons: dict[str, str | None], cuda: bool, fp8: Fp8S
 
 def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:
     """The kernels a model for this run is built with, on this device and compute dtype (train.dtype's)."""
+    mla = cfg.model.mla
     reasons = {
         "triton": triton_unavailable_reason(device),
         "grouped_gemm": grouped_gemm_reason(cfg, device, dtype),
-        "attention": flex_unavailable_reason(device, training=True),
-        "kda": fla_unavailable_reason(device, kda_gate_floor(cfg)),
+        "attention": flex_unavailable_reason(device, True, mla.qk_nope_head_dim + mla.qk_rope_head_dim,
+                                             mla.v_head_dim),
+        "kda": fla_unavailable_reason(device, kda_gate_floor(cfg), cfg.model.kda.head_dim),
     }
     return _resolved(cfg, reasons, device.type == "cuda", fp8_settings(cfg, device))
 

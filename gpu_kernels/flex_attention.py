@@ -20,11 +20,26 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 BLOCK = 128
 """FlexAttention's default tile (queries and keys)."""
 
+WIDE_FLOAT32_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+"""The forward's tiles for float32 heads wider than 128: inductor's default float32 tiles for MLA's 192-wide
+q / k overflow an H200's 227 KiB of shared memory per block (seen on one); these take a quarter of it. bf16
+keeps inductor's choice (the backward's float32 default tiles are already 16 x 16)."""
 
-def flex_unavailable_reason(device: torch.device, training: bool) -> str | None:
-    """Why FlexAttention cannot run this attention on this device; None when it can."""
+
+MIN_HEAD_DIM = 16
+"""FlexAttention's GPU lowering takes query / key and value heads of 16 or more (narrower ones are a lowering
+error when the first call compiles)."""
+
+
+def flex_unavailable_reason(device: torch.device, training: bool, qk_head_dim: int = MIN_HEAD_DIM,
+                            v_head_dim: int = MIN_HEAD_DIM) -> str | None:
+    """Why FlexAttention cannot run this attention (MLA's query / key and value head widths) on this device;
+    None when it can."""
     if training and device.type != "cuda":
         return f"FlexAttention has no backward on {device.type}"
+    if min(qk_head_dim, v_head_dim) < MIN_HEAD_DIM:
+        return (f"FlexAttention takes heads of {MIN_HEAD_DIM} or more, not {qk_head_dim} (model.mla.qk_nope_head_dim"
+                f" + qk_rope_head_dim) / {v_head_dim} (model.mla.v_head_dim)")
     return None
 
 
@@ -65,4 +80,6 @@ def flex_document_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: tor
                             scale: float) -> torch.Tensor:
     """[N, H, D] q / k and [N, H, Dv] v -> [N, H, Dv], one FlexAttention call over every document."""
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, D]
-    return _compiled()(q, k, v, block_mask=mask, scale=scale)[0].transpose(0, 1)
+    wide_float32 = q.dtype == torch.float32 and q.shape[-1] > 128
+    return _compiled()(q, k, v, block_mask=mask, scale=scale,
+                       kernel_options=WIDE_FLOAT32_TILES if wide_float32 else None)[0].transpose(0, 1)

@@ -95,6 +95,8 @@ def test_fla_takes_only_the_gate_floors_its_safe_gate_is_exact_for(monkeypatch):
         assert fla_unavailable_reason(cuda, -5.0) is None
         assert "model.kda.lower_bound in [-5, 0), not -6" in fla_unavailable_reason(cuda, -6.0)
         assert fla_unavailable_reason(cuda, None) is None  # the softplus gate: no safe gate, no floor
+        # a head narrower than fla's tl.dot tiles fails to compile on the GPU (seen on an H200): auto says why
+        assert "model.kda.head_dim >= 16 (its tl.dot tiles), not 8" in fla_unavailable_reason(cuda, -5.0, 8)
     with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's safe gate takes "
                                           r"model\.kda\.lower_bound in \[-5, 0\), not -6"):
         resolve(tiny_config("kernels.kda=fla", "model.kda.lower_bound=-6"), CPU, torch.float32)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpu_kernels.choice import Kernels
-from gpu_kernels.flex_attention import document_block_mask, flex_document_attention
+from gpu_kernels.flex_attention import document_block_mask, flex_document_attention, flex_unavailable_reason
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA
@@ -66,3 +66,13 @@ def test_flex_attention_matches_the_reference_and_an_mla_layer_issues_the_same_o
     assert (flex_one - ref_one).abs().max() < 1e-5 and (flex_many - ref_many).abs().max() < 1e-5
     assert flex_one_calls == flex_many_calls
     assert ref_many_calls >= ref_one_calls + 30  # one SDPA (and a slice of each input) per extra document
+
+
+def test_flex_attention_is_refused_for_heads_narrower_than_its_gpu_lowering_takes():
+    """FlexAttention's GPU lowering refuses heads under 16 wide (an H200 raised it at the first compile for the
+    tiny model's 12 / 8): on a GPU auto keeps the reference and says why, naming the keys."""
+    reason = flex_unavailable_reason(torch.device("cuda"), True, 12, 8)
+    assert reason == ("FlexAttention takes heads of 16 or more, not 12 (model.mla.qk_nope_head_dim + qk_rope_head_dim)"
+                      " / 8 (model.mla.v_head_dim)")
+    assert flex_unavailable_reason(torch.device("cuda"), True, 192, 128) is None
+    assert flex_unavailable_reason(torch.device("cpu"), True, 12, 8) == "FlexAttention has no backward on cpu"

@@ -30,15 +30,23 @@ def safe_gate_reason(lower_bound: float | None) -> str | None:
     return f"fla's safe gate takes model.kda.lower_bound in [{low:g}, {high:g}), not {lower_bound:g}"
 
 
-def fla_unavailable_reason(device: torch.device, lower_bound: float | None = None) -> str | None:
+MIN_HEAD_DIM = 16
+"""fla's chunk_kda tiles the key dimension into tl.dot operands, which take 16 or more along their inner
+dimension: a narrower head fails to compile on the GPU."""
+
+
+def fla_unavailable_reason(device: torch.device, lower_bound: float | None = None,
+                           head_dim: int = MIN_HEAD_DIM) -> str | None:
     """Why fla's kernel cannot run for tensors on this device with this gate floor (None: the softplus
-    gate); None when it can."""
+    gate) and KDA head width; None when it can."""
     if reason := safe_gate_reason(lower_bound):  # a config fault on any machine: said first
         return reason
     if device.type != "cuda":
         return f"fla's Triton kernels need CUDA; device {device.type}"
     if not _fla_installed():
         return "fla is not installed: pip install 'moe-pretrain[gpu]'"
+    if head_dim < MIN_HEAD_DIM:
+        return f"fla's chunk_kda takes model.kda.head_dim >= {MIN_HEAD_DIM} (its tl.dot tiles), not {head_dim}"
     return None
 
 

@@ -1,9 +1,9 @@
 """The MFU denominator: a process's peak FLOP/s, from logging.peak_tflops, the vendor table, or a CPU matmul.
 
-On a GPU the peak is the vendor's dense BF16 figure for the device (MFU's convention, also for FP8 runs),
-never a measurement: a small matmul timed at start-up measures launch latency and clocks, not the tensor
-cores, and would overstate MFU several times. A GPU the table does not know, or a run in another dtype,
-must state logging.peak_tflops. CPU runs (tests, smoke) time a float32 matmul once (a CPU without bf16
+On a GPU the peak is the vendor's dense BF16 figure for the device (MFU's convention, also for FP8 and
+float32 runs), never a measurement: a small matmul timed at start-up measures launch latency and clocks, not
+the tensor cores, and would overstate MFU several times. A GPU the table does not know must state
+logging.peak_tflops. CPU runs (tests, smoke) time a float32 matmul once (a CPU without bf16
 units emulates bf16 GEMMs: timing one would take seconds and measure the emulation).
 """
 
@@ -38,15 +38,15 @@ def measured_cpu_peak_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8)
 
 def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> float:
     """Peak FLOP/s of one process training in dtype on device: logging.peak_tflops when set; on CUDA the
-    table's BF16 figure (a ConfigError naming logging.peak_tflops when the device or dtype is not in it);
-    on CPU a timed matmul."""
+    table's BF16 figure whatever the dtype (a ConfigError naming logging.peak_tflops when the device is not
+    in it); on CPU a timed matmul."""
     if peak_tflops > 0:
         return peak_tflops * 1e12
     if device.type == "cpu":
         return measured_cpu_peak_flops(torch.float64 if dtype == torch.float64 else torch.float32)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    table = table_peak_tflops(name) if device.type == "cuda" and dtype == torch.bfloat16 else None
+    table = table_peak_tflops(name) if device.type == "cuda" else None
     if table is None:
-        raise ConfigError(f"logging.peak_tflops is needed for MFU on {name} with train.dtype {dtype}: the table "
+        raise ConfigError(f"logging.peak_tflops is needed for MFU on {name}: the table "
                           f"(moe_pretrain/training/peak_flops.py) has dense BF16 peaks of {sorted(PEAK_TFLOPS)} only")
     return table * 1e12

@@ -39,7 +39,10 @@ def test_fp8_tensorwise_gemm_on_the_gpu_equals_the_cpus():
     cpu = scaled_matmul(quantize(a, None, torch.float8_e4m3fn), quantize(b, None, torch.float8_e4m3fn), torch.float32)
     gpu = scaled_matmul(quantize(a.to(CUDA), None, torch.float8_e4m3fn),
                         quantize(b.to(CUDA), None, torch.float8_e4m3fn), torch.float32)
-    assert rel_rms(gpu.cpu().double(), cpu.double()) < 1e-5
+    # The same quantized operands; cuBLAS's FP8 GEMM on Hopper sums runs of products in the tensor cores'
+    # narrower accumulator before promoting them to fp32 (DeepSeek-V3 report, 3.3.2: about 14 bits), the CPU's
+    # in fp32 throughout: a few 1e-4 apart, where a wrong scale or operand layout would be order 1.
+    assert rel_rms(gpu.cpu().double(), cpu.double()) < 1e-3
 
 
 def test_gpu_recipe_rules():
