@@ -132,8 +132,9 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
               + f" {'yes' if fits else 'NO':>5s} |               "
               + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
         if w["muon_flops"]:
-            print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step, its exchange "
-                  f"in dp's column; its step holds {w['muon_step_bytes'] / 1e9:.1f} GB after the activations are freed")
+            print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step (in the step's "
+                  f"FLOPs), its exchange in dp's column and its tp slices' joins in tp's; its step holds "
+                  f"{w['muon_step_bytes'] / 1e9:.1f} GB after the activations are freed")
     return all_fit, planned
 
 

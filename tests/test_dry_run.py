@@ -26,7 +26,7 @@ from parallel.state import derive_micro_batches, destroy_parallel, init_parallel
 BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.progress=false",
         "train.run_dir=/nonexistent", "cluster.gpus_per_node=2"]
 LAYOUTS = {
-    "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2"],
+    "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "optim.name=muon"],
     "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"],
 }
 WORLD = 8

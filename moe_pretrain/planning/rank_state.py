@@ -144,15 +144,16 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
     for pp_rank in range(layout.pp):
         moments = sum(2 * math.ceil(n / group_size[g]) - math.ceil(muon[pp_rank][g] / group_size[g])
                       for g, n in reduced[pp_rank].items())
-        # Each all-to-all sends the slice's pieces owned elsewhere, (size - 1) / size of it, twice a step; the
-        # joins receive the other tp slices of the whole-matrix rules' matrices a rank owns.
-        exchange = joins[pp_rank] + sum(2 * math.ceil(n / size) * (size - 1) / size
-                                        for g, n in muon[pp_rank].items() if (size := group_size[g]) > 1)
+        # Each all-to-all sends the slice's pieces owned elsewhere, (size - 1) / size of it, twice a step (the dp
+        # column); the joins (the tp column) all-gather the tp slices of the whole-matrix rules' matrices it owns.
+        exchange = sum(2 * math.ceil(n / size) * (size - 1) / size
+                       for g, n in muon[pp_rank].items() if (size := group_size[g]) > 1)
         stage = {"pp_rank": pp_rank, "rank": pp_rank * layout.world_size // layout.pp,
                  "layers": [i for c in chunks_of_rank(len(chunks), layout.pp, pp_rank) for i in chunks[c]],
                  "params": params[pp_rank], "param_bytes": params[pp_rank] * width,
                  "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width,
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
+                 "muon_join_bytes": joins[pp_rank] * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
                  "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg) + copied[pp_rank] * 2,
                  "reduce_groups": [(group_size[g], n * width) for g, n in reduced[pp_rank].items()],

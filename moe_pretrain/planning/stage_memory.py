@@ -203,8 +203,10 @@ class MemoryPlanner:
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
                    "muon_step_bytes": muon_step,
                    "communication": self.communication(cfg, run, stage, layout, tokens, state),
+                   # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
                    "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
-                       m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows)}
+                       m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows)
+                   + state["muon_flops"]}
             most_host = max(most_host, act.host)
             ranks.append(row)
             if worst is None or total > worst["total_bytes"]:
@@ -242,7 +244,8 @@ class MemoryPlanner:
         # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
         layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * last
         passes = 3 if layout.recompute == "full" else 2  # forward, backward (+ the re-forward)
-        tp = M * tensor_parallel_bytes(m, layers, tokens, run.tp, b, passes, first, last)
+        # Muon's whole-matrix rules all-gather their tensor-parallel slices over the tp group (parallel/muon.py).
+        tp = M * tensor_parallel_bytes(m, layers, tokens, run.tp, b, passes, first, last) + state["muon_join_bytes"]
         moe = sum(m.is_moe_layer(i) for i in layers)
         ep = M * moe * passes * 2 * ring_share(run.ep, m.moe.top_k * tokens / run.tp * m.moe.latent_size * b)
         chunks = pipeline_chunks(cfg)
