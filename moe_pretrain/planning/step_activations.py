@@ -47,6 +47,8 @@ class LayerActivations:
     mixer: float
     other: float
     transient: float
+    transient_core: float = 0.0
+    """Of the transient, KDA's fp32 core (4 bytes an element; the rest in the activation dtype)."""
 
     @property
     def total(self) -> float:
@@ -131,7 +133,7 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
     if recompute == "full":
         # The layer keeps its inputs (the running partial sum, or the bank entry a block's first layer
         # closes: d per token per layer) and backward re-runs it whole, one layer at a time.
-        return LayerActivations(0.0, 0.0, d, core + mixer + other)
+        return LayerActivations(0.0, 0.0, d, core + mixer + other, core)
     # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections;
     # the latent exchange already saves only what its backward needs (nothing is recomputed there).
     if latent:
@@ -139,7 +141,7 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
         return LayerActivations(core, mixer, kept_other, other - kept_other)
     kept_mixer = mixer if m.layer_kind(index) == "kda" else _mla(m, "selective")
     kept_other = norms_and_mixes + _mlp(m, index, "selective")
-    return LayerActivations(0.0, kept_mixer, kept_other, core + (mixer - kept_mixer) + (other - kept_other))
+    return LayerActivations(0.0, kept_mixer, kept_other, core + (mixer - kept_mixer) + (other - kept_other), core)
 
 
 def vision_block_activations(v: VisionConfig) -> float:
@@ -211,10 +213,11 @@ def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, to
                      layer_of: Callable[[int, Recompute], LayerActivations] | None = None,
                      saved_inputs: SavedInputsPolicy = "device") -> ActivationBytes:
     """Bytes for `tokens` positions of one micro-batch through `layers`, `in_flight` micro-batches kept at
-    once, every per-token count divided over tensor (and sequence) parallel; kda_core elements and the
-    transient are counted at 4 bytes (>= fp32), the rest at act_bytes. Under full recomputation `other` is
-    the layers' inputs, kept as saved_inputs says; the host policy keeps on the GPU the inputs of
-    PREFETCH_LAYERS layers and every bank entry of the micro-batch in backward."""
+    once, every per-token count divided over tensor (and sequence) parallel; KDA's core elements (saved, or
+    re-materialised in the transient) are counted at 4 bytes (fp32 under autocast too), the rest at act_bytes
+    (the recomputed layer's transient too: its activations and their gradients are in the compute dtype).
+    Under full recomputation `other` is the layers' inputs, kept as saved_inputs says; the host policy keeps
+    on the GPU the inputs of PREFETCH_LAYERS layers and every bank entry of the micro-batch in backward."""
     per_layer = [(layer_of or (lambda i, r: layer_activations(m, i, r)))(i, recompute) for i in layers]
     scale = tokens / tp * in_flight
     mixers = sum(a.kda_core * 4 + a.mixer * act_bytes for a in per_layer) * scale
@@ -225,6 +228,7 @@ def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, to
         if saved_inputs == "host":
             window = min(len(layers), PREFETCH_LAYERS + m.num_layers // m.attn_res.block_size + 1)
             other = window * m.hidden_size * tokens / tp * act_bytes
-    transient = max((a.transient for a in per_layer), default=0.0) * 4 * tokens / tp
+    transient = max((a.transient_core * 4 + (a.transient - a.transient_core) * act_bytes for a in per_layer),
+                    default=0.0) * tokens / tp
     head = head_activations(m, m.vocab_size) * 4 * tokens / tp if last else 0.0
     return ActivationBytes(mixers, other, transient, head, host)
