@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 from moe_pretrain.config import add_config_arguments, load_config_or_exit
-from moe_pretrain.planning.dry_run import first_micro_batches
-from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines, plan_of_traced_step
+from moe_pretrain.planning.stage_memory import RunLayout
 
 
 def main() -> int:
@@ -50,9 +49,7 @@ def main() -> int:
     print(HEADER)
     for name in names:
         index = [s.name for s in cfg.stages].index(name)
-        cut = first_micro_batches(cfg, index, micro)
-        planner = MemoryPlanner(cut)
-        planned = planner.stage(run, cut.stages[index], stage_layouts_of(cut)[index])
+        planned, documents = plan_of_traced_step(cfg, run, index, micro)
         with tempfile.TemporaryDirectory() as tmp:
             out = (args.traces or Path(tmp)) / f"{name}.json"
             if not out.exists():
@@ -62,7 +59,8 @@ def main() -> int:
                                 "--micro-batches", str(micro), "--gpu", args.gpu, "--json", str(out)],
                                check=True, stdout=subprocess.DEVNULL)
             traces = json.loads(out.read_text())
-        print("\n".join(comparison_lines(name, planned["ranks"], traces)))
+        print("\n".join(comparison_lines(name, planned, traces)))
+        print(f"  ({documents})")
     return 0
 
 

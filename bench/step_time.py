@@ -73,6 +73,9 @@ def main() -> int:
               f"{args.warmup + 1}-{args.steps}; the first took {measured['first_s']:.4g} s), "
               f"MFU {measured['mfu']:.1%}, loss {measured['loss'][0]:.3f} -> {measured['loss'][1]:.3f}")
         print(f"  {measured['kernels']}")
+    elif args.measure_only:
+        print("no CUDA GPU here: nothing to measure (a CPU's step says nothing of a GPU's)")
+        return 1
     elif not args.predict_only:
         print("no CUDA GPU here: the prediction alone")
     if args.measure_only:

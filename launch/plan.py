@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
-from moe_pretrain.planning.dry_run import first_micro_batches
 from moe_pretrain.planning.plan_step_time import planned_step, traced_stage_step
-from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines
+from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines, plan_of_traced_step
 from moe_pretrain.planning.sizing import count, total_parts
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
@@ -175,9 +174,9 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
         print("\nthe plan beside the dry run (ratios traced / plan; the plan of the traced step's micro-batches)")
         print(HEADER)
         for index, traced in traced_stages:
-            cut = first_micro_batches(cfg, index, traced[0]["micro_batches"])
-            ranks = MemoryPlanner(cut).stage(run, cut.stages[index], stage_layouts_of(cut)[index])["ranks"]
+            ranks, documents = plan_of_traced_step(cfg, run, index, traced[0]["micro_batches"])
             print("\n".join(comparison_lines(cfg.stages[index].name, ranks, traced)))
+            print(f"  ({documents})")
 
 
 if __name__ == "__main__":

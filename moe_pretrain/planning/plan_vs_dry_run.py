@@ -2,11 +2,16 @@
 
 Per traced rank: the plan's GB per GPU and the traced peak, each communication column, the FLOPs, each with
 the ratio traced / plan; the dry run's predicted time for the rank's micro-batches and its MFU; how long the
-dry run took here. The plan must be computed for the traced step (a cut step's micro-batches: dry_run.
-first_micro_batches).
+dry run took here. The plan is computed for the traced step (a cut step's micro-batches: dry_run.
+first_micro_batches) and for the documents the dry run attended over (planning/documents.py): the plan's own
+bound, one document per row, is not what the stage's loader packs.
 """
 
+from moe_pretrain.config import Config
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
+from moe_pretrain.planning.documents import stage_attended_keys
+from moe_pretrain.planning.dry_run import first_micro_batches
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
 
 
 def ratio(traced: float, planned: float) -> str:
@@ -16,6 +21,17 @@ def ratio(traced: float, planned: float) -> str:
 HEADER = (f"{'stage':6s} {'rank':>5s} {'role':13s} {'GB plan':>8s} {'traced':>8s} {'ratio':>6s} | "
           + " ".join(f"{c + ' GB':>8s} {'ratio':>6s}" for c in PLAN_COLUMNS)
           + f" | {'TFLOP':>8s} {'ratio':>6s} | {'step s':>7s} {'MFU':>6s} | {'here s':>6s}")
+
+
+def plan_of_traced_step(cfg: Config, run: RunLayout, stage: int, micro_batches: int) -> tuple[list[dict], str]:
+    """MemoryPlanner.stage(...)["ranks"] of stage `stage`'s first `micro_batches` micro-batches, its MLA
+    attention priced at the keys the stage's data gives a query; and a line saying so."""
+    cut = first_micro_batches(cfg, stage, micro_batches)
+    keys = stage_attended_keys(cut, stage)
+    ranks = MemoryPlanner(cut).stage(run, cut.stages[stage], stage_layouts_of(cut)[stage], keys)["ranks"]
+    seq_len = cut.stages[stage].seq_len
+    return ranks, (f"{cut.stages[stage].name}: the plan prices attention at the {keys:.0f} keys a query sees in "
+                   f"the stage's data (one document per row: {seq_len / 2:.0f})")
 
 
 def comparison_lines(stage: str, planned_ranks: list[dict], traces: list[dict]) -> list[str]:

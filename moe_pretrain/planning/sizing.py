@@ -91,17 +91,20 @@ def moe_params(d: int, c: MoEConfig) -> dict[str, int]:
     }
 
 
-def mixing_flops_per_token(cfg: ModelConfig, index: int, seq_len: int) -> float:
-    """Training FLOPs per token of layer `index`'s sequence mixing beyond its projections (module docstring)."""
+def mixing_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: float | None = None) -> float:
+    """Training FLOPs per token of layer `index`'s sequence mixing beyond its projections (module docstring).
+    keys: the keys a query attends to on average (attention stays inside a document: planning/documents.py
+    measures it from the data); None: seq_len / 2, one document per row (the bound)."""
     if cfg.layer_kind(index) == "mla":
         m = cfg.mla
-        return 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * seq_len / 2
+        keys = seq_len / 2 if keys is None else keys
+        return 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * keys
     k = cfg.kda
     C, K, V = k.chunk_size, k.head_dim, k.head_dim
     return 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
 
 
-def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int) -> float:
+def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: float | None = None) -> float:
     """Training FLOPs per token of decoder layer `index` (a multi-token-prediction block's from num_layers on):
     6 per parameter a token multiplies (of the routed experts, its top_k), its norms and AttnRes mixes
     included, plus its sequence mixing."""
@@ -113,7 +116,7 @@ def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int) -> float:
         params += cfg.moe.top_k * routed_expert_params(cfg.moe)
     else:
         params += situ_glu_params(d, cfg.dense_intermediate)
-    return 6 * params + mixing_flops_per_token(cfg, index, seq_len)
+    return 6 * params + mixing_flops_per_token(cfg, index, seq_len, keys)
 
 
 def ends_params(cfg: ModelConfig, last: bool) -> int:
@@ -160,21 +163,21 @@ def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, rec
 
 
 def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
-                          cp: int = 1, mla: str = "ulysses", rows: int = 1) -> float:
+                          cp: int = 1, mla: str = "ulysses", rows: int = 1, keys: float | None = None) -> float:
     """FLOPs a pipeline stage spends per token of its micro-batches: its layers', and the last stage's ends.
     Full recomputation runs each layer's forward again up to its last saved input (torch.utils.checkpoint
     stops early), i.e. all but the last matmul; selective recomputes the sequence mixing's forward. Under
     context parallelism by the latent (mla="latent", cp > 1) MLA layers add latent_exchange_flops_per_token
-    (`rows`: the micro-batch's sequences)."""
-    flops = sum(layer_flops_per_token(cfg, i, seq_len) for i in layers)
+    (`rows`: the micro-batch's sequences). keys: the keys a query attends to (mixing_flops_per_token)."""
+    flops = sum(layer_flops_per_token(cfg, i, seq_len, keys) for i in layers)
     if recompute == "full":
-        flops += sum(layer_flops_per_token(cfg, i, seq_len) / 3 - 2 * final_projection_params(cfg, i)
+        flops += sum(layer_flops_per_token(cfg, i, seq_len, keys) / 3 - 2 * final_projection_params(cfg, i)
                      for i in layers)
     elif recompute == "selective":
-        flops += sum(mixing_flops_per_token(cfg, i, seq_len) for i in layers) / 3
+        flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) for i in layers) / 3
     mla_layers = [i for i in layers if cfg.layer_kind(i) == "mla"]
     # Attention's backward recomputes the scores: 2.5 forwards, not 2 (torch's FLOP formulas count it so).
-    flops += sum(mixing_flops_per_token(cfg, i, seq_len) / 6 for i in mla_layers)
+    flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) / 6 for i in mla_layers)
     if cp > 1 and mla == "latent":
         flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows)
     return flops + 6 * ends_params(cfg, last)

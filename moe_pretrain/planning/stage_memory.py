@@ -146,9 +146,10 @@ class MemoryPlanner:
             found.append(f"tp={p.tp} / ep={p.ep} do not divide the parameters")
         return found
 
-    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> dict:
+    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout, keys: float | None = None) -> dict:
         """The worst pipeline rank's bytes (and every pipeline rank's: "ranks", each with its GPUs'
-        communication) and the busiest pipeline rank's communication, for one stage."""
+        communication) and the busiest pipeline rank's communication, for one stage. keys: the keys an MLA
+        query attends to (planning/documents.py; None: the whole row, the bound)."""
         cfg, states = self._run_state(run)
         m = cfg.model
         dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
@@ -205,7 +206,8 @@ class MemoryPlanner:
                    "communication": self.communication(cfg, run, stage, layout, tokens, state),
                    # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
                    "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
-                       m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows)
+                       m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows,
+                       keys)
                    + state["muon_flops"]}
             most_host = max(most_host, act.host)
             ranks.append(row)
