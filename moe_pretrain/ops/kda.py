@@ -305,9 +305,16 @@ class _PreparedChunks:
         return M, Bs
 
 
+def _in_compute_dtype(device: torch.device):
+    """The chunk form's matmuls in its compute dtype (fp32 or wider): autocast would return them in bf16, the
+    chain over chunks and the state summaries context parallelism exchanges included."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk, lower_bound=None, doc_starts=None):
     """Chunked KDA over [B, T, H, .] -> (o, state after the last token); see _PreparedChunks."""
-    return _PreparedChunks(q, k, v, g, beta, scale, chunk, lower_bound, doc_starts).outputs(initial_state)
+    with _in_compute_dtype(q.device):
+        return _PreparedChunks(q, k, v, g, beta, scale, chunk, lower_bound, doc_starts).outputs(initial_state)
 
 
 def kda_with_entry_states(
@@ -332,8 +339,9 @@ def kda_with_entry_states(
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    prepared = _PreparedChunks(q, k, v, g, beta, scale, chunk_size, lower_bound, doc_starts)
-    return prepared.outputs(entry_states(*prepared.summary()))[0]
+    with _in_compute_dtype(q.device):
+        prepared = _PreparedChunks(q, k, v, g, beta, scale, chunk_size, lower_bound, doc_starts)
+        return prepared.outputs(entry_states(*prepared.summary()))[0]
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
