@@ -171,11 +171,15 @@ def test_fp32_layout_matches(tmp_path, overrides):
 def test_bf16_pipeline_matches_one_process(tmp_path):
     """Under bf16 autocast the boundaries carry the block sums in bf16, the dtype one process computes them
     in (the embeddings stay fp32), so received tensors have the dtypes the schedule declared and the
-    pipeline tracks one process: losses to 1e-4, gradient norms to 5e-3 (bf16's round-off is 3.9e-3),
-    weights after three Adam steps to 5% rms (bf16 weights: Adam's normalised steps turn the round-off of
-    tiny gradients into whole updates; measured 2.6%). Over five data and model seeds the losses agreed to
-    3e-5 at worst (the first to 3e-8) and the norms to between 1e-5 and 2.4e-3: a norm bound of 1e-3 held
-    only for some draws."""
+    pipeline tracks one process: losses to 1e-4, gradient norms to 5e-3 (bf16's round-off is 3.9e-3), all
+    weights after three Adam steps to 1e-3 rms together and each tensor to 25%. One tensor alone strays
+    further than bf16's round-off because Adam's first steps are nearly sign(gradient): an element whose
+    gradient is close to zero moves a whole step either way, and the AttnRes pseudo-queries start at zero,
+    so after three steps they are nothing but such steps; the quantile-balancing biases move by whole
+    steps when one token's routing flips. Over three data and model seeds the worst tensor was 5.4% to
+    9.9% (pseudo-queries, biases), all weights together 2.6e-4 to 3.4e-4; the losses agreed to 3e-5 at
+    worst and the norms to between 1e-5 and 2.4e-3 over five seeds. A stage that stopped learning or
+    dropped a boundary gradient moves a zero-initialised pseudo-query by 100%."""
     trainer = Trainer(layout_config(tmp_path / "single", "bfloat16", "data.micro_batches=2"))
     history = trainer.run()
     ref_losses, ref_norms = [h["loss"] for h in history], [h["grad_norm"] for h in history]
@@ -184,8 +188,11 @@ def test_bf16_pipeline_matches_one_process(tmp_path):
         train_worker, 2, str(tmp_path / "parallel"), "bfloat16", ["parallel.pp=2", "data.micro_batches=2"])
     assert [p[0] for p in pairs] == pytest.approx(ref_losses, rel=1e-4)
     assert [p[1] for p in pairs] == pytest.approx(ref_norms, rel=5e-3)
-    for name, tensor in ref_state.items():
-        assert rel_rms(state[name], tensor) < 0.05, name
+    names = [name for name, tensor in ref_state.items() if tensor.is_floating_point()]
+    assert rel_rms(torch.cat([state[n].flatten().double() for n in names]),
+                   torch.cat([ref_state[n].flatten().double() for n in names])) < 1e-3
+    for name in names:
+        assert rel_rms(state[name], ref_state[name]) < 0.25, name
     assert identical
 
 
