@@ -9,6 +9,7 @@ calls, so they are exact and the same on every machine.
 """
 
 import collections
+import functools
 import sys
 from pathlib import Path
 
@@ -40,6 +41,12 @@ _READERS = (__file__, str(_ROOT / "moe_pretrain" / "ops" / "host_values.py"))
 """Where reads are made on a caller's behalf (ops/host_values.py's reads are its callers')."""
 
 
+@functools.cache
+def _relative(path: str) -> str:
+    """A project file's path from the repository root (cached: the dry run files every op under its site)."""
+    return str(Path(path).relative_to(_ROOT))
+
+
 def project_site(skip: tuple[str, ...] = _READERS) -> str:
     """The innermost caller in the project's packages (file:line) whose file is not one of (or under) `skip`,
     or '?'."""
@@ -47,7 +54,7 @@ def project_site(skip: tuple[str, ...] = _READERS) -> str:
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_PACKAGES) and not path.startswith(skip):
-            return f"{Path(path).relative_to(_ROOT)}:{frame.f_lineno}"
+            return f"{_relative(path)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
