@@ -75,27 +75,32 @@ def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
         cfg.train.dtype], "stages": stages, "worst": worst}
 
 
+_MODEL_FACTS: dict[str, tuple[dict[str, tuple[int, ...]], frozenset[str]]] = {}
+"""Per model config's text: its parameters' shapes and autocast's weights, from one meta build (the layout
+search asks once per run layout)."""
+
+
+def _model_facts(cfg: Config) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    key = repr(cfg.model)
+    if key not in _MODEL_FACTS:
+        with torch.device("meta"):
+            model = MoETransformer(cfg.model)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        linear = frozenset(f"{path}.weight" for path, module in model.named_modules()
+                           if isinstance(module, nn.Linear) and not path.endswith("router.gate"))
+        _MODEL_FACTS[key] = shapes, linear
+    return _MODEL_FACTS[key]
+
+
 def parameter_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every parameter's global shape, from the meta model (nothing allocated)."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-_AUTOCAST_WEIGHTS: dict[str, frozenset[str]] = {}
-"""autocast_weights by the model config's text: the layout search asks once per run layout."""
+    return dict(_model_facts(cfg)[0])
 
 
 def autocast_weights(cfg: Config) -> frozenset[str]:
     """Names of the parameters autocast casts (and caches) for the matmuls: every nn.Linear's weight but the
     routers' (see the module docstring)."""
-    key = repr(cfg.model)
-    if key not in _AUTOCAST_WEIGHTS:
-        with torch.device("meta"):
-            model = MoETransformer(cfg.model)
-        _AUTOCAST_WEIGHTS[key] = frozenset(f"{path}.weight" for path, module in model.named_modules()
-                                           if isinstance(module, nn.Linear) and not path.endswith("router.gate"))
-    return _AUTOCAST_WEIGHTS[key]
+    return _model_facts(cfg)[1]
 
 
 def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: ParallelLayout) -> list[dict]:

@@ -18,6 +18,7 @@ are left out.
 """
 
 from moe_pretrain.config import ModelConfig
+from moe_pretrain.planning.step_time import sent_share
 
 EMBEDDING_BYTES = 4
 """The embedding lookup's dtype under every training dtype but float64: its fp32 weight's (autocast leaves
@@ -25,8 +26,9 @@ lookups alone)."""
 
 
 def ring_share(size: int, nbytes: float) -> float:
-    """What one of `size` ranks sends of a gathered or reduce-scattered payload of nbytes."""
-    return nbytes * (size - 1) / size if size > 1 else 0.0
+    """What one of `size` ranks sends of a gathered or reduce-scattered payload of nbytes (the dry run's
+    rule for the same collectives, so plan and trace count alike)."""
+    return nbytes * sent_share("allgather", size)
 
 
 def layer_widths_of_mixer(m: ModelConfig, index: int) -> int:
