@@ -70,6 +70,13 @@ class NoContextParallel:
         return np.zeros_like(positions), positions
 
 
+def local_positions(rows: int, seq_len: int, cp: int, rank: int) -> list[int]:
+    """Where each of cp rank `rank`'s local positions lies in the flattened [rows x seq_len] sequence: in
+    order, its fragments rank and 2 cp - 1 - rank of every row (the plan reads it too: planning/documents.py)."""
+    F = seq_len // (2 * cp)
+    return [row * seq_len + j * F + t for row in range(rows) for j in (rank, 2 * cp - 1 - rank) for t in range(F)]
+
+
 class ContextParallel(NoContextParallel):
     def __init__(self, group: dist.ProcessGroup, mla: str = "ulysses"):
         """mla: the resolved exchange (mla_exchange): latent or ulysses."""
@@ -110,9 +117,7 @@ class ContextParallel(NoContextParallel):
         """Where each local position lies in the flattened [rows x seq_len] sequence (host integers); built
         once per shape, not per MLA layer and micro-batch."""
         if (rows, seq_len) not in self._global_index:
-            F = seq_len // (2 * self.size)
-            self._global_index[rows, seq_len] = [row * seq_len + j * F + t for row in range(rows)
-                                                 for j in self.fragments for t in range(F)]
+            self._global_index[rows, seq_len] = local_positions(rows, seq_len, self.size, self.rank)
         return self._global_index[rows, seq_len]
 
     def pieces(self, x_BT_: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """The keys an MLA query attends to, from the documents a row packs, and the plan's attention priced at them
-(planning/documents.py, sizing.mixing_flops_per_token)."""
+(planning/documents.py, sizing.mixing_flops_per_token); what MLA's latent exchange expands and meets under
+the same documents (documents.exchange_span against ops/latent_attention.py's own tiling)."""
 
 import pytest
 import torch
 
 from moe_pretrain.config import load_config
-from moe_pretrain.planning.documents import attended_keys, stage_attended_keys
-from moe_pretrain.planning.sizing import stage_flops_per_token
+from moe_pretrain.ops.latent_attention import _Visibility
+from moe_pretrain.planning.documents import _bounds, attended_keys, exchange_span, stage_doc_ids
+from moe_pretrain.planning.sizing import ExchangeSpan, stage_flops_per_token
+from parallel.context_parallel import local_positions
 
 
 def test_a_query_attends_to_the_keys_of_its_document_up_to_itself():
@@ -18,7 +21,7 @@ def test_a_query_attends_to_the_keys_of_its_document_up_to_itself():
 def test_the_plan_prices_mla_attention_at_the_keys_the_stages_data_gives():
     cfg = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml"])
     seq_len = cfg.stages[2].seq_len
-    keys = stage_attended_keys(cfg, 2, rows=4)
+    keys = attended_keys(stage_doc_ids(cfg, 2, rows=4))
     assert 1 <= keys < seq_len / 2  # the embedded corpus packs several documents into a row of 1024
     m, layers = cfg.model, list(range(cfg.model.num_layers))
     mla = [i for i in layers if m.layer_kind(i) == "mla"]
@@ -30,3 +33,27 @@ def test_the_plan_prices_mla_attention_at_the_keys_the_stages_data_gives():
     saved = len(mla) * per_key * (seq_len / 2 - keys) * (1 + 1 / 3 + 1 / 6)
     assert stage_flops_per_token(m, layers, True, seq_len, "full", keys=keys) == pytest.approx(whole_row - saved,
                                                                                              rel=1e-12)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_exchange_span_follows_the_latent_attentions_own_tiling(rows):
+    """documents.exchange_span (closed form, host integers) against ops/latent_attention.py's visibility built
+    from each cp rank's real query positions (parallel/context_parallel.py): the key blocks a rank expands and
+    the keys its tiles meet, exactly, on rows of random documents; one document per row gives rank 0 every
+    block (the plan's bound: cp keys a local position)."""
+    seq_len, cp, block = 256, 4, 16
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 80, (rows * seq_len,), generator=generator)
+    doc_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[:rows * seq_len].view(rows, seq_len)
+    bounds = _bounds(doc_ids)
+    expanded = met = 0
+    for rank in range(cp):
+        seen = _Visibility(local_positions(rows, seq_len, cp, rank), bounds, block, block, rows * seq_len)
+        for (k0, k1), tiles in zip(seen.key_blocks, seen.tiles_seeing):
+            expanded += (k1 - k0) * bool(tiles)
+            met += (k1 - k0) * sum(q1 - q0 for q0, q1 in (seen.query_tiles[t] for t in tiles))
+    local = rows * seq_len
+    assert exchange_span(doc_ids, rows, cp, block) == pytest.approx(ExchangeSpan(expanded / local, met / local))
+    assert 1 < exchange_span(doc_ids, rows, cp, block).expanded_keys < cp  # short documents: fewer than all
+    one_document = torch.zeros(rows, seq_len, dtype=torch.long)
+    assert exchange_span(one_document, rows, cp, block).expanded_keys < cp  # the bound, reached by rank 0 only

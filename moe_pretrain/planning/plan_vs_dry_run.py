@@ -9,9 +9,9 @@ bound, one document per row, is not what the stage's loader packs.
 
 from moe_pretrain.config import Config
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
-from moe_pretrain.planning.documents import stage_attended_keys
+from moe_pretrain.planning.documents import attended_keys, exchange_span, stage_doc_ids
 from moe_pretrain.planning.dry_run import first_micro_batches
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, micro_batch_rows, stage_layouts_of
 
 
 def ratio(traced: float, planned: float) -> str:
@@ -25,13 +25,20 @@ HEADER = (f"{'stage':6s} {'rank':>5s} {'role':13s} {'GB plan':>8s} {'traced':>8s
 
 def plan_of_traced_step(cfg: Config, run: RunLayout, stage: int, micro_batches: int) -> tuple[list[dict], str]:
     """MemoryPlanner.stage(...)["ranks"] of stage `stage`'s first `micro_batches` micro-batches, its MLA
-    attention priced at the keys the stage's data gives a query; and a line saying so."""
+    attention (and latent exchange) priced by the documents of the stage's data; and a line saying so."""
     cut = first_micro_batches(cfg, stage, micro_batches)
-    keys = stage_attended_keys(cut, stage)
-    ranks = MemoryPlanner(cut).stage(run, cut.stages[stage], stage_layouts_of(cut)[stage], keys)["ranks"]
-    seq_len = cut.stages[stage].seq_len
-    return ranks, (f"{cut.stages[stage].name}: the plan prices attention at the {keys:.0f} keys a query sees in "
-                   f"the stage's data (one document per row: {seq_len / 2:.0f})")
+    config, layout = cut.stages[stage], stage_layouts_of(cut)[stage]
+    doc_ids = stage_doc_ids(cut, stage)
+    keys = attended_keys(doc_ids)
+    span = exchange_span(doc_ids, micro_batch_rows(run, config, layout), layout.cp) \
+        if layout.cp > 1 and layout.mla == "latent" else None
+    ranks = MemoryPlanner(cut).stage(run, config, layout, keys, span)["ranks"]
+    line = (f"{config.name}: the plan prices attention at the {keys:.0f} keys a query sees in the stage's data "
+            f"(one document per row: {config.seq_len / 2:.0f})")
+    if span:
+        line += (f"; the latent exchange expands {span.expanded_keys:.1f} keys a local position (one document "
+                 f"per row: {layout.cp}) and a query's tiles meet {span.tile_keys:.0f} keys")
+    return ranks, line
 
 
 def comparison_lines(stage: str, planned_ranks: list[dict], traces: list[dict]) -> list[str]:

@@ -142,33 +142,53 @@ def final_projection_params(cfg: ModelConfig, index: int) -> int:
 
 
 LATENT_KEY_BLOCK = 1024
-"""ops.latent_attention's key block: the diagonal block of a query tile is computed whole."""
+"""ops.latent_attention's key block (and query tile): a tile meets each key block it may see whole."""
 
 
-def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, recompute: str, rows: int) -> float:
+@dataclasses.dataclass(frozen=True)
+class ExchangeSpan:
+    """What MLA's latent exchange does under a stage's documents (planning/documents.exchange_span), per local
+    token of a cp rank: the keys it expands (the key blocks some query tile of its may see), and the keys of
+    the blocks its query's tile meets. Without documents (one per row) these are cp and about half the row."""
+    expanded_keys: float
+    tile_keys: float
+
+
+def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, recompute: str, rows: int,
+                                    keys: float | None = None, span: ExchangeSpan | None = None) -> float:
     """What MLA's latent exchange (context parallelism by the latent, ops/latent_attention.py) adds per local
-    token over the plain layer: each rank expands the keys and values of all cp x its positions (the kv
-    up-projection: forward, again in the backward, and its two gradient products; once more for full
-    recomputation) instead of its own, and the score tiles are whole key blocks of the micro-batch's `rows`
-    rows flattened, so a query meets half a block more keys than the causal half, or every key of the
-    micro-batch when one block holds them all."""
+    token over the plain layer: each rank expands the keys and values of the blocks its queries may see (the
+    kv up-projection: forward, again in the backward, and its two gradient products; once more for full
+    recomputation) instead of its own positions', and its score tiles are whole key blocks, so a query meets
+    more keys than the plain layer's attention is priced at. span: both from the stage's documents, beside
+    the `keys` they give a query; None: one document per row (all cp x its positions expanded; the causal
+    half plus half a block, or every key of the micro-batch's `rows` rows when one block holds them all)."""
     a = cfg.mla
     up = a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
     passes = 10 if recompute == "full" else 8
-    expand = passes * cp * up - (8 if recompute == "full" else 6) * up
-    keys = rows * seq_len if rows * seq_len <= LATENT_KEY_BLOCK else min(seq_len, (seq_len + LATENT_KEY_BLOCK) / 2)
-    tiles = (3.5 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
-             * (keys - seq_len / 2))
+    expanded = span.expanded_keys if span else cp
+    expand = passes * expanded * up - (8 if recompute == "full" else 6) * up
+    if span:
+        if keys is None:
+            raise ValueError("latent_exchange_flops_per_token: a span needs the keys its documents give a query")
+        extra = span.tile_keys - keys
+    elif rows * seq_len <= LATENT_KEY_BLOCK:
+        extra = rows * seq_len - seq_len / 2
+    else:
+        extra = min(seq_len, (seq_len + LATENT_KEY_BLOCK) / 2) - seq_len / 2
+    tiles = 3.5 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * extra
     return expand + tiles * (4.5 / 3.5 if recompute == "full" else 1.0)  # recomputation: a forward more
 
 
 def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
-                          cp: int = 1, mla: str = "ulysses", rows: int = 1, keys: float | None = None) -> float:
+                          cp: int = 1, mla: str = "ulysses", rows: int = 1, keys: float | None = None,
+                          span: ExchangeSpan | None = None) -> float:
     """FLOPs a pipeline stage spends per token of its micro-batches: its layers', and the last stage's ends.
     Full recomputation runs each layer's forward again up to its last saved input (torch.utils.checkpoint
     stops early), i.e. all but the last matmul; selective recomputes the sequence mixing's forward. Under
     context parallelism by the latent (mla="latent", cp > 1) MLA layers add latent_exchange_flops_per_token
-    (`rows`: the micro-batch's sequences). keys: the keys a query attends to (mixing_flops_per_token)."""
+    (`rows`: the micro-batch's sequences). keys: the keys a query attends to (mixing_flops_per_token); span:
+    the exchange's under the stage's documents (None: one document per row)."""
     flops = sum(layer_flops_per_token(cfg, i, seq_len, keys) for i in layers)
     if recompute == "full":
         flops += sum(layer_flops_per_token(cfg, i, seq_len, keys) / 3 - 2 * final_projection_params(cfg, i)
@@ -179,7 +199,7 @@ def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_l
     # Attention's backward recomputes the scores: 2.5 forwards, not 2 (torch's FLOP formulas count it so).
     flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) / 6 for i in mla_layers)
     if cp > 1 and mla == "latent":
-        flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows)
+        flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows, keys, span)
     return flops + 6 * ends_params(cfg, last)
 
 

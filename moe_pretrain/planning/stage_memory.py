@@ -26,7 +26,7 @@ from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
 from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
 from moe_pretrain.planning.rank_state import PARAM_BYTES, parameter_shapes, stage_state_bytes
-from moe_pretrain.planning.sizing import stage_flops_per_token
+from moe_pretrain.planning.sizing import ExchangeSpan, stage_flops_per_token
 from moe_pretrain.planning.step_activations import (
     LayerActivations,
     activation_bytes,
@@ -146,15 +146,17 @@ class MemoryPlanner:
             found.append(f"tp={p.tp} / ep={p.ep} do not divide the parameters")
         return found
 
-    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout, keys: float | None = None) -> dict:
+    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout, keys: float | None = None,
+              span: ExchangeSpan | None = None) -> dict:
         """The worst pipeline rank's bytes (and every pipeline rank's: "ranks", each with its GPUs'
         communication) and the busiest pipeline rank's communication, for one stage. keys: the keys an MLA
-        query attends to (planning/documents.py; None: the whole row, the bound)."""
+        query attends to, span: what MLA's latent exchange does (planning/documents.py; None: one document per
+        row, the bound)."""
         cfg, states = self._run_state(run)
         m = cfg.model
         dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
         act_bytes = ACTIVATION_BYTES[cfg.train.dtype]
-        rows = stage.rows // (dp * layout.micro_batches)
+        rows = micro_batch_rows(run, stage, layout)
         tokens = rows * stage.seq_len // layout.cp  # positions of one micro-batch on this rank
         worst, most_host, ranks = None, 0.0, []
         for state in states:
@@ -207,7 +209,7 @@ class MemoryPlanner:
                    # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
                    "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
                        m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows,
-                       keys)
+                       keys, span)
                    + state["muon_flops"]}
             most_host = max(most_host, act.host)
             ranks.append(row)
@@ -346,6 +348,12 @@ def _divisors_up_to(n: int, limit: int) -> list[int]:
 def _multiples(n: int, step: int) -> list[int]:
     """Divisors of n that are multiples of step (micro-batch counts a pp schedule accepts)."""
     return [i for i in range(step, n + 1, step) if n % i == 0]
+
+
+def micro_batch_rows(run: RunLayout, stage: StageConfig, layout: StageLayout) -> int:
+    """The sequences one micro-batch of the stage holds on a tp x cp block of GPUs."""
+    dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
+    return stage.rows // (dp * layout.micro_batches)
 
 
 def stage_layouts_of(cfg: Config) -> list[StageLayout]:
