@@ -147,11 +147,14 @@ class ContextParallel(NoContextParallel):
         K = M.shape[-1]
         summary = torch.cat([M, Bs], dim=-1).unflatten(0, (-1, 2))  # [B, 2, H, K, K + V]
         ordered = self._global_order(all_gather_stacked(summary, self.group))  # [B, 2 cp, H, K, K + V]
-        state = torch.zeros_like(ordered[:, 0, ..., K:])
+        # One unbind, not an index per fragment: each index's backward writes a zero tensor of all 2 cp
+        # summaries, so the fold's backward would move O(cp^2) summaries' bytes.
+        transitions, offsets = ordered[..., :K].unbind(1), ordered[..., K:].unbind(1)
+        state = torch.zeros_like(offsets[0])
         entries = []
         for j in range(max(self.fragments) + 1):
             entries.append(state)
-            state = ordered[:, j, ..., :K] @ state + ordered[:, j, ..., K:]
+            state = transitions[j] @ state + offsets[j]
         return torch.stack([entries[j] for j in self.fragments], dim=1).flatten(0, 1)
 
     def heads_to_sequence(self, x_BTHD: torch.Tensor) -> torch.Tensor:
