@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from moe_pretrain.config import load_config
+from moe_pretrain.model.layout import document_starts
 from moe_pretrain.ops.latent_attention import _Visibility
-from moe_pretrain.planning.documents import _bounds, attended_keys, exchange_span, stage_doc_ids
+from moe_pretrain.planning.documents import attended_keys, exchange_span, stage_doc_ids
 from moe_pretrain.planning.sizing import ExchangeSpan, stage_flops_per_token
 from parallel.context_parallel import local_positions
 
@@ -45,7 +46,7 @@ def test_the_exchange_span_follows_the_latent_attentions_own_tiling(rows):
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 80, (rows * seq_len,), generator=generator)
     doc_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[:rows * seq_len].view(rows, seq_len)
-    bounds = _bounds(doc_ids)
+    bounds = document_starts(doc_ids).tolist()
     expanded = met = 0
     for rank in range(cp):
         seen = _Visibility(local_positions(rows, seq_len, cp, rank), bounds, block, block, rows * seq_len)

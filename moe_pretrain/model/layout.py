@@ -18,6 +18,16 @@ from parallel.context_parallel import NoContextParallel
 from parallel.sequence import NoSequenceParallel
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens of rows doc_ids [B, T] flattened: where each document starts (every row starts one), then
+    B x T. The plan reads the same from a stage's data (planning/documents.py)."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    flat_starts = torch.nonzero(starts.reshape(-1)).squeeze(-1)
+    return torch.cat([flat_starts, flat_starts.new_tensor([B * T])])
+
+
 @dataclass(frozen=True)
 class DocumentLayout:
     doc_ids: torch.Tensor
@@ -41,10 +51,8 @@ class DocumentLayout:
         B, T = doc_ids.shape
         context = context or NoContextParallel()
         with data_values():  # the data decides these: real values in a dry run as well
-            starts = torch.ones_like(doc_ids, dtype=torch.bool)
-            starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-            flat_starts = torch.nonzero(starts.reshape(-1)).squeeze(-1)
-            cu_seqlens = torch.cat([flat_starts, flat_starts.new_tensor([B * T])])
+            cu_seqlens = document_starts(doc_ids)
+            flat_starts = cu_seqlens[:-1]
             positions = torch.arange(B * T, device=doc_ids.device)
             start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
             position_in_doc = (positions - start_of).reshape(B, T)

@@ -14,6 +14,7 @@ import torch
 
 from moe_pretrain.config import Config
 from moe_pretrain.data.batch import PretrainingData
+from moe_pretrain.model.layout import document_starts
 from moe_pretrain.planning.sizing import LATENT_KEY_BLOCK, ExchangeSpan
 
 SAMPLE_ROWS = 64
@@ -28,14 +29,6 @@ def attended_keys(doc_ids: torch.Tensor) -> float:
         pairs += (lengths * (lengths + 1) / 2).sum().item()
         tokens += lengths.sum().item()
     return pairs / tokens
-
-
-def _bounds(doc_ids: torch.Tensor) -> list[int]:
-    """cu_seqlens of rows doc_ids [B, T] flattened: where a document starts, a row start included."""
-    B, T = doc_ids.shape
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return [*starts.flatten().nonzero().flatten().tolist(), B * T]
 
 
 def _rank_span(bounds: list[int], rows: int, seq_len: int, cp: int, rank: int, block: int) -> tuple[int, int]:
@@ -72,7 +65,7 @@ def exchange_span(doc_ids: torch.Tensor, rows: int, cp: int, block: int = LATENT
     B, T = doc_ids.shape
     expanded = met = 0
     for first in range(0, B - rows + 1, rows):
-        bounds = _bounds(doc_ids[first:first + rows])
+        bounds = document_starts(doc_ids[first:first + rows]).tolist()
         for rank in range(cp):
             e, m = _rank_span(bounds, rows, T, cp, rank, block)
             expanded, met = expanded + e, met + m
