@@ -167,3 +167,36 @@ def test_future_tokens_never_change_past_logits():
     # 1e-13: expert group sizes change with the later tokens (GEMM blocking), nothing else may.
     assert rel_rms(logits[:, :70], logits2[:, :70]) < 1e-13
     assert rel_rms(logits[:, 70:], logits2[:, 70:]) > 1e-3
+
+
+def test_a_rank_moves_to_the_device_only_the_images_it_encodes():
+    """A batch on the device leaves its patches in host memory (data.Batch.to), and encoding copies to the
+    weights' device and dtype exactly the images asked for: a first pipeline stage never holds the step's
+    whole batch of patches (up to about four a position) beside the model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_pretrain.data import PretrainingData
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default:
+                self.made.append((tuple(out.shape), out.dtype))
+            return out
+
+    model, cfg = build("data.seq_len=128", "data.image_fraction=0.3", "data.text_doc_bytes=100", dtype=torch.bfloat16)
+    batch = PretrainingData(cfg).next_batch(2)
+    assert batch.to("meta").tokens.is_meta and batch.to("meta").patches.device.type == "cpu"
+    images = placed_images(batch.grids, batch.starts)
+    assert len(images) >= 2 and batch.patches.dtype == torch.float32
+    with Copies() as copies:
+        tokens = model.encode_images(batch.patches, images, [1], torch.bfloat16)
+    assert tokens.shape == (images[1].tokens(cfg.model.vision.encoder.merge), cfg.model.hidden_size)
+    # One copy of the patches (into the weights' device and dtype): that image's alone.
+    patch_dim = cfg.model.vision.patch_dim
+    assert [made for made in copies.made if made[0][-1:] == (patch_dim,)] == [
+        ((images[1].patches, patch_dim), torch.bfloat16)]

@@ -218,7 +218,7 @@ def test_pipeline_boundaries_carry_only_what_the_receiver_differentiates(split):
     cfg = tiny_config("parallel.pp=2", "parallel.vpp=2", f"parallel.pipeline_layers={split}".replace(" ", ""),
                       "parallel.pipeline_schedule=interleaved_1f1b", "data.micro_batches=4", "data.batch_size=8")
     ctx = ParallelContext(ParallelLayout(world_size=2, pp=2, vpp=2))
-    shape = StepShape(cfg.data.seq_len, cfg.data.batch_size, 4, patches_per_row=3)
+    shape = StepShape(cfg.data.seq_len, cfg.data.batch_size, 4)
     chunks = pipeline_chunks(cfg)
     ends = [stage_boundaries(cfg, ctx, shape, layers, i == 0, i == len(chunks) - 1, torch.float32, torch.bfloat16)
             for i, layers in enumerate(chunks)]

@@ -70,22 +70,18 @@ class Batch:
         return Batch(*(getattr(self, f)[start:start + count] for f in ("tokens", "labels", "doc_ids", "image_mask")),
                      patches, self.grids[start:start + count], self.starts[start:start + count])
 
-    def patch_rows(self, width: int) -> torch.Tensor:
-        """Patches per row, [B, width, patch_dim] zero-padded: a form that splits along the batch
-        (pipeline micro-batches), unlike the flat [P, patch_dim]."""
-        counts = self.patches_per_row()
-        if counts and max(counts) > width:
-            raise ValueError(f"a row holds {max(counts)} patches, more than the {width} allowed for")
-        rows = self.patches.new_zeros(self.tokens.shape[0], width, self.patches.shape[1])
-        start = 0
-        for row, count in enumerate(counts):
-            rows[row, :count] = self.patches[start:start + count]
-            start += count
-        return rows
+    def split(self, parts: int) -> list["Batch"]:
+        """`parts` equal runs of rows (as a pipeline's library splits its inputs into micro-batches)."""
+        count = self.tokens.shape[0] // parts
+        return [self.rows(part * count, count) for part in range(parts)]
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.doc_ids, self.image_mask,
-                                                self.patches)), self.grids, self.starts)
+        """The token tensors on `device`; the patches stay where the loader made them (host memory): a rank
+        moves only the images it encodes, a micro-batch at a time (MoETransformer.encode_images), where the
+        step's whole batch of patches, up to about four a position on a first pipeline stage, would not fit
+        beside the model at long context."""
+        return Batch(*(t.to(device) for t in (self.tokens, self.labels, self.doc_ids, self.image_mask)),
+                     self.patches, self.grids, self.starts)
 
 
 def rows_to_batch(rows: list[PackedRow], patch_dim: int, vocab: Vocabulary, with_patches: bool = True) -> Batch:
@@ -143,7 +139,6 @@ class PretrainingData:
         self._embedded: list[BlendConfig] | None = None
         self.plans = self._plans()
         self.mixtures = [self._mixture(plan) for plan in self.plans]
-        self._max_patches = self._patch_row_widths()  # per stage, computed once: the pipeline asks every step
         self.drawn: dict[str, int] = {}
         """Documents drawn so far from each pool (by pool key): with the mixture counters, the position."""
         self.mixture_index = 0
@@ -276,28 +271,6 @@ class PretrainingData:
         doc = self.reference(pool.dataset.prefix, pool.document_id(k))
         mixture.record(pool, doc.length)
         return doc
-
-    def max_patches_per_row(self, index: int) -> int:
-        """Most patch tokens a row of stage `index` can hold (each image brings its patches and two markers):
-        the fixed width of the per-row patch padding a pipeline's first stage receives."""
-        return self._max_patches[index]
-
-    def _patch_row_widths(self) -> list[int]:
-        """Per stage: an image of grid (t, h, w) brings t h w patches for its (h/m)(w/m) tokens and two markers,
-        so a row of seq_len + 1 tokens holds at most (seq_len + 1) x the largest ratio of the two among its
-        datasets' images."""
-        widths = []
-        for plan, mixture in zip(self.plans, self.mixtures):
-            most = 0
-            for path in {share.pool.dataset.prefix for share in mixture.shares}:
-                grids = self.grids[path]
-                if len(grids):
-                    patches = grids.prod(axis=1)
-                    ratio = patches / ((grids[:, 1] // self.merge) * (grids[:, 2] // self.merge) + 2)
-                    most = max(most, min(int((plan.seq_len + 1) * ratio.max()), int(patches.max()) *
-                                         ((plan.seq_len + 1) // 3)))
-            widths.append(most)
-        return widths
 
     def set_stage(self, index: int) -> None:
         """Draw from stage `index`'s mixture and pack at its sequence length; documents continue."""

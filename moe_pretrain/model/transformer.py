@@ -119,14 +119,14 @@ class MoETransformer(nn.Module):
     def encode_images(self, patches: torch.Tensor, images: list[PlacedImage], which: list[int],
                       dtype: torch.dtype) -> torch.Tensor:
         """The tokens [n, D] in `dtype` of images `which` (indices into images, in order): tower, projector."""
+        weight = self.vision_tower.patch_embed.proj.weight  # the patches may lie in host memory (data.Batch.to)
         if not which:  # [0, D], requiring grad: this rank's backward must still run the exchange's collectives
-            return patches.new_zeros(0, self.cfg.hidden_size, dtype=dtype).requires_grad_(torch.is_grad_enabled())
+            return weight.new_zeros(0, self.cfg.hidden_size, dtype=dtype).requires_grad_(torch.is_grad_enabled())
         first = [0]
         for image in images:
             first.append(first[-1] + image.patches)
-        mine = torch.cat([patches[first[i]:first[i + 1]] for i in which])
-        tower_dtype = self.vision_tower.patch_embed.proj.weight.dtype
-        return self.mm_projector(self.vision_tower(mine.to(tower_dtype), [images[i].grid for i in which])).to(dtype)
+        mine = torch.cat([patches[first[i]:first[i + 1]] for i in which]).to(weight.device, weight.dtype)
+        return self.mm_projector(self.vision_tower(mine, [images[i].grid for i in which])).to(dtype)
 
     def run_layers(self, bank: list[torch.Tensor], partial: torch.Tensor | None, layout: DocumentLayout
                    ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:

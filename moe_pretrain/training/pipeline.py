@@ -14,11 +14,12 @@ integer tensor cannot, and refuse to send back a gradient that is None. The docu
 needs for its masks come from each rank's own batch instead (every stage reads its rows, without
 pixels), split into micro-batches by the step and handed to each stage beforehand (Pipeline.feed), as
 host-readable values: a dry run (launch/dryrun.py) keeps them real while the library's own splits would
-make them fake. The first stage's positional inputs are the tokens, the image mask and the patches padded
-per row (so the library can split them into micro-batches along B). The images' placements (row, first
-position, grid: host integers the vision tower and the image exchange work from) are no tensors the library
-could split: they come the same way. Every schedule runs each stage's forwards in micro-batch order, so
-each forward takes the next in turn.
+make them fake. The first stage's positional inputs are the tokens and the image mask (the library splits
+them into micro-batches along B). The images come the same way as the document ids: their placements (row,
+first position, grid: host integers the vision tower and the image exchange work from) and their patches,
+each micro-batch's a view of the step's flat [P, patch_dim] (a per-row padded tensor the library could
+split would hold the most patches any row could, about four a position, for every row of the step). Every
+schedule runs each stage's forwards in micro-batch order, so each forward takes the next in turn.
 
 Stage boundaries are declared statically (input_args / output_args): the library's alternative,
 a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
@@ -45,7 +46,6 @@ from torch.distributed.pipelining import (
 from moe_pretrain.config import Config
 from moe_pretrain.data import Batch
 from moe_pretrain.model import MoETransformer
-from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.training.parallelize import DTYPES
 from parallel.image_split import PlacedImage, placed_images
 from parallel.plan import chunks_of_rank, pipeline_chunks
@@ -64,18 +64,8 @@ class StepShape:
     rows: int
     """Global sequences per step (all micro-batches, all data-parallel ranks)."""
     micro_batches: int
-    patches_per_row: int
-    """Width of the per-row patch padding at the first stage (PretrainingData.max_patches_per_row)."""
     cp: int = 1
     """Context-parallel size: activations hold T / cp positions, data parallel is what cp leaves."""
-
-
-def patches_from_rows(patch_rows: torch.Tensor, images: list[PlacedImage]) -> torch.Tensor:
-    """[B, Pmax, dim] padded per row -> [P, dim] in row-major order (row r holds its images' t h w patches)."""
-    counts = [0] * patch_rows.shape[0]
-    for image in images:
-        counts[image.row] += image.patches
-    return torch.cat([patch_rows[r, :count] for r, count in enumerate(counts)])
 
 
 class StageForward(nn.Module):
@@ -95,8 +85,9 @@ class StageForward(nn.Module):
         """The embeddings' dtype (the parameters')."""
         self.compute_dtype = compute_dtype
         """The block sums' and the partial sum's (bf16 under bf16 autocast)."""
-        self.images: deque[list[PlacedImage]] = deque()
-        """First stage: each coming micro-batch's images, rows counted within it (Pipeline.feed)."""
+        self.images: deque[tuple[list[PlacedImage], torch.Tensor]] = deque()
+        """First stage: each coming micro-batch's images, rows counted within it, and their patches
+        [P, patch_dim] in row-major order (Pipeline.feed)."""
         self.documents: deque[torch.Tensor] = deque()
         """Each coming micro-batch's document ids [rows, T] (Pipeline.feed)."""
         self.ahead = chunk.cfg.mtp.layers
@@ -108,13 +99,13 @@ class StageForward(nn.Module):
             raise RuntimeError("pipeline: a stage ran a micro-batch it was given no document ids for")
         doc_ids = self.documents.popleft()
         if self.first:
-            tokens, image_mask, patch_rows = inputs
+            tokens, image_mask = inputs
             if not self.images:
-                raise RuntimeError("pipeline: the first stage ran a micro-batch it was given no image placements for")
-            images = self.images.popleft()
+                raise RuntimeError("pipeline: the first stage ran a micro-batch it was given no images for")
+            images, patches = self.images.popleft()
             layout = chunk.layout(tokens, doc_ids)
-            patches = patches_from_rows(patch_rows, images) if images else None
-            bank, partial = [chunk.embed(tokens, layout, patches, image_mask if images else None, images)], None
+            bank, partial = [chunk.embed(tokens, layout, patches if images else None, image_mask if images else None,
+                                         images)], None
             ahead = chunk.embed_ahead(tokens)
         else:
             embedded, *rest = inputs  # no partial sum when a block closed right before this chunk
@@ -167,8 +158,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         return tuple(tensors)
 
     if first:
-        patch_rows = meta(rows, shape.patches_per_row, cfg.model.vision.patch_dim).requires_grad_(False)
-        inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.bool), patch_rows)
+        inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.bool))
     else:
         inputs = boundary(layers[0] - 1)
     if last:  # the logits, and each multi-token-prediction block's
@@ -217,23 +207,19 @@ class Pipeline:
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
         self._schedules: dict[StepShape, object] = {}
 
-    def feed(self, batch: Batch, micro_batches: int) -> None:
-        """This rank's rows for the next pass, split into the micro-batches the schedule will run (as the
-        library splits its tensors: equal runs of rows): every stage's document ids, and the first stage's
-        images (data.Batch's grids and starts). A pass that raised midway leaves none behind for the next."""
-        rows = batch.doc_ids.shape[0] // micro_batches
-        with data_values():  # the data's own values, read on the host by each stage's layout
-            documents = list(batch.doc_ids.split(rows))
+    def feed(self, micro_batches: list[Batch]) -> None:
+        """This rank's micro-batches for the next pass, in the order the schedule runs them (the library
+        splits its tensors the same way: equal runs of rows): every stage's document ids, and the first
+        stage's images (data.Batch's grids and starts) with their patches. A pass that raised midway leaves
+        none behind for the next."""
         for forward in self.forwards.values():
             forward.documents.clear()
-            forward.documents.extend(documents)
+            forward.documents.extend(batch.doc_ids for batch in micro_batches)
         if 0 not in self.forwards:
             return
         first = self.forwards[0]
         first.images.clear()
-        grids, starts = batch.grids, batch.starts
-        first.images.extend(placed_images(grids[m * rows:(m + 1) * rows], starts[m * rows:(m + 1) * rows])
-                            for m in range(micro_batches))
+        first.images.extend((placed_images(batch.grids, batch.starts), batch.patches) for batch in micro_batches)
 
     def chunk_models(self) -> list[MoETransformer]:
         """The stage views of this rank's chunks (each carries the model's sequence and context splits)."""

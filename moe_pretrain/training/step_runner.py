@@ -22,7 +22,7 @@ from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
-from moe_pretrain.training.parallelize import DTYPES, parameter_dtype
+from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.pipeline import Pipeline, StepShape
 from parallel.image_split import placed_images
 from parallel.state import ParallelContext
@@ -69,7 +69,6 @@ class StepRunner:
         """model: this rank's model (the whole model, or its pipeline chunks under their global names)."""
         self.cfg, self.ctx, self.model, self.data = cfg, ctx, model, data
         self.dtype = DTYPES[cfg.train.dtype]
-        self.boundary_dtype = parameter_dtype(cfg)
         self.pipeline = Pipeline(model, cfg, ctx, self._pipeline_loss) if ctx.layout.pp > 1 else None
         self._pipeline_score = None
         """What the pipeline's loss function returns during the pass under way (set by this runner only):
@@ -116,9 +115,7 @@ class StepRunner:
 
         parts: list[torch.Tensor] = []
         if self.pipeline is not None:
-            with data_values():  # real rows in a dry run as well
-                batch = Batch.concatenate(batches)
-            self._run_pipeline(plan, batch, plan.rows, lambda *a: objective(*a, parts=parts, share=True), train=True,
+            self._run_pipeline(plan, batches, plan.rows, lambda *a: objective(*a, parts=parts, share=True), train=True,
                                ahead=torch.cat(ahead.labels) if depth else None)
             if not parts or not self.pipeline.holds_last or self.ctx.tp_rank != 0:
                 return torch.zeros(1 + depth, dtype=torch.float64, device=self.ctx.device)
@@ -144,30 +141,30 @@ class StepRunner:
         the sum of scorer over them (float64 on the device; with a pipeline zero except on the last stage's
         first tensor rank)."""
         if self.pipeline is not None:
-            return self._run_pipeline(plan, batch, rows, lambda logits, labels, _: scorer(logits, labels), train=False)
+            return self._run_pipeline(plan, batch.split(plan.micro_batches), rows,
+                                      lambda logits, labels, _: scorer(logits, labels), train=False)
         with self.autocast():
             logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
                                    placed_images(batch.grids, batch.starts))
         return scorer(logits, self.model.context.local(batch.labels)).to(torch.float64)
 
-    def _run_pipeline(self, plan: StepPlan, batch: Batch, rows: int, score, train: bool,
+    def _run_pipeline(self, plan: StepPlan, micro_batches: list[Batch], rows: int, score, train: bool,
                       ahead: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the schedule; `score(logits, labels, [(block logits, block labels)])` gives each micro-batch's
-        loss (this rank's positions; the blocks' pairs only with multi-token prediction, whose targets `ahead`
-        [B, depth, T] travel with the labels). Returns the sum of the scores on the last stage's first tensor
-        rank, zero elsewhere (float64)."""
+        """Run the schedule over this rank's micro-batches; `score(logits, labels, [(block logits, block
+        labels)])` gives each one's loss (this rank's positions; the blocks' pairs only with multi-token
+        prediction, whose targets `ahead` [B, depth, T] travel with the labels). Returns the sum of the scores
+        on the last stage's first tensor rank, zero elsewhere (float64)."""
         pipeline = self.pipeline
-        pipeline.feed(batch, plan.micro_batches)
-        shape = StepShape(plan.seq_len, rows, plan.micro_batches, self.data.max_patches_per_row(plan.stage_index),
-                          plan.cp)
-        if pipeline.holds_first:
-            args = (batch.tokens, batch.image_mask, batch.patch_rows(shape.patches_per_row).to(self.boundary_dtype))
-        else:
-            args = ()
+        pipeline.feed(micro_batches)
+        shape = StepShape(plan.seq_len, rows, plan.micro_batches, plan.cp)
+        with data_values():  # the library splits these back into the micro-batches: real rows in a dry run too
+            tokens, image_mask, labels = (torch.cat([getattr(batch, name) for batch in micro_batches])
+                                          for name in ("tokens", "image_mask", "labels"))
+        args = (tokens, image_mask) if pipeline.holds_first else ()
         depth = self.cfg.model.mtp.layers
         if ahead is None and depth:  # evaluation: the blocks' outputs are there, without targets
-            ahead = torch.full_like(batch.labels, IGNORE_INDEX).unsqueeze(1).expand(-1, depth, -1)
-        target = (torch.cat([batch.labels.unsqueeze(1), ahead], dim=1) if depth else batch.labels) \
+            ahead = torch.full_like(labels, IGNORE_INDEX).unsqueeze(1).expand(-1, depth, -1)
+        target = (torch.cat([labels.unsqueeze(1), ahead], dim=1) if depth else labels) \
             if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
         schedule = pipeline.schedule(shape)
