@@ -23,7 +23,9 @@ What they count, by component:
   heads x head dim, I its MLP width: norms, wqkv, rotary q / k, attention with its log-sum-exp, wo, the tanh-GELU
   MLP), plus 5 D + d / 2 + 1.25 outside the blocks (patch embedding and positions, final norm, merge, projector:
   d / 2 is the projector's per-token d shared by the merge's 4 patches); an exact fit over 9 tower shapes (every
-  residual 0 elements). Full recomputation keeps each block's input (D) and 5.5 D + d / 2 + 1.25 outside.
+  residual 0 elements). Full recomputation keeps each block's input (D) and 5.5 D + d / 2 + 1.25 outside. Both
+  add the patch itself (C p^2, the patch embedding keeps its input for its weight gradient; the rank copies it
+  to the device for its images only, data.Batch.to).
 Under bf16 autocast the KDA op's intermediates stay fp32 (ops.norms.compute_dtype) while the rest is bf16:
 kda_core elements are 4 bytes, the others the activation dtype's (not yet measured on a GPU).
 """
@@ -157,9 +159,10 @@ def vision_activations(m: ModelConfig, recompute: Recompute) -> tuple[float, flo
     at a time in backward (the transient)."""
     D, d, blocks = m.vision.encoder.hidden_size, m.hidden_size, m.vision.encoder.num_layers
     block = vision_block_activations(m.vision)
+    outside = d / 2 + 1.25 + m.vision.patch_dim
     if recompute == "full":
-        return blocks * D + 5.5 * D + d / 2 + 1.25, block
-    return blocks * block + 5 * D + d / 2 + 1.25, 0.0
+        return blocks * D + 5.5 * D + outside, block
+    return blocks * block + 5 * D + outside, 0.0
 
 
 def largest_image_patches(m: ModelConfig, seq_len: int, max_pixels: int) -> tuple[int, int]:
