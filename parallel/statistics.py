@@ -2,9 +2,11 @@
 
 LocalStatistics is the single-process reference. GroupStatistics reduces over a process group (the
 data-parallel group, which holds every token of the global batch). Its per-column k-th largest value
-is found by bisection on the order-preserving integer image of the floats: each of at most 64 (or 32)
-rounds all-reduces one count per column, and the result is exactly the value a sort of all tokens
-would give, because every step compares the same floats the sort would.
+is found by bisection on the order-preserving integer image of the floats: each of 64 (or 32) rounds, the
+key's width, all-reduces one count per column, and the result is exactly the value a sort of all tokens
+would give, because every step compares the same floats the sort would. The rounds are a fixed count and
+k may be a device tensor, so the host reads nothing: no sync per round on a GPU, and a dry run (fake
+tensors, no values) issues the same collectives a run does.
 """
 
 import torch
@@ -34,9 +36,9 @@ class LocalStatistics:
     def total(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def column_kth_largest(self, values: torch.Tensor, kth: int) -> torch.Tensor:
-        """The kth largest (1-based) of each column of values [m, n] -> [n]."""
-        return torch.topk(values, kth, dim=0).values[kth - 1]
+    def column_kth_largest(self, values: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+        """The kth largest (kth: a 0-d integer tensor, 1-based) of each column of values [m, n] -> [n]."""
+        return values.sort(dim=0, descending=True).values[kth - 1]
 
 
 class GroupStatistics(LocalStatistics):
@@ -46,9 +48,11 @@ class GroupStatistics(LocalStatistics):
     def total(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(x, self.group)
 
-    def column_kth_largest(self, values: torch.Tensor, kth: int) -> torch.Tensor:
+    def column_kth_largest(self, values: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
         """Exact kth largest of each column over the rows of every rank: the largest key c with
-        count(key >= c) >= kth, by bisection on [global min, global max]."""
+        count(key >= c) >= kth, by bisection on [global min, global max]. count(key >= lo) >= kth holds
+        throughout, so a settled column (lo == hi) stays put, and the key's width in rounds settles every
+        column: each round leaves at most half of the interval, rounded up."""
         keys = ordered_keys(values)
         n = values.shape[1]
         extreme = torch.iinfo(keys.dtype)
@@ -58,7 +62,7 @@ class GroupStatistics(LocalStatistics):
                     else torch.full((n,), extreme.max, dtype=keys.dtype, device=keys.device))
         hi = all_reduce_max(local_hi, self.group)
         lo = -all_reduce_max(-local_lo, self.group)  # keys never reach the type's minimum, so -x is safe
-        while bool((lo < hi).any()):
+        for _ in range(extreme.bits):
             # Upper midpoint without overflow: floor((lo + hi) / 2) + ((lo ^ hi) & 1).
             mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)
             counts = all_reduce_sum((keys >= mid).sum(dim=0), self.group)

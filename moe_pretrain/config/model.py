@@ -79,7 +79,7 @@ class MoEConfig:
     integer counts of model.moe.qb_bins bins per expert, every forward's scores dropped once counted (a few MB
     per layer, one collective per pipeline stage per step, error a fraction of a bin: ops/margin_histogram.py).
     exact: every score of the step kept until it ends and the exact quantile found by bisection (the reference;
-    at full size ~1.9 GB per MoE layer per rank, up to 32 collectives per layer)."""
+    at full size ~1.9 GB per MoE layer per rank, 32 collectives per layer)."""
     qb_bins: int = 1000
     """Histogram bins per expert (model.moe.qb_quantile=histogram): width (2 + bias range) / qb_bins."""
     aux_free_rate: float = 1e-3

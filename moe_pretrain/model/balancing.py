@@ -84,7 +84,7 @@ class QuantileBalancer(KeptScoresBalancer):
     def rule(self, scores, choices, bias):
         k, n = self.cfg.top_k, scores.shape[1]
         margins = quantile_balance_margins(scores, bias, k)
-        m = int(self.stats.total(torch.tensor(scores.shape[0], device=scores.device)))
+        m = self.stats.total(torch.tensor(scores.shape[0], device=scores.device))
         c = self.stats.column_kth_largest(margins, (m * k) // n + 1)
         return (bias.to(margins.dtype) - self.cfg.qb_rate * c).to(bias.dtype)
 

@@ -7,7 +7,7 @@ kept until the step ends, for every MoE layer; then one layer's scores concatena
 margins, while its quantile is found.
 What the balancers all-reduce over their group (parallel/statistics.py) once a step: the histogram's counts of a
 pipeline stage's MoE layers in one collective; aux_free's expert loads per layer; the exact quantile's
-bisection per layer, a round per bit of the scores' integer image at most (32 for fp32) beside the token count
+bisection per layer, a round per bit of the scores' integer image (32 for fp32) beside the token count
 and the two extremes.
 """
 
@@ -40,7 +40,7 @@ def balancing_bytes(moe: MoEConfig, moe_layers: int, tokens: float, micro_batche
 
 
 BISECTION_ROUNDS = 32
-"""The exact quantile's bisection rounds at most: one per bit of fp32 scores' integer image."""
+"""The exact quantile's bisection rounds: one per bit of fp32 scores' integer image."""
 
 
 def reduced_bytes(moe: MoEConfig, moe_layers: int) -> float:
