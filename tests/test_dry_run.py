@@ -27,7 +27,8 @@ BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.
         "train.run_dir=/nonexistent", "cluster.gpus_per_node=2"]
 LAYOUTS = {
     "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "optim.name=muon"],
-    "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"],
+    "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.moe.qb_quantile=exact",
+                        "precision.fp8=tensorwise"],
 }
 WORLD = 8
 PEAK_TOLERANCE = 0.02

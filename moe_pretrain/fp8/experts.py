@@ -25,6 +25,7 @@ from torch import nn
 
 from moe_pretrain.fp8.quantize import Quantized, quantize, scaled_matmul
 from moe_pretrain.fp8.settings import Fp8Settings
+from moe_pretrain.ops.host_values import expert_rows
 from moe_pretrain.step_reuse import reused
 from parallel.collectives import all_reduce_max
 
@@ -137,7 +138,7 @@ def fp8_grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor
             from moe_pretrain.fp8.transformer_engine import te_grouped_mm
 
             return te_grouped_mm(x_RI, w_EOI, counts, fp8, name)
-        split = counts.tolist()
+        split = expert_rows(counts, x_RI.shape[0])
         if sum(split) != x_RI.shape[0]:
             raise ValueError(f"fp8_grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
         return _Fp8GroupedMM.apply(x_RI, w_EOI, split, fp8, name)
