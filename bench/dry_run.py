@@ -49,7 +49,7 @@ def main() -> int:
     print(HEADER)
     for name in names:
         index = [s.name for s in cfg.stages].index(name)
-        planned, documents = plan_of_traced_step(cfg, run, index, micro)
+        planned, pricing = plan_of_traced_step(cfg, run, index, micro)
         with tempfile.TemporaryDirectory() as tmp:
             out = (args.traces or Path(tmp)) / f"{name}.json"
             if not out.exists():
@@ -60,7 +60,7 @@ def main() -> int:
                                check=True, stdout=subprocess.DEVNULL)
             traces = json.loads(out.read_text())
         print("\n".join(comparison_lines(name, planned, traces)))
-        print(f"  ({documents})")
+        print(f"  ({pricing})")
     return 0
 
 

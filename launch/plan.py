@@ -174,9 +174,9 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
         print("\nthe plan beside the dry run (ratios traced / plan; the plan of the traced step's micro-batches)")
         print(HEADER)
         for index, traced in traced_stages:
-            ranks, documents = plan_of_traced_step(cfg, run, index, traced[0]["micro_batches"])
+            ranks, pricing = plan_of_traced_step(cfg, run, index, traced[0]["micro_batches"])
             print("\n".join(comparison_lines(cfg.stages[index].name, ranks, traced)))
-            print(f"  ({documents})")
+            print(f"  ({pricing})")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from moe_pretrain.config import load_config
 from moe_pretrain.model.layout import document_starts
 from moe_pretrain.ops.latent_attention import _Visibility
 from moe_pretrain.planning.documents import attended_keys, exchange_span, stage_doc_ids
-from moe_pretrain.planning.sizing import ExchangeSpan, stage_flops_per_token
+from moe_pretrain.planning.sizing import ExchangeSpan, StageDocuments, stage_flops_per_token
 from parallel.context_parallel import local_positions
 
 
@@ -29,11 +29,11 @@ def test_the_plan_prices_mla_attention_at_the_keys_the_stages_data_gives():
     a = m.mla
     per_key = 3 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
     whole_row = stage_flops_per_token(m, layers, True, seq_len, "full")
-    assert stage_flops_per_token(m, layers, True, seq_len, "full", keys=seq_len / 2) == whole_row
+    assert stage_flops_per_token(m, layers, True, seq_len, "full", documents=StageDocuments(seq_len / 2)) == whole_row
     # forward and backward, the re-forward of full recomputation (1/3) and the backward's recomputed scores (1/6)
     saved = len(mla) * per_key * (seq_len / 2 - keys) * (1 + 1 / 3 + 1 / 6)
-    assert stage_flops_per_token(m, layers, True, seq_len, "full", keys=keys) == pytest.approx(whole_row - saved,
-                                                                                             rel=1e-12)
+    priced = stage_flops_per_token(m, layers, True, seq_len, "full", documents=StageDocuments(keys))
+    assert priced == pytest.approx(whole_row - saved, rel=1e-12)
 
 
 @pytest.mark.parametrize("rows", [1, 2])

@@ -11,6 +11,7 @@ from moe_pretrain.config import Config
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.documents import attended_keys, exchange_span, stage_doc_ids
 from moe_pretrain.planning.dry_run import first_micro_batches
+from moe_pretrain.planning.sizing import StageDocuments
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, micro_batch_rows, stage_layouts_of
 
 
@@ -32,7 +33,7 @@ def plan_of_traced_step(cfg: Config, run: RunLayout, stage: int, micro_batches: 
     keys = attended_keys(doc_ids)
     span = exchange_span(doc_ids, micro_batch_rows(run, config, layout), layout.cp) \
         if layout.cp > 1 and layout.mla == "latent" else None
-    ranks = MemoryPlanner(cut).stage(run, config, layout, keys, span)["ranks"]
+    ranks = MemoryPlanner(cut).stage(run, config, layout, StageDocuments(keys, span))["ranks"]
     line = (f"{config.name}: the plan prices attention at the {keys:.0f} keys a query sees in the stage's data "
             f"(one document per row: {config.seq_len / 2:.0f})")
     if span:

@@ -154,24 +154,32 @@ class ExchangeSpan:
     tile_keys: float
 
 
+@dataclasses.dataclass(frozen=True)
+class StageDocuments:
+    """What a stage's documents make of MLA's attention (planning/documents.py), for the plan set beside a dry
+    run: the keys a query attends to (attention stays inside a document), and under the latent exchange what
+    the exchange does (None: no exchange). Without it the plan prices one document per row, the bound."""
+    keys: float
+    span: ExchangeSpan | None = None
+
+
 def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, recompute: str, rows: int,
-                                    keys: float | None = None, span: ExchangeSpan | None = None) -> float:
+                                    documents: StageDocuments | None = None) -> float:
     """What MLA's latent exchange (context parallelism by the latent, ops/latent_attention.py) adds per local
     token over the plain layer: each rank expands the keys and values of the blocks its queries may see (the
     kv up-projection: forward, again in the backward, and its two gradient products; once more for full
     recomputation) instead of its own positions', and its score tiles are whole key blocks, so a query meets
-    more keys than the plain layer's attention is priced at. span: both from the stage's documents, beside
-    the `keys` they give a query; None: one document per row (all cp x its positions expanded; the causal
-    half plus half a block, or every key of the micro-batch's `rows` rows when one block holds them all)."""
+    more keys than the plain layer's attention is priced at. documents with a span: both from the stage's
+    documents; otherwise one document per row (all cp x its positions expanded; the causal half plus half a
+    block, or every key of the micro-batch's `rows` rows when one block holds them all)."""
     a = cfg.mla
     up = a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
     passes = 10 if recompute == "full" else 8
+    span = documents.span if documents else None
     expanded = span.expanded_keys if span else cp
     expand = passes * expanded * up - (8 if recompute == "full" else 6) * up
     if span:
-        if keys is None:
-            raise ValueError("latent_exchange_flops_per_token: a span needs the keys its documents give a query")
-        extra = span.tile_keys - keys
+        extra = span.tile_keys - documents.keys
     elif rows * seq_len <= LATENT_KEY_BLOCK:
         extra = rows * seq_len - seq_len / 2
     else:
@@ -181,14 +189,14 @@ def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, rec
 
 
 def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
-                          cp: int = 1, mla: str = "ulysses", rows: int = 1, keys: float | None = None,
-                          span: ExchangeSpan | None = None) -> float:
+                          cp: int = 1, mla: str = "ulysses", rows: int = 1,
+                          documents: StageDocuments | None = None) -> float:
     """FLOPs a pipeline stage spends per token of its micro-batches: its layers', and the last stage's ends.
     Full recomputation runs each layer's forward again up to its last saved input (torch.utils.checkpoint
     stops early), i.e. all but the last matmul; selective recomputes the sequence mixing's forward. Under
     context parallelism by the latent (mla="latent", cp > 1) MLA layers add latent_exchange_flops_per_token
-    (`rows`: the micro-batch's sequences). keys: the keys a query attends to (mixing_flops_per_token); span:
-    the exchange's under the stage's documents (None: one document per row)."""
+    (`rows`: the micro-batch's sequences). documents: MLA priced by the stage's documents (None: one per row)."""
+    keys = documents.keys if documents else None
     flops = sum(layer_flops_per_token(cfg, i, seq_len, keys) for i in layers)
     if recompute == "full":
         flops += sum(layer_flops_per_token(cfg, i, seq_len, keys) / 3 - 2 * final_projection_params(cfg, i)
@@ -199,7 +207,7 @@ def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_l
     # Attention's backward recomputes the scores: 2.5 forwards, not 2 (torch's FLOP formulas count it so).
     flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) / 6 for i in mla_layers)
     if cp > 1 and mla == "latent":
-        flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows, keys, span)
+        flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows, documents)
     return flops + 6 * ends_params(cfg, last)
 
 

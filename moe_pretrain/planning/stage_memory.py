@@ -26,7 +26,7 @@ from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
 from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
 from moe_pretrain.planning.rank_state import PARAM_BYTES, parameter_shapes, stage_state_bytes
-from moe_pretrain.planning.sizing import ExchangeSpan, stage_flops_per_token
+from moe_pretrain.planning.sizing import StageDocuments, stage_flops_per_token
 from moe_pretrain.planning.step_activations import (
     LayerActivations,
     activation_bytes,
@@ -146,12 +146,11 @@ class MemoryPlanner:
             found.append(f"tp={p.tp} / ep={p.ep} do not divide the parameters")
         return found
 
-    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout, keys: float | None = None,
-              span: ExchangeSpan | None = None) -> dict:
+    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout,
+              documents: StageDocuments | None = None) -> dict:
         """The worst pipeline rank's bytes (and every pipeline rank's: "ranks", each with its GPUs'
-        communication) and the busiest pipeline rank's communication, for one stage. keys: the keys an MLA
-        query attends to, span: what MLA's latent exchange does (planning/documents.py; None: one document per
-        row, the bound)."""
+        communication) and the busiest pipeline rank's communication, for one stage. documents: MLA priced by
+        the stage's documents (planning/documents.py; None: one document per row, the bound)."""
         cfg, states = self._run_state(run)
         m = cfg.model
         dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
@@ -209,7 +208,7 @@ class MemoryPlanner:
                    # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
                    "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
                        m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows,
-                       keys, span)
+                       documents)
                    + state["muon_flops"]}
             most_host = max(most_host, act.host)
             ranks.append(row)
