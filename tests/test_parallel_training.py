@@ -38,6 +38,7 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
         history = trainer.run()
         dropped = [layer["tokens_dropped"] for h in history for layer in h["moe"].values()]
         assert dropped and set(dropped) == {0}, dropped  # every routed copy reached its expert, on any layout
+        assert receive_buffers_held(trainer.pipeline) == 0
         state = gather_full_state(trainer.model, ctx)
         # Ranks holding the same routers (one pipeline stage's tensor x data group) must agree bitwise.
         biases = torch.stack([r.expert_bias for r in trainer.model.routers().values()] or [torch.zeros(0)])
@@ -48,6 +49,17 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
         return losses, state, identical, trainer.optimizer.state_bytes(), expert_loads(history)
     finally:
         destroy_parallel()
+
+
+def receive_buffers_held(pipeline) -> int:
+    """Receive buffers the pipeline's stages keep between steps (training/declared_stage.py: none; torch's own
+    stage keeps one per micro-batch and direction)."""
+    if pipeline is None:
+        return 0
+    stages = [stage for schedule in pipeline._schedules.values()
+              for stage in getattr(schedule, "_stages", None) or [schedule._stage]]
+    return sum(info.buffer is not None and not info.is_root_arg for stage in stages
+               for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()] for info in infos)
 
 
 def expert_loads(history: list[dict]) -> list[dict[str, float]]:

@@ -126,9 +126,17 @@ def test_what_the_dry_run_relies_on_is_where_it_was():
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
     from torch.utils.flop_counter import flop_registry
 
-    # training/pipeline.DeclaredStage: the schedule reads the stages' warm-up vote on the host.
+    # training/declared_stage.DeclaredStage: the schedule reads the stages' warm-up vote on the host.
     assert hasattr(PipelineStage, "_warmup_backward_result")
     assert "_warmup_backward_result" in inspect.getsource(schedules)
+    # ... and its receive buffers, made when each receive is posted: the hooks it overrides, and the
+    # descriptor's fields it reads (a torch without tensor_meta keeps its own buffers).
+    for hook in ("_setup_forward_recv_info", "_create_grad_recv_info", "get_fwd_recv_ops", "get_bwd_recv_ops",
+                 "_retrieve_recv_activations", "_retrieve_recv_grads"):
+        assert hasattr(PipelineStage, hook), hook
+    from torch.distributed.pipelining.stage import _RecvInfo
+    assert {"self.buffer", "self.tensor_meta", "self.is_root_arg"} <= set(
+        re.findall(r"self\.\w+", inspect.getsource(_RecvInfo.__init__)))
     # ops/host_values.py: fake tensors are told apart, and the data's values computed outside the mode.
     assert callable(fake_tensor.is_fake) and callable(fake_tensor.unset_fake_temporarily)
     # planning/op_census.py: torch's FLOP formulas by op; it adds the grouped product's, which torch lacks.

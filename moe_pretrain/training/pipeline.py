@@ -33,10 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -46,6 +44,7 @@ from torch.distributed.pipelining import (
 from moe_pretrain.config import Config
 from moe_pretrain.data import Batch
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.training.declared_stage import DeclaredStage
 from moe_pretrain.training.parallelize import DTYPES
 from parallel.image_split import PlacedImage, placed_images
 from parallel.plan import chunks_of_rank, pipeline_chunks
@@ -167,23 +166,6 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     else:
         outputs = boundary(layers[-1])
     return inputs, outputs
-
-
-class DeclaredStage(PipelineStage):
-    """A stage whose boundaries are declared (input_args / output_args), which a dry run can play.
-
-    Before its first step, torch >= 2.13's schedule polls the stages: each votes static (its shapes declared)
-    or dynamic, the product passes to the last stage and back in 4-byte sends, and each stage reads the result
-    on the host (schedules._warmup_p2p). Under the dry run's fake backend (launch/dryrun.py) the sends are
-    made and nothing arrives: the result is then the vote every stage here casts, static, as a tensor
-    literal (which the fake-tensor mode keeps as a readable constant). tests/test_version_floors.py holds
-    the names this relies on."""
-
-    def _warmup_backward_result(self, received_result: torch.Tensor | None = None) -> torch.Tensor:
-        result = super()._warmup_backward_result(received_result)
-        if dist.get_backend(self.group) != "fake":
-            return result
-        return torch.tensor([1], dtype=result.dtype, device=result.device)
 
 
 class Pipeline:
