@@ -38,9 +38,12 @@ class PeakSites(LiveTensorBytes):
         super()._track(storage)
         if self.live == self.peak and self.peak >= self._looked * LOOK_GROWTH:
             self._looked = self.peak
+            # Storages die (and their finalizers edit both tables) whenever the collector runs, the counting
+            # below included: count over copies, the sites taken first so every copied storage has one.
+            sites = dict(self._site_of)
             self.at_peak = collections.Counter()
-            for held, size in self._sizes.items():
-                self.at_peak[self._site_of[held]] += size
+            for held, size in dict(self._sizes).items():
+                self.at_peak[sites[held]] += size
 
     def _freed(self, key: int) -> None:
         super()._freed(key)
