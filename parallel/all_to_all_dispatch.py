@@ -32,7 +32,7 @@ class AllToAllMetadata:
     """[R] received-row index of each row in local-expert order."""
 
 
-def _block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
+def block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
     """Rows arrive in (source, expert) blocks of counts_SE[s, e], total of them (known on the host from the
     split sizes, so nothing here reads the device); return the order that lists them by (expert, source)
     instead, as indices into the arrival order."""
@@ -44,6 +44,13 @@ def _block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
     block_offset = torch.arange(total, device=counts_SE.device) - torch.repeat_interleave(
         torch.cumsum(counts_by_expert, 0) - counts_by_expert, counts_by_expert, output_size=total)
     return block_start + block_offset
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order` (a permutation of its indices)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
@@ -67,12 +74,11 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         send_splits, receive_splits = split_sizes(send_counts, receive_counts, sorted_rows.shape[0], self.rank)
         self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * x_TL.shape[1] * x_TL.element_size()
         received = all_to_all_rows(sorted_rows, receive_splits, send_splits, self.group)
-        regroup = _block_regroup(receive_counts, sum(receive_splits))
+        regroup = block_regroup(receive_counts, sum(receive_splits))
         meta = AllToAllMetadata(local_meta, send_splits, receive_splits, regroup)
         return received[regroup], receive_counts.sum(0), meta
 
     def combine(self, y_grouped, meta):
-        arrival_order = torch.empty_like(meta.regroup)
-        arrival_order[meta.regroup] = torch.arange(meta.regroup.numel(), device=meta.regroup.device)
-        returned = all_to_all_rows(y_grouped[arrival_order], meta.send_splits, meta.receive_splits, self.group)
+        returned = all_to_all_rows(y_grouped[inverse_order(meta.regroup)], meta.send_splits, meta.receive_splits,
+                                   self.group)
         return super().combine(returned, meta.local)

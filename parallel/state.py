@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
 from parallel.collectives import gather_objects
+from parallel.node_groups import expert_node_groups
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,11 @@ class ParallelContext:
     tp_dp_group: dist.ProcessGroup | None = None
     """Tensor x data parallel: every token of the global batch; replicated weights reduce here."""
     ep_group: dist.ProcessGroup | None = None
+    ep_rail_group: dist.ProcessGroup | None = None
+    """parallel.expert_dispatch=node: this rank's peers of its expert-parallel group, one per node (node_groups.py)."""
+    ep_node_group: dist.ProcessGroup | None = None
+    """parallel.expert_dispatch=node: the ranks of its expert-parallel group on this rank's node."""
+    expert_dispatch: str = "flat"
     edp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
@@ -293,6 +299,8 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     )
     data_context = ps.get_data_parallel_group(with_context_parallel=True)
     context_groups = _context_groups(cfg, data_context)
+    ep_group = ps.get_expert_model_parallel_group()
+    rail, node = _expert_node_groups(cfg, ep_group) if cfg.parallel.expert_dispatch == "node" else (None, None)
     return ParallelContext(
         layout=layout,
         context_groups=context_groups,
@@ -301,7 +309,10 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         dp_group=data_context,
         tp_group=ps.get_tensor_model_parallel_group(),
         tp_dp_group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-        ep_group=ps.get_expert_model_parallel_group(),
+        ep_group=ep_group,
+        ep_rail_group=rail,
+        ep_node_group=node,
+        expert_dispatch=cfg.parallel.expert_dispatch,
         edp_group=ps.get_expert_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_rank=context_groups[layout.cp].dp_rank,
@@ -329,6 +340,20 @@ def _context_groups(cfg: Config, data_context: dist.ProcessGroup) -> dict[int, C
             group, _ = dist.new_subgroups_by_enumeration(blocks)
         groups[size] = ContextGroup(size, group, position % size, position // size, len(members) // size)
     return groups
+
+
+def ranks_per_node(cfg: Config) -> int:
+    """parallel.ranks_per_node, or the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE), else every
+    rank on one node."""
+    return cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def _expert_node_groups(cfg: Config, ep_group: dist.ProcessGroup
+                        ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The node dispatch's groups, from every rank's expert-parallel group (gathered: creation is collective)."""
+    members = dist.get_process_group_ranks(ep_group)
+    everyone: list[list[int]] = gather_objects(members, dist.group.WORLD)
+    return expert_node_groups(sorted({tuple(g) for g in everyone}), ranks_per_node(cfg), dist.get_rank())
 
 
 def new_host_group(timeout: timedelta) -> dist.ProcessGroup:

@@ -27,6 +27,13 @@ class ParallelConfig:
     """Expert-parallel size: experts are split over ep ranks, folded onto data-parallel ranks."""
     cp: int = 1
     """Context-parallel size: each sequence split over cp ranks (load-balanced fragments; stages may change it)."""
+    expert_dispatch: Literal["flat", "node"] = "flat"
+    """How the expert-parallel all-to-alls move tokens: flat (one row per routed copy, straight to its expert's
+    rank) or node (once per node holding one of the token's experts, over the NIC, then fanned out inside the
+    node; combine sums inside the node before crossing back: parallel/node_dispatch.py)."""
+    ranks_per_node: int = 0
+    """Ranks sharing a node, for expert_dispatch=node: 0 = the launcher's (torchrun's LOCAL_WORLD_SIZE; the dry
+    run's cluster.gpus_per_node). Set it to declare "nodes" of a few processes on one machine."""
     cp_mla: Literal["auto", "latent", "ulysses"] = "auto"
     """How MLA attends across cp ranks: latent (all-gather the per-token latent, expand keys block by block:
     any cp), ulysses (all-to-all trading heads for positions: needs the heads of a tensor-parallel rank
@@ -53,6 +60,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         require_positive("parallel", tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, vpp=self.vpp,
                          bucket_mb=self.bucket_mb, timeout_s=self.timeout_s)
+        require(self.ranks_per_node >= 0, f"parallel.ranks_per_node={self.ranks_per_node} must be >= 0 (0: the "
+                "launcher's)")
 
 
 @dataclass

@@ -31,6 +31,10 @@ class Assumptions(Protocol):
     def split_sizes(self, rows: int, ep: int, rank: int, experts: int) -> tuple[list[int], list[int]]:
         """(rows sent to each expert-parallel rank, rows received from each) of `rows` routed copies."""
 
+    def node_split_sizes(self, tokens: int, k: int, experts: int, nodes: int, ranks_per_node: int, rank: int
+                         ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+        """The node dispatch's (rail, node) exchanges' (sent to, received from) each peer: parallel/node_dispatch.py."""
+
     def expert_rows(self, rows: int, experts: int) -> list[int]:
         """Rows of each of `experts` consecutive experts among `rows`."""
 
@@ -105,6 +109,20 @@ def split_sizes(send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: i
     send, receive = _read(torch.stack([send_counts.sum(1), receive_counts.sum(1)]), "the all-to-all's split sizes",
                           lambda a: list(a.split_sizes(rows, ep, rank, ep * local)))
     return send, receive
+
+
+def node_split_sizes(rail_send: torch.Tensor, rail_receive: torch.Tensor, node_send: torch.Tensor,
+                     node_receive: torch.Tensor, tokens: int, k: int, experts: int, rank: int
+                     ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """((rows sent to, received from) each node, (copies sent to, received from) each rank of the node) of the
+    node dispatch (parallel/node_dispatch.py) of expert-parallel `rank`, from its counts on the device, read
+    at once; under a dry run the assumed routing's (of `tokens` x `k` copies on every rank)."""
+    nodes, ranks_per_node = rail_send.numel(), node_send.numel()
+    values = _read(torch.cat([rail_send, rail_receive, node_send, node_receive]), "the node dispatch's split sizes",
+                   lambda a: [n for pair in a.node_split_sizes(tokens, k, experts, nodes, ranks_per_node,
+                                                               rank) for side in pair for n in side])
+    rail, node = values[:2 * nodes], values[2 * nodes:]
+    return (rail[:nodes], rail[nodes:]), (node[:ranks_per_node], node[ranks_per_node:])
 
 
 def expert_rows(counts: torch.Tensor, rows: int) -> list[int]:

@@ -28,6 +28,8 @@ from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
 from parallel.context_parallel import ContextParallel, mla_exchange
 from parallel.context_parallel_mixers import apply_context_parallel
+from parallel.dispatch import LocalTokenDispatcher
+from parallel.node_dispatch import NodeTokenDispatcher
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
@@ -103,11 +105,17 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
         apply_context_parallel(model, ContextParallel(ctx.context(layout.cp).group, mla))
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
-            module.dispatcher = AllToAllTokenDispatcher(module.cfg.num_experts, ctx.ep_group, ctx.ep_rank,
-                                                        fused=module.dispatcher.fused)
+            module.dispatcher = expert_dispatcher(module.cfg.num_experts, ctx, fused=module.dispatcher.fused)
     if ctx.distributed:
         for router in model.routers().values():
             router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
+
+
+def expert_dispatcher(num_experts: int, ctx: ParallelContext, *, fused: bool) -> LocalTokenDispatcher:
+    """The expert-parallel dispatcher parallel.expert_dispatch names: flat, or by node."""
+    if ctx.expert_dispatch == "node":
+        return NodeTokenDispatcher(num_experts, ctx.ep_rank, ctx.ep_rail_group, ctx.ep_node_group, fused=fused)
+    return AllToAllTokenDispatcher(num_experts, ctx.ep_group, ctx.ep_rank, fused=fused)
 
 
 def keep_pipeline_stage(model: MoETransformer, cfg: Config, ctx: ParallelContext) -> MoETransformer:
