@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
-from moe_pretrain.planning.plan_step_time import planned_step, traced_stage_step
+from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
+from moe_pretrain.planning.plan_step_time import column_links, plan_groups, planned_step, traced_stage_step
 from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines, plan_of_traced_step
 from moe_pretrain.planning.sizing import count, total_parts
 from moe_pretrain.planning.stage_memory import (
@@ -108,7 +109,7 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
     columns = ("params", "grads", "optim", "copies", "mixers", "activ", "a2a", "qb", "vision", "total", "host")
     print(f"{'stage':8s} {'layout':29s} {'dp':>5s} " + " ".join(f"{c:>7s}" for c in columns) + f" {'fits':>5s} | "
           f"GB sent/step: "
-          f"{'tp':>6s} {'ep':>6s} {'pp':>6s} {'cp':>6s} {'dp':>6s}")
+          f"{'tp':>6s} {'ep':>6s} {'pp':>6s} {'cp':>6s} {'dp':>6s} | {'NVLink':>6s} {'NIC':>6s}")
     all_fit, planned = True, {}
     for stage, layout in zip(planner.cfg.stages, layouts, strict=True):
         if layout is None:
@@ -121,7 +122,9 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
             print(f"{stage.name:8s} {layout.describe():29s} invalid: {'; '.join(problems)}")
             continue
         result = planned[stage.name] = planner.stage(run, stage, layout)
-        w, c = result["worst"], result["communication"]
+        w, c = result["worst"], plan_columns(result["communication"])
+        nvlink, nic = column_links(result["communication"], plan_groups(planner.cfg, run, layout.cp),
+                                   planner.cfg.cluster)
         fits = within(result, capacity)
         all_fit &= fits
         sizes = [w[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "compute_copy_bytes",
@@ -129,7 +132,8 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
         sizes += [result["first"]["vision_bytes"], w["total_bytes"], result["host_bytes"]]
         print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} " + " ".join(map(gigabytes, sizes))
               + f" {'yes' if fits else 'NO':>5s} |               "
-              + " ".join(gigabytes(c[k])[1:] for k in ("tp", "ep", "pp", "cp", "dp")))
+              + " ".join(gigabytes(c[k])[1:] for k in PLAN_COLUMNS) + " | "
+              + " ".join(gigabytes(x)[1:] for x in (nvlink, nic)))
         if w["muon_flops"]:
             print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step (in the step's "
                   f"FLOPs), its exchange in dp's column and its tp slices' joins in tp's; its step holds "

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import Config, StageConfig, load_config
-from moe_pretrain.planning.assumed_values import AssumedValues, apportion
+from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
-from moe_pretrain.planning.plan_step_time import column_groups, column_seconds
+from moe_pretrain.planning.plan_step_time import column_seconds, plan_groups
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
 from parallel.collectives import gather_objects
@@ -28,7 +28,7 @@ BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.
 LAYOUTS = {
     "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "optim.name=muon"],
     "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.moe.qb_quantile=exact",
-                        "precision.fp8=tensorwise"],
+                        "precision.fp8=tensorwise", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2"],
 }
 WORLD = 8
 PEAK_TOLERANCE = 0.02
@@ -84,18 +84,21 @@ def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
         assert got["state_bytes"] == pytest.approx(want["state_bytes"], rel=PEAK_TOLERANCE), rank
     plan = planned_ranks(load_config("configs/smoke.yaml", [*BASE, *overrides]))
     for rank in ranks:
-        row, sent = plan[rank // (WORLD // (2 if "pp2" in layout else 1))], plan_columns(dry[rank]["sent_bytes"])
-        for column in PLAN_COLUMNS:
-            assert sent[column] == pytest.approx(row["communication"][column], rel=PLAN_TOLERANCE), (rank, column)
+        row, sent = plan[rank // (WORLD // (2 if "pp2" in layout else 1))], dry[rank]["sent_bytes"]
+        planned = row["communication"]
+        for column, size in plan_columns(sent).items():
+            assert size == pytest.approx(plan_columns(planned)[column], rel=PLAN_TOLERANCE), (rank, column)
+        for group in ("ep rail", "ep node"):  # the node dispatch's NIC and NVLink bytes, each
+            assert sent.get(group, 0) == pytest.approx(planned.get(group, 0), rel=PLAN_TOLERANCE), (rank, group)
         assert dry[rank]["flops"] == pytest.approx(row["flops"], rel=PLAN_TOLERANCE), rank
     # The plan's step-time model puts each column on the links megatron-core's groups for the layout cross
     # (nodes of 2 GPUs here, so that dp, pp, cp and ep4 leave the node), as the dry run times what it sent.
     cfg = load_config("configs/smoke.yaml", [*BASE, *overrides])
     p = cfg.parallel
-    groups = column_groups(RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp), p.cp)
+    groups = plan_groups(cfg, RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp), p.cp)
     for rank in ranks:
         row = plan[rank // (WORLD // p.pp)]
-        planned = column_seconds(row["communication"], groups, cfg.cluster)
+        planned = plan_columns(column_seconds(row["communication"], groups, cfg.cluster))
         traced = plan_columns(dry[rank]["collective_s"])
         for column in PLAN_COLUMNS:
             assert traced[column] == pytest.approx(planned[column], rel=PLAN_TOLERANCE), (rank, column)
@@ -107,7 +110,8 @@ def test_the_assumed_routing_sends_what_each_rank_receives():
     assert idx.shape == (10, 2)
     assert all(len(set(row)) == 2 for row in idx.tolist())  # no token routed twice to one expert
     counts = [idx.flatten().tolist().count(e) for e in range(8)]
-    assert counts == apportion(20, values.load) and sum(counts) == 20
+    assert counts == values.per_expert(20, 8) and sum(counts) == 20
+    assert all(abs(n - 20 * w / sum(values.load)) < 1 for n, w in zip(counts, values.load, strict=True))
     send, receive = values.split_sizes(20, 4, 1, 8)
     assert send == [counts[0] + counts[1], counts[2] + counts[3], counts[4] + counts[5], counts[6] + counts[7]]
     assert receive == [send[1]] * 4  # every rank routes alike: each sends rank 1 what this one does

@@ -107,11 +107,12 @@ PLAN_COLUMNS = ("tp", "ep", "pp", "cp", "dp")
 
 def plan_columns(sent: dict[str, float]) -> dict[str, float]:
     """Sent bytes by group (CollectiveTraffic.sent_bytes) in launch.plan's columns: cp takes every context-
-    parallel group, dp every group that reduces gradients or the balancers' statistics."""
+    parallel group, ep the node dispatch's rail and node groups too, dp every group that reduces gradients or
+    the balancers' statistics."""
     columns = dict.fromkeys(PLAN_COLUMNS, 0.0)
     for group, size in sent.items():
-        if group.startswith("cp"):
-            columns["cp"] += size
+        if group.startswith(("cp", "ep")):
+            columns[group[:2]] += size
         elif group in ("dp", "edp", "tp x dp"):
             columns["dp"] += size
         elif group in columns:

@@ -31,6 +31,7 @@ from moe_pretrain.config import Config
 from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
+from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
 from moe_pretrain.planning.peak_sites import PeakSites
@@ -107,8 +108,8 @@ class StepTrace:
 def named_groups(ctx: ParallelContext) -> dict[str, dist.ProcessGroup | None]:
     """The rank's groups by the names the plan's communication columns use (first name wins for a group that
     plays two roles)."""
-    groups = {"tp": ctx.tp_group, "ep": ctx.ep_group, "pp": ctx.pp_group, "dp": ctx.dp_group,
-              "tp x dp": ctx.tp_dp_group, "edp": ctx.edp_group}
+    groups = {"tp": ctx.tp_group, "ep": ctx.ep_group, "ep rail": ctx.ep_rail_group, "ep node": ctx.ep_node_group,
+              "pp": ctx.pp_group, "dp": ctx.dp_group, "tp x dp": ctx.tp_dp_group, "edp": ctx.edp_group}
     groups.update({f"cp{size}": c.group for size, c in ctx.context_groups.items() if c.group is not None})
     if ctx.distributed:
         groups["world"] = dist.group.WORLD
@@ -199,6 +200,9 @@ def dry_run(cfg: Config, world_size: int, rank: int, stage: int = 0, gpu: GpuSpe
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
     os.environ.setdefault("LOCAL_RANK", "0")
+    if cfg.parallel.expert_dispatch == "node":  # the launcher's ranks per node, on the cluster
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                    ranks_per_node=plan_ranks_per_node(cfg)))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         ctx = init_parallel(cfg)

@@ -14,36 +14,58 @@ from dataclasses import dataclass
 from megatron.core.parallel_state import RankGenerator
 
 from moe_pretrain.config import ClusterConfig, Config, StageConfig
+from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import RunLayout, StageLayout
 from moe_pretrain.planning.step_time import (
     OVERLAPPED_GROUPS,
     GpuSpec,
+    link_bytes,
     link_seconds,
     pipeline_step_seconds,
     predict,
 )
+from parallel.node_groups import node_blocks
 
 ORDER = "tp-cp-ep-dp-pp"
 """megatron-core's default rank order, which parallel/state.init_parallel takes."""
 
 
-def column_groups(run: RunLayout, cp: int) -> dict[str, list[int]]:
+def column_groups(run: RunLayout, cp: int, ranks_per_node: int = 0) -> dict[str, list[int]]:
     """The ranks of rank 0's group for each of the plan's communication columns (a layout's groups of one kind
     are translations of each other: they cross the same links). dp: the gradients' reduce group, which
-    spans the context-parallel ranks too (megatron-core's data parallel with context parallel)."""
+    spans the context-parallel ranks too (megatron-core's data parallel with context parallel). With
+    ranks_per_node, the node dispatch's rail and node groups too (parallel/node_groups.py)."""
     dp = run.gpus // (run.tp * run.pp * cp)
     dense = RankGenerator(tp=run.tp, ep=1, dp=dp, pp=run.pp, cp=cp, order=ORDER)
     experts = RankGenerator(tp=1, ep=run.ep, dp=run.gpus // (run.pp * run.ep), pp=run.pp, cp=1, order=ORDER)
-    return {"tp": dense.get_ranks("tp")[0], "cp": dense.get_ranks("cp")[0], "dp": dense.get_ranks("dp-cp")[0],
-            "pp": dense.get_ranks("pp")[0], "ep": experts.get_ranks("ep")[0]}
+    groups = {"tp": dense.get_ranks("tp")[0], "cp": dense.get_ranks("cp")[0], "dp": dense.get_ranks("dp-cp")[0],
+              "pp": dense.get_ranks("pp")[0], "ep": experts.get_ranks("ep")[0]}
+    if ranks_per_node:
+        blocks = node_blocks(groups["ep"], ranks_per_node)
+        groups.update({"ep rail": [block[0] for block in blocks], "ep node": blocks[0]})
+    return groups
+
+
+def plan_groups(cfg: Config, run: RunLayout, cp: int) -> dict[str, list[int]]:
+    """column_groups for cfg's expert dispatch on its cluster."""
+    by_node = cfg.parallel.expert_dispatch == "node"
+    return column_groups(run, cp, plan_ranks_per_node(cfg) if by_node else 0)
 
 
 def column_seconds(sent: dict[str, float], groups: dict[str, list[int]], cluster: ClusterConfig
                    ) -> dict[str, float]:
     """Each communication column's bytes sent per GPU (a plan row's "communication") on its group's links."""
-    return {column: link_seconds(size, groups[column], cluster, all_to_all=column == "ep")
+    return {column: link_seconds(size, groups[column], cluster, all_to_all=column.startswith("ep"))
             for column, size in sent.items()}
+
+
+def column_links(sent: dict[str, float], groups: dict[str, list[int]], cluster: ClusterConfig
+                 ) -> tuple[float, float]:
+    """(over NVLink, over the NIC) of a plan row's communication, summed over its columns."""
+    split = [link_bytes(size, groups[column], cluster, all_to_all=column.startswith("ep"))
+             for column, size in sent.items()]
+    return sum(nvlink for nvlink, _ in split), sum(nic for _, nic in split)
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,7 @@ def _stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLa
 def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, ranks: list[dict],
                  gpu: GpuSpec, cluster: ClusterConfig) -> PlannedStep:
     """ranks: MemoryPlanner.stage(...)["ranks"], one row per pipeline rank."""
-    groups = column_groups(run, layout.cp)
+    groups = plan_groups(cfg, run, layout.cp)
     times = [predict(row["flops"] / gpu.peak_flops, column_seconds(row["communication"], groups, cluster), 0.0,
                      gpu).step_s for row in ranks]
     return _stage_step(cfg, run, stage, layout, times, gpu)

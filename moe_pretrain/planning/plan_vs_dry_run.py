@@ -47,7 +47,7 @@ def comparison_lines(stage: str, planned_ranks: list[dict], traces: list[dict]) 
     lines = []
     for trace in traces:
         row = planned_ranks[trace["pipeline_rank"]]
-        sent, comm = plan_columns(trace["sent_bytes"]), row["communication"]
+        sent, comm = plan_columns(trace["sent_bytes"]), plan_columns(row["communication"])
         lines.append(f"{stage:6s} {trace['rank']:5d} {trace['role']:13s} {row['total_bytes'] / 1e9:8.2f} "
                      f"{trace['peak_bytes'] / 1e9:8.2f} {ratio(trace['peak_bytes'], row['total_bytes'])} | "
                      + " ".join(f"{sent[c] / 1e9:8.3f} {ratio(sent[c], comm[c])}" for c in PLAN_COLUMNS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from moe_pretrain.config import Config, StageConfig
 from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
+from moe_pretrain.planning.expert_traffic import expert_exchange_bytes
 from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
 from moe_pretrain.planning.rank_state import PARAM_BYTES, parameter_shapes, stage_state_bytes
 from moe_pretrain.planning.sizing import StageDocuments, stage_flops_per_token
@@ -239,7 +240,8 @@ class MemoryPlanner:
     def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
                       tokens: int, state: dict) -> dict:
         """Bytes one GPU of a pipeline rank (its state: rank_state.stage_state_bytes) sends per optimizer step,
-        per group."""
+        per column (collective_traffic.PLAN_COLUMNS; the node dispatch's two groups in place of ep:
+        plan_columns folds them)."""
         m, M = cfg.model, layout.micro_batches
         b = ACTIVATION_BYTES[cfg.train.dtype]
         p = state["pp_rank"]
@@ -250,7 +252,8 @@ class MemoryPlanner:
         # Muon's whole-matrix rules all-gather their tensor-parallel slices over the tp group (parallel/muon.py).
         tp = M * tensor_parallel_bytes(m, layers, tokens, run.tp, b, passes, first, last) + state["muon_join_bytes"]
         moe = sum(m.is_moe_layer(i) for i in layers)
-        ep = M * moe * passes * 2 * ring_share(run.ep, m.moe.top_k * tokens / run.tp * m.moe.latent_size * b)
+        ep = {group: M * moe * size for group, size in
+              expert_exchange_bytes(cfg, run.ep, tokens / run.tp, passes, b).items()}
         chunks = pipeline_chunks(cfg)
         pp = M * pipeline_bytes(m, chunks, chunks_of_rank(len(chunks), run.pp, p), tokens / run.tp,
                                 PARAM_BYTES[cfg.train.dtype], b)
@@ -272,7 +275,7 @@ class MemoryPlanner:
         # balancers' statistics all-reduced over tensor x data x context parallel.
         dp = sum(2 * ring_share(size, nbytes) for size, nbytes in state["reduce_groups"]) + state["muon_exchange_bytes"]
         dp += 2 * ring_share(run.gpus // run.pp, reduced_bytes(m.moe, moe))
-        return {"tp": tp, "ep": ep, "pp": pp, "cp": cp, "dp": dp}
+        return {"tp": tp, **ep, "pp": pp, "cp": cp, "dp": dp}
 
     def fits(self, run: RunLayout, stage: StageConfig, layout: StageLayout, gpu_bytes: float,
              headroom: float = 0.0) -> dict | None:

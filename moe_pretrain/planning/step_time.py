@@ -51,20 +51,27 @@ def sent_share(op: str, n: int) -> float:
     return 0.0  # a receive (its sender counts the bytes, and the link is full duplex), a barrier
 
 
-def link_seconds(sent: float, ranks: list[int], cluster: ClusterConfig, all_to_all: bool = False) -> float:
-    """Time to send `sent` bytes from one GPU of a group of `ranks` (their global numbers): over NVLink when the
-    group shares a node, else the NIC; an all-to-all sends its own node's share over NVLink at once."""
+def link_bytes(sent: float, ranks: list[int], cluster: ClusterConfig, all_to_all: bool = False
+               ) -> tuple[float, float]:
+    """(over NVLink, over the NIC) of `sent` bytes from one GPU of a group of `ranks` (their global numbers):
+    all over NVLink when the group shares a node, else the NIC; an all-to-all sends its own node's share over
+    NVLink."""
     n = len(ranks)
     if n < 2:
-        return 0.0
-    nvlink, nic = cluster.nvlink_gb_s * 1e9, cluster.nic_gb_s * 1e9
+        return 0.0, 0.0
     nodes = {r // cluster.gpus_per_node for r in ranks}
     if len(nodes) == 1:
-        return sent / nvlink
+        return sent, 0.0
     if all_to_all:
         local = (n / len(nodes) - 1) / (n - 1)  # the group's share on this GPU's node, itself excluded
-        return max(sent * local / nvlink, sent * (1 - local) / nic)
-    return sent / nic
+        return sent * local, sent * (1 - local)
+    return 0.0, sent
+
+
+def link_seconds(sent: float, ranks: list[int], cluster: ClusterConfig, all_to_all: bool = False) -> float:
+    """Time to send `sent` bytes from one GPU of a group of `ranks` on its links (link_bytes), both at once."""
+    nvlink, nic = link_bytes(sent, ranks, cluster, all_to_all)
+    return max(nvlink / (cluster.nvlink_gb_s * 1e9), nic / (cluster.nic_gb_s * 1e9))
 
 
 def collective_seconds(op: str, payload: int, ranks: list[int], cluster: ClusterConfig) -> float:
