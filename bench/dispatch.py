@@ -1,4 +1,5 @@
-"""Expert dispatch: bytes on the wire against the minimum, and MoE layer time at ep 1, 2, 4.
+"""Expert dispatch: bytes on the wire against the minimum, and MoE layer time at ep 1, 2, 4; flat against by
+node (parallel.expert_dispatch=node) at ep 4 as 2 "nodes" of 2 processes.
 
 Run: .venv/bin/python bench/dispatch.py [--tokens 2048 --repeats 5]
 
@@ -9,7 +10,9 @@ For each expert-parallel size, every rank routes its own tokens through one smok
   ratio (1.00 = nothing but off-rank latent rows travels), and against what hidden-width rows would
   cost (the LatentMoE design's saving, l / d);
 - median forward + backward time, and its ratio to ep 1 measured in the same run (2-core machines:
-  more processes share the same cores, so this measures overhead, not speed-up).
+  more processes share the same cores, so this measures overhead, not speed-up);
+- at ep 4 flat and by node: the bytes each sends across node boundaries per token (flat: its copies whose
+  expert is on another node; by node: the dispatcher's count), the ratio node / flat, and the time ratio.
 """
 
 import argparse
@@ -24,6 +27,7 @@ from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.training.parallelize import describe_parameters, materialize, shard_parameters
 from parallel.collectives import all_reduce_sum
+from parallel.node_groups import expert_node_groups
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext, ParallelLayout
 
@@ -44,16 +48,24 @@ class _Holder(torch.nn.Module):
         return {1: self.layers["1"].mlp.router}
 
 
-def measure(rank: int, world_size: int, tokens: int, repeats: int) -> dict:
+def measure(rank: int, world_size: int, tokens: int, repeats: int, ranks_per_node: int = 0,
+            by_node: bool = False) -> dict:
+    """One MoE layer's forward + backward on this rank, "nodes" of ranks_per_node (0: one node); by_node:
+    dispatched by node."""
     with torch.device("meta"):
         holder = _Holder(LatentMoE(D, MOE, norm_eps=1e-5, init_std=0.02, out_std=0.02))
     parameters = describe_parameters(holder)
     ctx = ParallelContext.single()
+    nodes_of = ranks_per_node or world_size
     if world_size > 1:
         dist.init_process_group("gloo")
         group = dist.group.WORLD
+        rail, node = expert_node_groups([list(range(world_size))], ranks_per_node, rank) if by_node \
+            else (None, None)
         ctx = ParallelContext(ParallelLayout(world_size, ep=world_size), rank=rank, dp_group=group,
-                              ep_group=group, edp_group=None, tp_dp_group=group, dp_rank=rank, ep_rank=rank)
+                              ep_group=group, edp_group=None, tp_dp_group=group, dp_rank=rank, ep_rank=rank,
+                              ep_rail_group=rail, ep_node_group=node,
+                              expert_dispatch="node" if by_node else "flat")
     plan = ShardingPlan()
     shard_parameters(holder, plan, ctx)
     materialize(holder, parameters, plan, ctx, seed=0, dtype=torch.float32)
@@ -69,16 +81,19 @@ def measure(rank: int, world_size: int, tokens: int, repeats: int) -> dict:
     idx, _, _ = moe.router(x)  # the routing every repeat used (weights are not updated here)
     owner = idx // (MOE.num_experts // world_size)
     off_rank_copies = int((owner != rank).sum())
+    off_node_copies = int((owner // nodes_of != rank // nodes_of).sum())
+    row = MOE.latent_size * x.element_size()
     result = {
         "time": statistics.median(times[1:]),
         "sent_bytes": getattr(dispatcher, "bytes_sent", 0) / (repeats + 1),  # per forward
-        "minimum_bytes": off_rank_copies * MOE.latent_size * x.element_size(),
+        "minimum_bytes": off_rank_copies * row,
         "hidden_bytes": off_rank_copies * D * x.element_size(),
+        "across_nodes": (dispatcher.bytes_across_nodes / (repeats + 1) if by_node else off_node_copies * row),
     }
     if world_size > 1:
-        totals = all_reduce_sum(torch.tensor([result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"]],
-                                             dtype=torch.float64), dist.group.WORLD)
-        result["sent_bytes"], result["minimum_bytes"], result["hidden_bytes"] = totals.tolist()
+        keys = ("sent_bytes", "minimum_bytes", "hidden_bytes", "across_nodes")
+        totals = all_reduce_sum(torch.tensor([result[k] for k in keys], dtype=torch.float64), dist.group.WORLD)
+        result.update(zip(keys, totals.tolist(), strict=True))
         dist.destroy_process_group()
     return result
 
@@ -103,6 +118,12 @@ def main() -> None:
                 f"ratio {r['sent_bytes'] / r['minimum_bytes']:.2f}, hidden-width rows would be "
                 f"{r['hidden_bytes'] / r['sent_bytes']:.2f}x" if ep > 1 else "no exchange")
         print(f"  ep {ep}: {r['time'] * 1e3:8.1f} ms per layer fwd+bwd ({r['time'] / base:.2f}x ep 1)  {wire}")
+    flat, node = (run_distributed(measure, 4, args.tokens, args.repeats, 2, by_node) for by_node in (False, True))
+    tokens = args.tokens * 4
+    print(f"ep 4 as 2 nodes of 2, per token across nodes (dispatch; combine returns as many): flat "
+          f"{flat['across_nodes'] / tokens:7.1f} B, by node {node['across_nodes'] / tokens:7.1f} B, ratio "
+          f"{node['across_nodes'] / flat['across_nodes']:.2f}; time by node / flat {node['time'] / flat['time']:.2f} "
+          f"({node['time'] * 1e3:.1f} / {flat['time'] * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":
