@@ -18,6 +18,7 @@ import torch.distributed as dist
 from moe_pretrain.ops.host_values import split_sizes
 from parallel.collectives import all_to_all_counts, all_to_all_rows
 from parallel.dispatch import DispatchMetadata, LocalTokenDispatcher
+from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,12 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
-    def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int, *, fused: bool = False):
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int, *, fused: bool = False,
+                 fp8: bool = False):
         super().__init__(num_experts, fused=fused)
+        self.fp8 = fp8
+        self.send_rows = all_to_all_rows_fp8 if fp8 else all_to_all_rows
+        """The dispatch's exchange of rows (parallel.dispatch_fp8: as FP8)."""
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = rank
@@ -72,8 +77,8 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         receive_counts = all_to_all_counts(send_counts, self.group)  # [source rank, local expert]
         # all_to_all_single takes its split sizes on the host: the dispatch's one read of the device.
         send_splits, receive_splits = split_sizes(send_counts, receive_counts, sorted_rows.shape[0], self.rank)
-        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * x_TL.shape[1] * x_TL.element_size()
-        received = all_to_all_rows(sorted_rows, receive_splits, send_splits, self.group)
+        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * row_bytes(x_TL, self.fp8)
+        received = self.send_rows(sorted_rows, receive_splits, send_splits, self.group)
         regroup = block_regroup(receive_counts, sum(receive_splits))
         meta = AllToAllMetadata(local_meta, send_splits, receive_splits, regroup)
         return received[regroup], receive_counts.sum(0), meta

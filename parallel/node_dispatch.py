@@ -27,6 +27,7 @@ from moe_pretrain.ops.routing import expert_load
 from parallel.all_to_all_dispatch import block_regroup, inverse_order
 from parallel.collectives import all_to_all_counts, all_to_all_rows, group_size
 from parallel.dispatch import LocalTokenDispatcher
+from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
     order; node_group: the G ranks of this node, in local order)."""
 
     def __init__(self, num_experts: int, rank: int, rail_group: dist.ProcessGroup | None,
-                 node_group: dist.ProcessGroup | None, *, fused: bool = False):
+                 node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False):
         super().__init__(num_experts, fused=fused)
+        self.fp8 = fp8
+        self.send_rows = all_to_all_rows_fp8 if fp8 else all_to_all_rows
+        """The rail exchange of rows (parallel.dispatch_fp8: as FP8; the node exchange stays in their dtype)."""
         self.nodes, self.ranks_per_node = group_size(rail_group), group_size(node_group)
         size = self.nodes * self.ranks_per_node
         if num_experts % size:
@@ -82,7 +86,7 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
                                                     receive_GE.sum(1), num_tokens, k, self.num_experts,
                                                     self.rank)
         sent_rows = sum(rail_splits[0])
-        self.bytes_across_nodes += (sent_rows - rail_splits[0][self.node]) * x_TL.shape[1] * x_TL.element_size()
+        self.bytes_across_nodes += (sent_rows - rail_splits[0][self.node]) * row_bytes(x_TL, self.fp8)
         # 1. rail: row (node b, token t) for every hit, node-major; the token's ids local to node b, or -1.
         pair = torch.argsort((~hits_NT).reshape(-1).to(torch.int8), stable=True)[:sent_rows]
         row_node, token_of_row = pair // num_tokens, pair % num_tokens
@@ -90,7 +94,7 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         on_node = ids // self.experts_per_node == row_node.unsqueeze(1)
         ids_on_node = torch.where(on_node, ids % self.experts_per_node, -1).to(torch.int32)
         rail_out, rail_in = rail_splits[1], rail_splits[0]
-        rows = all_to_all_rows(x_TL[token_of_row], rail_out, rail_in, self.rail_group)
+        rows = self.send_rows(x_TL[token_of_row], rail_out, rail_in, self.rail_group)
         weights = all_to_all_rows(topk_weight[token_of_row], rail_out, rail_in, self.rail_group)
         ids = all_to_all_rows(ids_on_node, rail_out, rail_in, self.rail_group)
         # 2. node: one row per copy, sorted by the node's expert (so by rank of the node, then local expert).

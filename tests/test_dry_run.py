@@ -28,7 +28,8 @@ BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.
 LAYOUTS = {
     "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "optim.name=muon"],
     "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.moe.qb_quantile=exact",
-                        "precision.fp8=tensorwise", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2"],
+                        "precision.fp8=tensorwise", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2",
+                        "parallel.dispatch_fp8=true"],
 }
 WORLD = 8
 PEAK_TOLERANCE = 0.02

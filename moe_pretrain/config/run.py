@@ -31,6 +31,10 @@ class ParallelConfig:
     """How the expert-parallel all-to-alls move tokens: flat (one row per routed copy, straight to its expert's
     rank) or node (once per node holding one of the token's experts, over the NIC, then fanned out inside the
     node; combine sums inside the node before crossing back: parallel/node_dispatch.py)."""
+    dispatch_fp8: bool = False
+    """Send the expert dispatch's rows as FP8 e4m3 in 1 x 128 blocks with fp32 scales (0.52x the bytes of bf16;
+    the rail exchange under expert_dispatch=node), dequantized on arrival; gradients and combine stay in the
+    run's dtype (parallel/fp8_dispatch.py). Off until a GPU has compared it with bf16 dispatch."""
     ranks_per_node: int = 0
     """Ranks sharing a node, for expert_dispatch=node: 0 = the launcher's (torchrun's LOCAL_WORLD_SIZE; the dry
     run's cluster.gpus_per_node). Set it to declare "nodes" of a few processes on one machine."""

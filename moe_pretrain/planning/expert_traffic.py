@@ -6,6 +6,7 @@ import math
 
 from moe_pretrain.config import Config
 from moe_pretrain.planning.tensor_parallel_traffic import ring_share
+from parallel.fp8_dispatch import BLOCK as FP8_BLOCK
 from parallel.node_groups import node_blocks
 
 ID_BYTES = 4
@@ -31,16 +32,19 @@ def expert_exchange_bytes(cfg: Config, ep: int, tokens: float, passes: int, act_
     in one MoE layer: `passes` passes (forward, backward, a re-forward), each moving rows out (dispatch) and
     back (combine). Flat: one latent row per routed copy, group "ep". By node: "ep rail" carries one row per
     node a token reaches, with its k expert ids and routing weights (the ids forward, the weights forward and
-    their gradients back), and "ep node" one row per copy inside the node."""
+    their gradients back), and "ep node" one row per copy inside the node. parallel.dispatch_fp8: the forward
+    passes' dispatch rows (flat's, or the rail's) in FP8 (parallel/fp8_dispatch.py)."""
     m = cfg.model.moe
     row = m.latent_size * act_bytes
+    forward_passes = passes - 1
+    dispatched = m.latent_size + -(-m.latent_size // FP8_BLOCK[1]) * 4 if cfg.parallel.dispatch_fp8 else row
+    per_row = forward_passes * (dispatched + row) + 2 * row  # out and back in each pass, the backward's in bf16
     if cfg.parallel.expert_dispatch == "flat":
-        return {"ep": passes * 2 * ring_share(ep, m.top_k * tokens * row)}
+        return {"ep": ring_share(ep, m.top_k * tokens * per_row)}
     blocks = node_blocks(list(range(ep)), plan_ranks_per_node(cfg))
     nodes, per_node = len(blocks), len(blocks[0])
     rows = tokens * distinct_nodes(m.num_experts, m.top_k, nodes)
     weight = max(4, act_bytes)  # the router's dtype: float32, or the run's float64
-    forward_passes = passes - 1
     metadata = rows * m.top_k * (forward_passes * (ID_BYTES + weight) + weight)
-    return {"ep rail": ring_share(nodes, passes * 2 * rows * row + metadata),
+    return {"ep rail": ring_share(nodes, rows * per_row + metadata),
             "ep node": passes * 2 * ring_share(per_node, m.top_k * tokens * row)}
