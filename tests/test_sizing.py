@@ -1,5 +1,6 @@
 """The parameter / FLOP counter: exact against instantiated models, and the full-size figures."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 
 from moe_pretrain.config import EX_CONFIG, load_config
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.planning.expert_traffic import distinct_nodes, expert_exchange_bytes
 from moe_pretrain.planning.sizing import count, total_parts
 from tests.models import tiny_config
 
@@ -86,3 +88,17 @@ def test_numel_counts_stacked_experts():
     assert router.expert_bias.requires_grad is False
     experts = model.layers["1"].mlp.experts
     assert experts.w_gate.shape == (8, 16, 16) and isinstance(experts.w_gate, torch.nn.Parameter)
+
+
+def test_the_node_dispatch_is_priced_by_the_nodes_a_token_reaches():
+    """distinct_nodes against every routing of 3 of 8 experts over 2 and 4 nodes; at full size the rail
+    exchange's NIC bytes against flat dispatch's (its copies for other nodes)."""
+    for nodes in (2, 4):
+        visits = [len({e // (8 // nodes) for e in chosen}) for chosen in itertools.combinations(range(8), 3)]
+        assert distinct_nodes(8, 3, nodes) == pytest.approx(sum(visits) / len(visits), rel=1e-12)
+    assert distinct_nodes(896, 16, 16) == pytest.approx(10.35, abs=0.01)
+    cfg = load_config("configs/full.yaml")
+    flat = expert_exchange_bytes(cfg, 128, 2048, 3, 2)["ep"] * (1 - 7 / 127)  # 7 of the other 127 share its node
+    node_cfg = load_config("configs/full.yaml", ["parallel.expert_dispatch=node"])
+    by_node = expert_exchange_bytes(node_cfg, 128, 2048, 3, 2)
+    assert by_node["ep rail"] / flat == pytest.approx(10.35 * 15 / 16 / (16 * 120 / 127), rel=0.02)  # 0.64
