@@ -32,10 +32,9 @@ from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
 
 @dataclass(frozen=True)
 class NodeDispatchMetadata:
-    tokens: int
-    """T: this rank's tokens."""
-    token_of_row: torch.Tensor
-    """[U] the local token each row sent over the rail exchange carries."""
+    row_of_token: torch.Tensor
+    """[T, k] the rail row that carries copy j of token t to its node, for the first of a token's copies on
+    each node; U (one past the rows) for the others, whose node's partial is counted once."""
     rail_splits: tuple[list[int], list[int]]
     """(rows sent to each node, rows received from each node) in the rail exchange."""
     node_splits: tuple[list[int], list[int]]
@@ -90,6 +89,11 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         # 1. rail: row (node b, token t) for every hit, node-major; the token's ids local to node b, or -1.
         pair = torch.argsort((~hits_NT).reshape(-1).to(torch.int8), stable=True)[:sent_rows]
         row_node, token_of_row = pair // num_tokens, pair % num_tokens
+        row_of_pair = torch.where(hits_NT, torch.cumsum(hits_NT.reshape(-1), 0).reshape(hits_NT.shape) - 1, sent_rows)
+        row_of_token = row_of_pair.T.gather(1, node_of_copy)
+        same_node = node_of_copy.unsqueeze(2) == node_of_copy.unsqueeze(1)  # [T, k, k]
+        earlier = torch.ones(k, k, dtype=torch.bool, device=topk_idx.device).tril(-1)
+        row_of_token = torch.where((same_node & earlier).any(2), sent_rows, row_of_token)
         ids = topk_idx[token_of_row]
         on_node = ids // self.experts_per_node == row_node.unsqueeze(1)
         ids_on_node = torch.where(on_node, ids % self.experts_per_node, -1).to(torch.int32)
@@ -104,20 +108,19 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         row_of_copy = copy // k
         received = all_to_all_rows(rows[row_of_copy], node_splits[1], node_splits[0], self.node_group)
         regroup = block_regroup(receive_GE, sum(node_splits[1]))
-        meta = NodeDispatchMetadata(num_tokens, token_of_row, rail_splits, node_splits, row_of_copy,
+        meta = NodeDispatchMetadata(row_of_token, rail_splits, node_splits, row_of_copy,
                                     weights.reshape(-1)[copy], regroup)
         return received[regroup], receive_GE.sum(0), meta
 
     def combine(self, y_grouped, meta: NodeDispatchMetadata):
-        """Each copy's output back to its forwarding rank, weighted and summed per row there, the partial rows
-        back over the rails and summed per token (both sums in float32 at least), in y's dtype."""
+        """Each copy's output back to its forwarding rank, weighted and added into its row there (index_add: a
+        row's copies on one node are few), the partial rows back over the rails and summed per token as the
+        local dispatcher sums a token's copies (a gather and a sum, in y's dtype)."""
         copies = all_to_all_rows(y_grouped[inverse_order(meta.regroup)], meta.node_splits[0], meta.node_splits[1],
                                  self.node_group)
-        accumulate = torch.promote_types(y_grouped.dtype, torch.float32)
-        weighted = copies.to(accumulate) * meta.weight_of_copy.to(accumulate).unsqueeze(1)
+        weighted = copies * meta.weight_of_copy.to(copies.dtype).unsqueeze(1)
         partial = weighted.new_zeros(sum(meta.rail_splits[1]), copies.shape[1]).index_add(0, meta.row_of_copy,
                                                                                            weighted)
-        returned = all_to_all_rows(partial.to(y_grouped.dtype), meta.rail_splits[0], meta.rail_splits[1],
-                                   self.rail_group)
-        out = returned.new_zeros(meta.tokens, returned.shape[1], dtype=accumulate)
-        return out.index_add(0, meta.token_of_row, returned.to(accumulate)).to(y_grouped.dtype)
+        returned = all_to_all_rows(partial, meta.rail_splits[0], meta.rail_splits[1], self.rail_group)
+        padded = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])
+        return padded[meta.row_of_token].sum(1)
