@@ -27,6 +27,22 @@ def plan_ranks_per_node(cfg: Config) -> int:
     return cfg.parallel.ranks_per_node or cfg.cluster.gpus_per_node
 
 
+def node_shape(cfg: Config, ep: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of an expert-parallel group of `ep` consecutive ranks on cfg's cluster."""
+    blocks = node_blocks(list(range(ep)), plan_ranks_per_node(cfg))
+    return len(blocks), len(blocks[0])
+
+
+def exchange_buffer_rows(cfg: Config, ep: int, tokens: float) -> float:
+    """Latent rows a MoE layer's dispatch holds at once for `tokens` tokens of its own: the routed copies sent
+    and received (flat), and by node also the rows out and in over the rails (one per node a token reaches)."""
+    m = cfg.model.moe
+    copies = 2 * m.top_k * tokens
+    if cfg.parallel.expert_dispatch == "flat":
+        return copies
+    return copies + 2 * tokens * distinct_nodes(m.num_experts, m.top_k, node_shape(cfg, ep)[0])
+
+
 def expert_exchange_bytes(cfg: Config, ep: int, tokens: float, passes: int, act_bytes: int) -> dict[str, float]:
     """Bytes one GPU of an expert-parallel group of `ep` consecutive ranks sends for `tokens` tokens of its own
     in one MoE layer: `passes` passes (forward, backward, a re-forward), each moving rows out (dispatch) and
@@ -41,8 +57,7 @@ def expert_exchange_bytes(cfg: Config, ep: int, tokens: float, passes: int, act_
     per_row = forward_passes * (dispatched + row) + 2 * row  # out and back in each pass, the backward's in bf16
     if cfg.parallel.expert_dispatch == "flat":
         return {"ep": ring_share(ep, m.top_k * tokens * per_row)}
-    blocks = node_blocks(list(range(ep)), plan_ranks_per_node(cfg))
-    nodes, per_node = len(blocks), len(blocks[0])
+    nodes, per_node = node_shape(cfg, ep)
     rows = tokens * distinct_nodes(m.num_experts, m.top_k, nodes)
     weight = max(4, act_bytes)  # the router's dtype: float32, or the run's float64
     metadata = rows * m.top_k * (forward_passes * (ID_BYTES + weight) + weight)

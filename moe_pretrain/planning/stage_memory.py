@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from moe_pretrain.config import Config, StageConfig
 from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
-from moe_pretrain.planning.expert_traffic import expert_exchange_bytes
+from moe_pretrain.planning.expert_traffic import exchange_buffer_rows, expert_exchange_bytes
 from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
 from moe_pretrain.planning.rank_state import PARAM_BYTES, parameter_shapes, stage_state_bytes
 from moe_pretrain.planning.sizing import StageDocuments, stage_flops_per_token
@@ -174,7 +174,7 @@ class MemoryPlanner:
             moe_layers = [i for i in layers if m.is_moe_layer(i)]
             buffers = 0.0
             if run.ep > 1 and moe_layers:
-                buffers += 2 * m.moe.top_k * tokens / run.tp * m.moe.latent_size * act_bytes
+                buffers += exchange_buffer_rows(cfg, run.ep, tokens / run.tp) * m.moe.latent_size * act_bytes
             if layout.cp > 1 and any(m.layer_kind(i) == "mla" for i in layers):
                 a = m.mla
                 qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads / run.tp
