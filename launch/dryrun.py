@@ -50,13 +50,15 @@ def print_trace(trace: dict) -> None:
     print(f"  {trace['flops'] / 1e12:.4g} TFLOP in {trace['launches']} kernel launches")
     for group, (calls, size) in trace["collectives"].items():
         print(f"  {group:>8s}: {calls:5d} collectives, {size / GB:.4g} GB, "
-              f"{trace['collective_s'].get(group, 0.0) * 1e3:.3g} ms on the fabric")
+              f"{trace['collective_s'].get(group, 0.0) * 1e3:.3g} ms on the fabric, "
+              f"{trace['exposed_s'].get(group, 0.0) * 1e3:.3g} ms of it exposed")
     for site, size in trace["collective_sites"].items():
         print(f"    {size / GB:8.3f} GB by {site}")
     for name, size in list(trace["bytes_by_op"].items())[:8]:
         print(f"    {size / GB:8.1f} GB read and written by {name}")
     print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
-          f"{trace['bytes_moved'] / GB:.4g} GB moved), MFU {trace['mfu']:.1%}")
+          f"{trace['bytes_moved'] / GB:.4g} GB moved; collectives the compute waits for "
+          f"{sum(trace['exposed_s'].values()):.4g} s), MFU {trace['mfu']:.1%}")
     for site, n in trace["host_reads"].items():
         print(f"  host read: {n} x {site}")
 

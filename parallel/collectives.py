@@ -47,16 +47,34 @@ def inside_backend() -> bool:
     return getattr(_BACKEND, "depth", 0) > 0
 
 
+_WATCHERS: list = []
+"""Meters told when an asynchronous collective starts and when it is waited for (planning/timeline.py)."""
+
+
+@contextlib.contextmanager
+def watching_waits(watcher) -> Iterator[None]:
+    """Within the block, watcher.started() is called as each Pending is made (its result: a token) and
+    watcher.waited(token) as it is waited for."""
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(watcher)
+
+
 class Pending:
     """A started collective: wait() before reading its output (its backend's ops on completion are marked
     as the backend's: backend_ops)."""
 
     def __init__(self, work: dist.Work):
         self.work = work
+        self.watched = [(watcher, watcher.started()) for watcher in _WATCHERS]
 
     def wait(self) -> None:
         with backend_ops():
             self.work.wait()
+        for watcher, token in self.watched:
+            watcher.waited(token)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -160,18 +160,18 @@ def test_collectives_take_the_link_they_cross_and_only_the_optimizers_overlap():
 
 def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_bubble():
     """launch.plan --traces: a dry run of the step's first 2 micro-batches priced for the stage's 8: compute and
-    the per-micro-batch collectives 4 times, the optimizer's once (hidden behind 2/3 of the compute as far as
-    it lasts), then the 1F1B bubble of pp 2 (one micro-batch slot in 8)."""
+    the waits for per-micro-batch collectives 4 times, the waits for the optimizer's once, then the 1F1B bubble
+    of pp 2 (one micro-batch slot in 8)."""
     from moe_pretrain.planning.plan_step_time import traced_stage_step
     from moe_pretrain.planning.stage_memory import StageLayout
     from moe_pretrain.planning.step_time import GPUS
 
     cfg = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml"])
     stage, gpu = cfg.stages[0], GPUS["h200"]
-    traces = [{"micro_batches": 2, "compute_s": 1.0, "collective_s": {"ep": 0.5, "dp": 3.0}},
-              {"micro_batches": 2, "compute_s": 0.5, "collective_s": {}}]
+    traces = [{"micro_batches": 2, "compute_s": 1.0, "exposed_s": {"ep": 0.5, "dp": 0.25}},
+              {"micro_batches": 2, "compute_s": 0.5, "exposed_s": {}}]
     step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), traces, gpu)
-    slowest = 4.0 + 2.0 + (3.0 - 2 / 3 * 4.0)
+    slowest = 4.0 + 2.0 + 0.25
     assert step.rank_step_s == pytest.approx([slowest, 2.0])
     assert step.step_s == pytest.approx(slowest * (1 + 1 / 8))
     assert step.days == pytest.approx(stage.steps * step.step_s / 86400)

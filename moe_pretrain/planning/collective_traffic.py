@@ -20,6 +20,7 @@ from moe_pretrain.config import ClusterConfig
 from moe_pretrain.planning.host_reads import project_site
 from moe_pretrain.planning.op_census import tensor_bytes as _bytes
 from moe_pretrain.planning.step_time import collective_seconds, sent_share
+from moe_pretrain.planning.timeline import Timeline
 
 _PLANNING = str(Path(__file__).resolve().parent) + "/"
 _COLLECTIVES = str(Path(__file__).resolve().parents[2] / "parallel" / "collectives.py")
@@ -41,8 +42,11 @@ class CollectiveTraffic(TorchDispatchMode):
     """with CollectiveTraffic({"tp": tp_group, ...}) as traffic: ... ; traffic.calls / traffic.bytes, Counters
     keyed by (group name, op). A group not named is listed by its size ('world of 8', 'group of 2')."""
 
-    def __init__(self, groups: dict[str, dist.ProcessGroup | None]):
+    def __init__(self, groups: dict[str, dist.ProcessGroup | None], cluster: ClusterConfig | None = None,
+                 timeline: Timeline | None = None):
+        """cluster, timeline: each collective's time on the cluster's links told to the timeline as issued."""
         super().__init__()
+        self.cluster, self.timeline = cluster, timeline
         self._names: dict[str, str] = {}
         self.ranks: dict[str, list[int]] = {}
         """Each group's global ranks, by name."""
@@ -98,6 +102,9 @@ class CollectiveTraffic(TorchDispatchMode):
             self.calls[key] += 1
             self.bytes[key] += payload
             self.bytes_by_site[(*key, project_site((_PLANNING, _COLLECTIVES)))] += payload
+            if self.timeline is not None:
+                self.timeline.issue(key[0], collective_seconds(name, payload, self.ranks.get(key[0], []),
+                                                               self.cluster))
         return func(*args, **(kwargs or {}))
 
 

@@ -36,9 +36,11 @@ from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
 from moe_pretrain.planning.peak_sites import PeakSites
 from moe_pretrain.planning.sizing import count
-from moe_pretrain.planning.step_time import GPUS, GpuSpec, predict
+from moe_pretrain.planning.step_time import GPUS, GpuSpec
+from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.parallelize import DTYPES
+from parallel.collectives import watching_waits
 from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
 
 log = logging.getLogger(__name__)
@@ -97,8 +99,10 @@ class StepTrace:
     """The launches' roofline time on the target GPU (planning/step_time.py)."""
     collective_s: dict[str, float] = field(default_factory=dict)
     """Per group, its collectives' time on the target fabric."""
+    exposed_s: dict[str, float] = field(default_factory=dict)
+    """Per group, the time the compute waited for its collectives on the step's timeline (planning/timeline.py)."""
     step_s: float = 0.0
-    """The predicted step time: compute plus the collectives' time not hidden behind it."""
+    """The predicted step time: compute plus the collectives' time not hidden behind it (exposed_s)."""
     mfu: float = 0.0
     """Model FLOPs per GPU (sizing.py's, without recomputation) over step_s x the GPU's peak."""
     seconds: float = 0.0
@@ -165,15 +169,17 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         plan = trainer.step_plan()
         log.info(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s; stage {plan.stage}'s first step "
                  f"({plan.micro_batches} micro-batches of {plan.rows // plan.micro_batches} x {plan.seq_len} tokens)")
-        with fake or contextlib.nullcontext(), host, OpCensus(gpu) as ops, \
-                CollectiveTraffic(named_groups(ctx)) as traffic, HostReads() as reads:
+        timeline = Timeline()
+        with fake or contextlib.nullcontext(), host, OpCensus(gpu, timeline) as ops, \
+                CollectiveTraffic(named_groups(ctx), cfg.cluster, timeline) as traffic, HostReads() as reads, \
+                watching_waits(timeline):
             trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
     optimizer = trainer.optimizer
     collective_s = traffic.seconds(cfg.cluster)
     model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
-    predicted = predict(ops.roofline_s, collective_s, model_flops, gpu)
+    step_s = timeline.finish(plan.micro_batches)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank, fast_paths(trainer.model),
                      plan.micro_batches, build_peak, state, live.peak,
                      live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
@@ -185,8 +191,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
-                     ops.bytes_moved, ops.roofline_s, collective_s, predicted.step_s, predicted.mfu,
-                     time.perf_counter() - start)
+                     ops.bytes_moved, ops.roofline_s, collective_s, dict(sorted(timeline.exposed_s.items())),
+                     step_s, model_flops / (step_s * gpu.peak_flops), time.perf_counter() - start)
 
 
 def dry_run(cfg: Config, world_size: int, rank: int, stage: int = 0, gpu: GpuSpec = GPUS["h200"],

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from moe_pretrain.planning.step_time import GpuSpec
+from moe_pretrain.planning.timeline import Timeline
 from parallel.collectives import inside_backend
 
 
@@ -64,10 +65,11 @@ _NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", 
 class OpCensus(TorchDispatchMode):
     """with OpCensus() as ops: ... ; ops.flops, ops.launches, and each by aten op name (Counters)."""
 
-    def __init__(self, gpu: GpuSpec | None = None):
-        """gpu: the target whose roofline bounds each launch's time (roofline_s)."""
+    def __init__(self, gpu: GpuSpec | None = None, timeline: Timeline | None = None):
+        """gpu: the target whose roofline bounds each launch's time (roofline_s), each told to `timeline`."""
         super().__init__()
         self.gpu = gpu
+        self.timeline = timeline
         self.roofline_s = 0.0
         self.bytes_moved = 0
         """Bytes the launches read and write (their tensor arguments and results)."""
@@ -103,5 +105,8 @@ class OpCensus(TorchDispatchMode):
             self.bytes_moved += moved
             self.bytes_by_op[name] += moved
             if self.gpu is not None:
-                self.roofline_s += max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
+                seconds = max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
+                self.roofline_s += seconds
+                if self.timeline is not None:
+                    self.timeline.compute(seconds)
         return out

@@ -100,13 +100,12 @@ def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageL
 def traced_stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, traces: list[dict],
                       gpu: GpuSpec) -> PlannedStep:
     """The stage's step from dry-run traces of some of its ranks (launch.dryrun's JSON; each of the step's
-    first trace["micro_batches"]): each rank's compute and its per-micro-batch collectives scale to the
-    stage's micro-batches, the optimizer's (OVERLAPPED_GROUPS) happen once a step; the slowest traced rank
-    sets the pace."""
+    first trace["micro_batches"]): each rank's compute and the time it waited for its per-micro-batch
+    collectives (its timeline's exposed_s) scale to the stage's micro-batches, the optimizer's
+    (OVERLAPPED_GROUPS) happen once a step; the slowest traced rank sets the pace."""
     times = []
     for trace in traces:
         scale = layout.micro_batches / trace["micro_batches"]
-        collective_s = {group: t if group in OVERLAPPED_GROUPS else t * scale
-                        for group, t in trace["collective_s"].items()}
-        times.append(predict(trace["compute_s"] * scale, collective_s, 0.0, gpu).step_s)
+        exposed = sum(t if group in OVERLAPPED_GROUPS else t * scale for group, t in trace["exposed_s"].items())
+        times.append(trace["compute_s"] * scale + exposed)
     return _stage_step(cfg, run, stage, layout, times, gpu)

@@ -6,10 +6,12 @@ ops run one after another on one stream. Communication: each collective's payloa
 all-to-all sends of it per GPU ((n - 1) / n of a gathered or scattered tensor, twice that for an
 all-reduce), over the link it crosses: NVLink when every rank of its group shares a node, else the NIC (an
 all-to-all sends the share meant for its own node's GPUs over NVLink, the rest over the NIC, at once).
-Overlap: the data-parallel groups' traffic (the sharded optimizer's bucketed reduce-scatters, started
-during the last backward, and its parameter all-gathers) is hidden behind the backward's compute, two
-thirds of the step's, as far as that lasts; every other collective (tensor parallel, the experts'
-all-to-alls, pipeline sends) waits in line with the compute that needs its result. A pipeline's step adds
+Overlap, in the plan (predict): the data-parallel groups' traffic (the sharded optimizer's bucketed
+reduce-scatters, started during the last backward, and its parameter all-gathers) is hidden behind the
+backward's compute, two thirds of the step's, as far as that lasts; every other collective (tensor
+parallel, the experts' all-to-alls, pipeline sends) waits in line with the compute that needs its result.
+The dry run does not assume this: it lays its step out on a timeline (planning/timeline.py), where a
+collective hides only behind compute issued while it is in flight. A pipeline's step adds
 its schedule's bubble to its slowest rank's time (pipeline_step_seconds). What this cannot tell: kernels'
 real efficiency (the roofline is a bound), contention, stragglers.
 """
