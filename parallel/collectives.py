@@ -157,6 +157,80 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+class RowExchange:
+    """An all-to-all of rows in flight (start_rows / finish_rows)."""
+
+    def __init__(self, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
+        self.output_splits, self.input_splits, self.group = output_splits, input_splits, group
+        self.pending: Pending | None = None
+        self.grad: torch.Tensor | None = None
+        """The gradient's exchange back, once the backward has started it..."""
+        self.grad_pending: Pending | None = None
+        """...and its work."""
+
+
+def _start_all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group: dist.ProcessGroup) -> Pending:
+    with backend_ops():
+        return Pending(dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group,
+                                              async_op=True))
+
+
+class _StartRows(torch.autograd.Function):
+    """Starts the rows' exchange; its backward waits for the gradients' exchange that _FinishRows' started."""
+
+    @staticmethod
+    def forward(ctx, x, exchange):
+        ctx.exchange = exchange
+        out = x.new_empty(sum(exchange.output_splits), *x.shape[1:])
+        exchange.pending = _start_all_to_all(out, x, exchange.output_splits, exchange.input_splits, exchange.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.exchange.grad_pending.wait()
+        return ctx.exchange.grad, None
+
+
+class _FinishRows(torch.autograd.Function):
+    """Waits for the rows' exchange; its backward starts the gradients' exchange back and returns its buffer,
+    which _StartRows' backward waits for."""
+
+    @staticmethod
+    def forward(ctx, out, exchange):
+        ctx.exchange = exchange
+        exchange.pending.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        exchange = ctx.exchange
+        exchange.grad = grad.new_empty(sum(exchange.input_splits), *grad.shape[1:])
+        exchange.grad_pending = _start_all_to_all(exchange.grad, grad, exchange.input_splits,
+                                                  exchange.output_splits, exchange.group)
+        return exchange.grad, None
+
+
+def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None
+               ) -> tuple[torch.Tensor, RowExchange | None]:
+    """all_to_all_rows started and not waited for: (its output, not to be read before finish_rows, the exchange).
+    Differentiable: the backward starts the gradients' exchange where the forward finished and waits for it
+    where the forward started, so what runs between the two in either direction hides it. A group of one
+    returns (x, None)."""
+    check_devices(group, [x], "start_rows")
+    if group_size(group) == 1:
+        return x, None
+    exchange = RowExchange(output_splits, input_splits, group)
+    return _StartRows.apply(x, exchange), exchange
+
+
+def finish_rows(out: torch.Tensor, exchange: RowExchange | None) -> torch.Tensor:
+    """Wait for start_rows' exchange: its rows, now readable."""
+    if exchange is None:
+        return out
+    return _FinishRows.apply(out, exchange)
+
+
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """counts [size, n]: row r goes to rank r; returns [size, n] whose row r came from rank r (no grad)."""
     check_devices(group, [counts], "all_to_all_counts")

@@ -19,12 +19,14 @@ from parallel.collectives import (
     all_reduce_sum,
     all_to_all_counts,
     all_to_all_rows,
+    finish_rows,
     gather_from_sequence_parallel,
     gather_objects,
     reduce_scatter_into_async,
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
     served_devices,
+    start_rows,
 )
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
@@ -81,6 +83,17 @@ def collectives_worker(rank, world_size):
         assert torch.equal(got.squeeze(1), expected)
         (got * got).sum().backward()
         assert torch.equal(rows.grad, 2 * rows.detach())
+
+        # The same exchange twice in flight at once, each finished after the other's start, with work between:
+        # the same rows, and gradients that come home through both.
+        twice = rows.detach().clone().requires_grad_()
+        first, first_exchange = start_rows(twice, receive, send, group)
+        second, second_exchange = start_rows(twice * 3, receive, send, group)
+        between = (twice * 2).sum()
+        got_first, got_second = finish_rows(first, first_exchange), finish_rows(second, second_exchange)
+        assert torch.equal(got_first, got) and torch.equal(got_second, 3 * got)
+        ((got_first * got_first).sum() + got_second.sum() + between).backward()
+        assert torch.equal(twice.grad, 2 * rows.detach() + 3 + 2)
 
         # vocab-parallel cross-entropy against F.cross_entropy on the whole vocabulary.
         V = 6 * world_size
