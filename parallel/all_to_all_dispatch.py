@@ -3,34 +3,23 @@
 Shape legend: T local tokens, k experts per token, L latent width, E experts, ep ranks with
 E_local = E / ep contiguous experts each (rank r owns experts [r * E_local, (r + 1) * E_local)).
 
-dispatch: sort the T * k routed copies by global expert (which is also by destination rank) ->
-exchange the per-expert counts -> all_to_all_single the latent rows with uneven splits -> regroup the
-received blocks from (source rank, local expert) order into local-expert order.
-combine: undo the regrouping -> reverse all-to-all -> weighted sum per token (the local reference).
-Only latent-width rows travel, and ranks or experts that receive nothing simply get empty blocks.
+exchange: sort the T * k routed copies by global expert (which is also by destination rank) -> exchange the
+per-expert counts -> all_to_all_single the latent rows with uneven splits -> regroup the received blocks
+from (source rank, local expert) order into local-expert order -> the experts -> undo the regrouping ->
+reverse all-to-all -> weighted sum per token (the local reference's combine). Only latent-width rows travel,
+and ranks or experts that receive nothing simply get empty blocks. The tokens may run in chunks whose
+exchanges overlap each other's experts (chunk_pipeline.py).
 """
 
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moe_pretrain.ops.host_values import split_sizes
-from parallel.collectives import all_to_all_counts, all_to_all_rows
-from parallel.dispatch import DispatchMetadata, LocalTokenDispatcher
+from parallel.chunk_pipeline import run_interleaved
+from parallel.collectives import all_to_all_counts, finish_rows, start_rows
+from parallel.dispatch import DispatchMetadata, Experts, LocalTokenDispatcher
 from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
-
-
-@dataclass(frozen=True)
-class AllToAllMetadata:
-    local: DispatchMetadata
-    """The sort of this rank's copies by global expert (undone last, as on one process)."""
-    send_splits: list[int]
-    """Rows sent to each rank."""
-    receive_splits: list[int]
-    """Rows received from each rank."""
-    regroup: torch.Tensor
-    """[R] received-row index of each row in local-expert order."""
 
 
 def block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
@@ -56,11 +45,8 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
     def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int, *, fused: bool = False,
-                 fp8: bool = False):
+                 fp8: bool = False, chunks: int = 1):
         super().__init__(num_experts, fused=fused)
-        self.fp8 = fp8
-        self.send_rows = all_to_all_rows_fp8 if fp8 else all_to_all_rows
-        """The dispatch's exchange of rows (parallel.dispatch_fp8: as FP8)."""
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = rank
@@ -68,22 +54,43 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
             raise ValueError(f"{num_experts} experts cannot be split over {self.size} expert-parallel ranks")
         self.num_local_experts = num_experts // self.size
         self.first_local_expert = rank * self.num_local_experts
+        self.fp8 = fp8
+        """The dispatch's rows as FP8 (parallel.dispatch_fp8), exchanged synchronously."""
+        self.chunks = chunks
+        """The tokens' chunks run as a pipeline (parallel.dispatch_chunks: chunk_pipeline.py)."""
         self.bytes_sent = 0
         """Latent-row bytes this rank sent to other ranks in dispatch (for bench/dispatch.py)."""
 
-    def dispatch(self, x_TL, topk_idx, topk_weight):
-        sorted_rows, counts_E, local_meta = super().dispatch(x_TL, topk_idx, topk_weight)
-        send_counts = counts_E.reshape(self.size, self.num_local_experts)
-        receive_counts = all_to_all_counts(send_counts, self.group)  # [source rank, local expert]
-        # all_to_all_single takes its split sizes on the host: the dispatch's one read of the device.
-        send_splits, receive_splits = split_sizes(send_counts, receive_counts, sorted_rows.shape[0], self.rank)
-        self.bytes_sent += (sum(send_splits) - send_splits[self.rank]) * row_bytes(x_TL, self.fp8)
-        received = self.send_rows(sorted_rows, receive_splits, send_splits, self.group)
-        regroup = block_regroup(receive_counts, sum(receive_splits))
-        meta = AllToAllMetadata(local_meta, send_splits, receive_splits, regroup)
-        return received[regroup], receive_counts.sum(0), meta
+    def exchange(self, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: Experts
+                 ) -> torch.Tensor:
+        parts = [LocalTokenDispatcher.dispatch(self, *part) for part in
+                 zip(*(t.tensor_split(self.chunks) for t in (x_TL, topk_idx, topk_weight)), strict=True)]
+        send = torch.stack([counts.reshape(self.size, self.num_local_experts) for _, counts, _ in parts])
+        # Every chunk's counts in one exchange and its split sizes in one read of the device: [chunk, rank, expert]
+        receive = all_to_all_counts(send.transpose(0, 1).reshape(self.size, -1), self.group)
+        receive = receive.reshape(self.size, self.chunks, -1).transpose(0, 1)
+        splits = split_sizes(send, receive, [rows.shape[0] for rows, _, _ in parts], self.rank)
+        row = row_bytes(x_TL, self.fp8)
+        self.bytes_sent += sum(sum(out) - out[self.rank] for out, _ in splits) * row
+        outputs: list[torch.Tensor | None] = [None] * self.chunks
+        run_interleaved(self._chunk(c, rows, local, receive[c], splits[c], experts, outputs)
+                        for c, (rows, _, local) in enumerate(parts))
+        return torch.cat(outputs)
 
-    def combine(self, y_grouped, meta):
-        returned = all_to_all_rows(y_grouped[inverse_order(meta.regroup)], meta.send_splits, meta.receive_splits,
-                                   self.group)
-        return super().combine(returned, meta.local)
+    def _chunk(self, c: int, sorted_rows: torch.Tensor, local: DispatchMetadata, receive_SE: torch.Tensor,
+               splits: tuple[list[int], list[int]], experts: Experts, outputs: list[torch.Tensor | None]):
+        """One chunk: its rows out to their experts' ranks, the experts, their outputs back (a generator that
+        yields with each exchange in flight)."""
+        send_splits, receive_splits = splits
+        if self.fp8:
+            received = all_to_all_rows_fp8(sorted_rows, receive_splits, send_splits, self.group)
+            yield
+        else:
+            out, flight = start_rows(sorted_rows, receive_splits, send_splits, self.group)
+            yield
+            received = finish_rows(out, flight)
+        regroup = block_regroup(receive_SE, sum(receive_splits))
+        y = experts(received[regroup], receive_SE.sum(0))
+        back, flight = start_rows(y[inverse_order(regroup)], send_splits, receive_splits, self.group)
+        yield
+        outputs[c] = LocalTokenDispatcher.combine(self, finish_rows(back, flight), local)

@@ -177,7 +177,8 @@ def _start_all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[in
 
 
 class _StartRows(torch.autograd.Function):
-    """Starts the rows' exchange; its backward waits for the gradients' exchange that _FinishRows' started."""
+    """Starts the rows' exchange; its backward waits for the gradients' exchange that _FinishRows' started
+    (the gradient it is handed is the received rows', which that exchange has already taken)."""
 
     @staticmethod
     def forward(ctx, x, exchange):
@@ -188,18 +189,21 @@ class _StartRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.exchange.grad_pending.wait()
-        return ctx.exchange.grad, None
+        exchange = ctx.exchange
+        exchange.grad_pending.wait()
+        received, exchange.grad, exchange.grad_pending = exchange.grad, None, None  # a work holds its tensors
+        return received, None
 
 
 class _FinishRows(torch.autograd.Function):
-    """Waits for the rows' exchange; its backward starts the gradients' exchange back and returns its buffer,
-    which _StartRows' backward waits for."""
+    """Waits for the rows' exchange; its backward starts the gradients' exchange back, which _StartRows'
+    backward waits for, and hands its own gradient on only to keep the two connected."""
 
     @staticmethod
     def forward(ctx, out, exchange):
         ctx.exchange = exchange
         exchange.pending.wait()
+        exchange.pending = None  # a backend's work holds its tensors until it is dropped
         return out.view_as(out)
 
     @staticmethod
@@ -208,7 +212,7 @@ class _FinishRows(torch.autograd.Function):
         exchange.grad = grad.new_empty(sum(exchange.input_splits), *grad.shape[1:])
         exchange.grad_pending = _start_all_to_all(exchange.grad, grad, exchange.input_splits,
                                                   exchange.output_splits, exchange.group)
-        return exchange.grad, None
+        return grad, None
 
 
 def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None

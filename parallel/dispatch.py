@@ -1,17 +1,22 @@
 """Expert token dispatch: the interface and its single-process reference (STYLE.md rule 3).
 
 Shape legend: T tokens, k experts per token, L latent width, E experts (E_local on this rank).
-dispatch() groups the routed copies of tokens by expert; combine() undoes the grouping and applies
-the routing weights. The expert-parallel all-to-all dispatcher subclasses this and moves the grouped
-rows between ranks in between; the local one is the reference it is tested against.
+exchange() runs each token through its experts: dispatch() groups the routed copies of tokens by expert,
+the experts compute, combine() undoes the grouping and applies the routing weights. The expert-parallel
+dispatchers subclass this and move the grouped rows between ranks on the way; the local one is the
+reference they are tested against.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from moe_pretrain.ops.permute import permute, unpermute
 from moe_pretrain.ops.routing import expert_load
+
+Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""experts(rows grouped by local expert [R, L], rows per local expert [E_local]) -> their outputs [R, L]."""
 
 
 @dataclass(frozen=True)
@@ -50,3 +55,10 @@ class LocalTokenDispatcher:
     def combine(self, y_grouped: torch.Tensor, meta: DispatchMetadata) -> torch.Tensor:
         """Weighted sum of each token's expert outputs -> [T, L] in y's dtype."""
         return unpermute(y_grouped, meta.positions, meta.weights, fused=self.fused)
+
+    def exchange(self, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: Experts
+                 ) -> torch.Tensor:
+        """Each token through its k experts and back, weighted and summed -> [T, L] (the expert-parallel
+        dispatchers move the rows between ranks on the way)."""
+        grouped, counts, meta = self.dispatch(x_TL, topk_idx, topk_weight)
+        return self.combine(experts(grouped, counts), meta)

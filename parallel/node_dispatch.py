@@ -17,34 +17,16 @@ exchange returns those partials, which the token's own rank adds up. The weights
 gradient flows back through the rail exchange. Every exchange's split sizes come from one host read.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from moe_pretrain.ops.host_values import node_split_sizes
 from moe_pretrain.ops.routing import expert_load
 from parallel.all_to_all_dispatch import block_regroup, inverse_order
-from parallel.collectives import all_to_all_counts, all_to_all_rows, group_size
-from parallel.dispatch import LocalTokenDispatcher
+from parallel.chunk_pipeline import run_interleaved
+from parallel.collectives import all_to_all_counts, all_to_all_rows, finish_rows, group_size, start_rows
+from parallel.dispatch import Experts, LocalTokenDispatcher
 from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
-
-
-@dataclass(frozen=True)
-class NodeDispatchMetadata:
-    row_of_token: torch.Tensor
-    """[T, k] the rail row that carries copy j of token t to its node, for the first of a token's copies on
-    each node; U (one past the rows) for the others, whose node's partial is counted once."""
-    rail_splits: tuple[list[int], list[int]]
-    """(rows sent to each node, rows received from each node) in the rail exchange."""
-    node_splits: tuple[list[int], list[int]]
-    """(copies sent to each rank of the node, copies received from each) in the node exchange."""
-    row_of_copy: torch.Tensor
-    """[V] the rail-received row each copy this rank forwarded belongs to."""
-    weight_of_copy: torch.Tensor
-    """[V] that copy's routing weight."""
-    regroup: torch.Tensor
-    """[R] node-received row index of each row in local-expert order."""
 
 
 class NodeTokenDispatcher(LocalTokenDispatcher):
@@ -52,11 +34,13 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
     order; node_group: the G ranks of this node, in local order)."""
 
     def __init__(self, num_experts: int, rank: int, rail_group: dist.ProcessGroup | None,
-                 node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False):
+                 node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False, chunks: int = 1):
         super().__init__(num_experts, fused=fused)
         self.fp8 = fp8
-        self.send_rows = all_to_all_rows_fp8 if fp8 else all_to_all_rows
-        """The rail exchange of rows (parallel.dispatch_fp8: as FP8; the node exchange stays in their dtype)."""
+        """The rail exchange's rows as FP8 (parallel.dispatch_fp8), exchanged synchronously; the node exchange's
+        stay in their dtype."""
+        self.chunks = chunks
+        """The tokens' chunks run as a pipeline (parallel.dispatch_chunks: chunk_pipeline.py)."""
         self.nodes, self.ranks_per_node = group_size(rail_group), group_size(node_group)
         size = self.nodes * self.ranks_per_node
         if num_experts % size:
@@ -70,57 +54,85 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         self.bytes_across_nodes = 0
         """Row bytes this rank sent to other nodes in dispatch (combine returns as many): bench/dispatch.py."""
 
-    def dispatch(self, x_TL, topk_idx, topk_weight):
+    def exchange(self, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: Experts
+                 ) -> torch.Tensor:
+        k = topk_idx.shape[1]
+        parts = list(zip(*(t.tensor_split(self.chunks) for t in (x_TL, topk_idx, topk_weight)), strict=True))
+        hits = [self._nodes_reached(idx) for _, idx, _ in parts]  # [N, T_c] each
+        # Counts both exchanges of every chunk need, exchanged on the device before the one host read: rows per
+        # node, and copies per expert of each node (which the forwarding ranks sum into what they send on).
+        copies = torch.stack([expert_load(idx, self.num_experts).reshape(self.nodes, -1) for _, idx, _ in parts])
+        rail_send = torch.stack([h.sum(1) for h in hits])  # [C, N]
+        rail = all_to_all_counts(torch.cat([rail_send.unsqueeze(2), copies], 2).transpose(0, 1).reshape(
+            self.nodes, -1), self.rail_group).reshape(self.nodes, self.chunks, -1).transpose(0, 1)
+        forward_CGE = rail[:, :, 1:].sum(1).reshape(self.chunks, self.ranks_per_node, self.num_local_experts)
+        receive_CGE = all_to_all_counts(forward_CGE.transpose(0, 1).reshape(self.ranks_per_node, -1),
+                                        self.node_group)
+        receive_CGE = receive_CGE.reshape(self.ranks_per_node, self.chunks, -1).transpose(0, 1)
+        splits = node_split_sizes(rail_send, rail[:, :, 0], forward_CGE.sum(2), receive_CGE.sum(2),
+                                  [idx.shape[0] for _, idx, _ in parts], k, self.num_experts, self.rank)
+        row = row_bytes(x_TL, self.fp8)
+        self.bytes_across_nodes += sum(sum(rail_out) - rail_out[self.node] for (rail_out, _), _ in splits) * row
+        outputs: list[torch.Tensor | None] = [None] * self.chunks
+        run_interleaved(self._chunk(c, *part, hits[c], receive_CGE[c], *splits[c], experts, outputs)
+                        for c, part in enumerate(parts))
+        return torch.cat(outputs)
+
+    def _nodes_reached(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """[N, T]: whether token t has an expert on node n."""
+        num_tokens, k = topk_idx.shape
+        hits_NT = torch.zeros(self.nodes, num_tokens, dtype=torch.bool, device=topk_idx.device)
+        node_of_copy = topk_idx // self.experts_per_node
+        hits_NT[node_of_copy.T.reshape(-1), torch.arange(num_tokens, device=topk_idx.device).repeat(k)] = True
+        return hits_NT
+
+    def _chunk(self, c: int, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+               hits_NT: torch.Tensor, receive_GE: torch.Tensor, rail_splits: tuple[list[int], list[int]],
+               node_splits: tuple[list[int], list[int]], experts: Experts, outputs: list[torch.Tensor | None]):
+        """One chunk of tokens through both exchanges to its experts and back (a generator that yields with
+        each exchange of rows in flight)."""
         num_tokens, k = topk_idx.shape
         node_of_copy = topk_idx // self.experts_per_node
-        hits_NT = torch.zeros(self.nodes, num_tokens, dtype=torch.bool, device=topk_idx.device)
-        hits_NT[node_of_copy.T.reshape(-1), torch.arange(num_tokens, device=topk_idx.device).repeat(k)] = True
-        # Counts both exchanges need, exchanged on the device before the one host read: rows per node, and
-        # copies per expert of each node (which the forwarding ranks sum into what they send on).
-        copies_NE = expert_load(topk_idx, self.num_experts).reshape(self.nodes, -1)
-        rail_counts = all_to_all_counts(torch.cat([hits_NT.sum(1, keepdim=True), copies_NE], 1), self.rail_group)
-        forward_GE = rail_counts[:, 1:].sum(0).reshape(self.ranks_per_node, self.num_local_experts)
-        receive_GE = all_to_all_counts(forward_GE, self.node_group)  # [source rank of the node, local expert]
-        rail_splits, node_splits = node_split_sizes(hits_NT.sum(1), rail_counts[:, 0], forward_GE.sum(1),
-                                                    receive_GE.sum(1), num_tokens, k, self.num_experts,
-                                                    self.rank)
         sent_rows = sum(rail_splits[0])
-        self.bytes_across_nodes += (sent_rows - rail_splits[0][self.node]) * row_bytes(x_TL, self.fp8)
         # 1. rail: row (node b, token t) for every hit, node-major; the token's ids local to node b, or -1.
         pair = torch.argsort((~hits_NT).reshape(-1).to(torch.int8), stable=True)[:sent_rows]
         row_node, token_of_row = pair // num_tokens, pair % num_tokens
+        ids = topk_idx[token_of_row]
+        on_node = ids // self.experts_per_node == row_node.unsqueeze(1)
+        ids_on_node = torch.where(on_node, ids % self.experts_per_node, -1).to(torch.int32)
+        rail_receive, rail_send = rail_splits[1], rail_splits[0]
+        weights = all_to_all_rows(topk_weight[token_of_row], rail_receive, rail_send, self.rail_group)
+        ids = all_to_all_rows(ids_on_node, rail_receive, rail_send, self.rail_group)
+        if self.fp8:
+            rows = all_to_all_rows_fp8(x_TL[token_of_row], rail_receive, rail_send, self.rail_group)
+            yield
+        else:
+            out, flight = start_rows(x_TL[token_of_row], rail_receive, rail_send, self.rail_group)
+            yield
+            rows = finish_rows(out, flight)
+        # 2. node: one row per copy, sorted by the node's expert (so by rank of the node, then local expert).
+        key = torch.where(ids >= 0, ids, self.experts_per_node).reshape(-1)
+        copy = torch.argsort(key, stable=True)[:sum(node_splits[0])]
+        row_of_copy = copy // k
+        out, flight = start_rows(rows[row_of_copy], node_splits[1], node_splits[0], self.node_group)
+        yield
+        regroup = block_regroup(receive_GE, sum(node_splits[1]))
+        y = experts(finish_rows(out, flight)[regroup], receive_GE.sum(0))
+        # Back: each copy to its forwarding rank, which adds a token's copies on its node into its row (few:
+        # index_add) and returns the partial rows over the rails; the token's rank sums them as flat combine
+        # sums a token's copies (a gather and a sum), over the first of its copies on each node.
+        out, flight = start_rows(y[inverse_order(regroup)], node_splits[0], node_splits[1], self.node_group)
+        yield
+        copies = finish_rows(out, flight)
+        weighted = copies * weights.reshape(-1)[copy].to(copies.dtype).unsqueeze(1)
+        partial = weighted.new_zeros(sum(rail_receive), copies.shape[1]).index_add(0, row_of_copy, weighted)
+        out, flight = start_rows(partial, rail_send, rail_receive, self.rail_group)
+        yield
+        returned = finish_rows(out, flight)
         row_of_pair = torch.where(hits_NT, torch.cumsum(hits_NT.reshape(-1), 0).reshape(hits_NT.shape) - 1, sent_rows)
         row_of_token = row_of_pair.T.gather(1, node_of_copy)
         same_node = node_of_copy.unsqueeze(2) == node_of_copy.unsqueeze(1)  # [T, k, k]
         earlier = torch.ones(k, k, dtype=torch.bool, device=topk_idx.device).tril(-1)
         row_of_token = torch.where((same_node & earlier).any(2), sent_rows, row_of_token)
-        ids = topk_idx[token_of_row]
-        on_node = ids // self.experts_per_node == row_node.unsqueeze(1)
-        ids_on_node = torch.where(on_node, ids % self.experts_per_node, -1).to(torch.int32)
-        rail_out, rail_in = rail_splits[1], rail_splits[0]
-        rows = self.send_rows(x_TL[token_of_row], rail_out, rail_in, self.rail_group)
-        weights = all_to_all_rows(topk_weight[token_of_row], rail_out, rail_in, self.rail_group)
-        ids = all_to_all_rows(ids_on_node, rail_out, rail_in, self.rail_group)
-        # 2. node: one row per copy, sorted by the node's expert (so by rank of the node, then local expert).
-        forwarded = sum(node_splits[0])
-        key = torch.where(ids >= 0, ids, self.experts_per_node).reshape(-1)
-        copy = torch.argsort(key, stable=True)[:forwarded]
-        row_of_copy = copy // k
-        received = all_to_all_rows(rows[row_of_copy], node_splits[1], node_splits[0], self.node_group)
-        regroup = block_regroup(receive_GE, sum(node_splits[1]))
-        meta = NodeDispatchMetadata(row_of_token, rail_splits, node_splits, row_of_copy,
-                                    weights.reshape(-1)[copy], regroup)
-        return received[regroup], receive_GE.sum(0), meta
-
-    def combine(self, y_grouped, meta: NodeDispatchMetadata):
-        """Each copy's output back to its forwarding rank, weighted and added into its row there (index_add: a
-        row's copies on one node are few), the partial rows back over the rails and summed per token as the
-        local dispatcher sums a token's copies (a gather and a sum, in y's dtype)."""
-        copies = all_to_all_rows(y_grouped[inverse_order(meta.regroup)], meta.node_splits[0], meta.node_splits[1],
-                                 self.node_group)
-        weighted = copies * meta.weight_of_copy.to(copies.dtype).unsqueeze(1)
-        partial = weighted.new_zeros(sum(meta.rail_splits[1]), copies.shape[1]).index_add(0, meta.row_of_copy,
-                                                                                           weighted)
-        returned = all_to_all_rows(partial, meta.rail_splits[0], meta.rail_splits[1], self.rail_group)
         padded = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])
-        return padded[meta.row_of_token].sum(1)
+        outputs[c] = padded[row_of_token].sum(1)

@@ -203,6 +203,7 @@ class ParallelContext:
     """parallel.expert_dispatch=node: the ranks of its expert-parallel group on this rank's node."""
     expert_dispatch: str = "flat"
     dispatch_fp8: bool = False
+    dispatch_chunks: int = 1
     edp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_rank: int = 0
@@ -315,6 +316,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         ep_node_group=node,
         expert_dispatch=cfg.parallel.expert_dispatch,
         dispatch_fp8=cfg.parallel.dispatch_fp8,
+        dispatch_chunks=cfg.parallel.dispatch_chunks,
         edp_group=ps.get_expert_data_parallel_group(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_rank=context_groups[layout.cp].dp_rank,

@@ -72,12 +72,13 @@ def collectives_worker(rank, world_size):
         (scattered * weight[:, mine]).sum().backward()
         assert torch.equal(replicated.grad, weight)
 
-        # all-to-all rows: rank r sends r + s + 1 rows to rank s; backward returns gradients home.
-        send = [rank + s + 1 for s in range(world_size)]
-        receive = [s + rank + 1 for s in range(world_size)]
+        # all-to-all rows: rank r sends r + 2s + 1 rows to rank s (a rank receives more or fewer rows than it
+        # sends); backward returns gradients home.
+        send = [rank + 2 * s + 1 for s in range(world_size)]
+        receive = [s + 2 * rank + 1 for s in range(world_size)]
         rows = (torch.arange(sum(send), dtype=F64) + 100 * rank).unsqueeze(1).requires_grad_()
         got = all_to_all_rows(rows, receive, send, group)
-        starts = [sum(s + q + 1 for q in range(rank)) for s in range(world_size)]
+        starts = [sum(s + 2 * q + 1 for q in range(rank)) for s in range(world_size)]
         expected = torch.cat([torch.arange(starts[s], starts[s] + receive[s], dtype=F64) + 100 * s
                               for s in range(world_size)])
         assert torch.equal(got.squeeze(1), expected)

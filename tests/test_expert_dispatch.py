@@ -40,25 +40,26 @@ def routing(kind: str, rank: int, tokens: int, experts: int = E, k: int = K):
 
 def expert_fn(rows: torch.Tensor, counts: torch.Tensor, first_expert: int, weights: torch.Tensor):
     """A different nonlinear map per global expert: tanh(rows @ W_e)."""
-    global_ids = torch.arange(first_expert, first_expert + counts.numel()).repeat_interleave(counts)
+    global_ids = torch.arange(first_expert, first_expert + counts.numel()).repeat_interleave(
+        counts, output_size=rows.shape[0])
     return torch.tanh(torch.einsum("rl,rlm->rm", rows, weights[global_ids]))
 
 
 def dispatch_worker(rank, world_size, kind, tokens_per_rank, ranks_per_node=None, experts=E, k=K, dtype="float64",
-                    fp8=False):
-    """The dispatcher (flat, or by node with `ranks_per_node`) in `dtype` (rows and experts; routing weights in
-    float32 below float64, as the router's) against the local one in float64: equal to 1e-13 in float64, within
-    1% (rms) in bfloat16, whose rounding is 2^-9."""
+                    fp8=False, chunks=1):
+    """The dispatcher (flat, or by node with `ranks_per_node`; its tokens in `chunks`) in `dtype` (rows and
+    experts; routing weights in float32 below float64, as the router's) against the local one in float64:
+    equal to 1e-13 in float64, within 1% (rms) in bfloat16, whose rounding is 2^-9."""
     dist.init_process_group("gloo")
     try:
         weights = torch.randn(experts, L, L, generator=torch.Generator().manual_seed(0), dtype=F64)
         tokens = tokens_per_rank[rank]
         x, idx, w = routing(kind, rank, tokens, experts, k)
         if ranks_per_node is None:
-            tested = AllToAllTokenDispatcher(experts, dist.group.WORLD, rank, fp8=fp8)
+            tested = AllToAllTokenDispatcher(experts, dist.group.WORLD, rank, fp8=fp8, chunks=chunks)
         else:
             rail, node = expert_node_groups([list(range(world_size))], ranks_per_node, rank)
-            tested = NodeTokenDispatcher(experts, rank, rail, node, fp8=fp8)
+            tested = NodeTokenDispatcher(experts, rank, rail, node, fp8=fp8, chunks=chunks)
         row_dtype = getattr(torch, dtype)
         weight_dtype = F64 if row_dtype == F64 else torch.float32
         outputs = []
@@ -66,20 +67,22 @@ def dispatch_worker(rank, world_size, kind, tokens_per_rank, ranks_per_node=None
         for dispatcher, rows_as, weights_as in runs:
             xi = x.to(rows_as).requires_grad_()
             wi = w.to(weights_as).requires_grad_()
-            with HostReads() as dispatch_reads:
-                rows, counts, meta = dispatcher.dispatch(xi, idx, wi)
-            assert counts.numel() == dispatcher.num_local_experts and int(counts.sum()) == rows.shape[0]
-            expert_out = expert_fn(rows, counts, dispatcher.first_local_expert, weights.to(rows_as))
-            with HostReads() as combine_reads:
-                y = dispatcher.combine(expert_out, meta)
-            # A CUDA run waits on its stream once per dispatch (the all-to-all's split sizes), never in combine;
-            # nothing syncs behind our back (bincount, repeat_interleave without output_size).
-            expected_reads = 1 if dispatcher is tested else 0
-            assert (dispatch_reads.values_read, combine_reads.values_read) == (expected_reads, 0)
-            assert dispatch_reads.shapes_read + combine_reads.shapes_read == 0
-            assert y.dtype == rows_as
+            received = []
+
+            def experts_on(rows, counts, dispatcher=dispatcher, rows_as=rows_as, received=received):
+                received.append((rows.shape[0], counts))
+                return expert_fn(rows, counts, dispatcher.first_local_expert, weights.to(rows_as))
+
+            with HostReads() as reads:
+                y = dispatcher.exchange(xi, idx, wi, experts_on)
+            # A CUDA run waits on its stream once per exchange (every chunk's split sizes at once); nothing syncs
+            # behind our back (bincount, repeat_interleave without output_size).
+            assert (reads.values_read, reads.shapes_read) == (1 if dispatcher is tested else 0, 0)
+            assert y.dtype == rows_as and len(received) == (chunks if dispatcher is tested else 1)
+            for rows, counts in received:
+                assert counts.numel() == dispatcher.num_local_experts and int(counts.sum()) == rows
             (y * torch.arange(1.0, L + 1, dtype=rows_as)).sum().backward()  # a gradient that differs per column
-            outputs.append((y.detach(), xi.grad, wi.grad, int(counts.sum())))
+            outputs.append((y.detach(), xi.grad, wi.grad, sum(rows for rows, _ in received)))
         (y_ep, gx_ep, gw_ep, received), (y_ref, gx_ref, gw_ref, _) = outputs
         for tested_value, reference in ((y_ep, y_ref), (gx_ep, gx_ref), (gw_ep, gw_ref)):
             if row_dtype == F64:
@@ -98,31 +101,32 @@ def dispatch_worker(rank, world_size, kind, tokens_per_rank, ranks_per_node=None
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("kind", "world_size", "tokens", "expected_received"), [
-    ("random", 2, [13, 7], None),
-    ("random", 4, [5, 0, 9, 3], None),  # rank 1 has no tokens at all
-    ("empty_experts", 4, [6, 6, 6, 6], [48, 0, 0, 0]),
-    ("all_to_one", 4, [4, 2, 3, 1], [0, 0, 20, 0]),  # experts 4 and 5 live on rank 2
-], ids=["random-ep2", "random-ep4-empty-rank", "empty-experts-ep4", "all-to-one-ep4"])
-def test_all_to_all_dispatch_matches_local(kind, world_size, tokens, expected_received):
-    received = run_distributed(dispatch_worker, world_size, kind, tokens)
+@pytest.mark.parametrize(("kind", "world_size", "tokens", "expected_received", "chunks"), [
+    ("random", 2, [13, 7], None, 1),
+    ("random", 4, [5, 0, 9, 3], None, 3),  # rank 1 has no tokens at all, and rank 3 a token a chunk
+    ("empty_experts", 4, [6, 6, 6, 6], [48, 0, 0, 0], 1),
+    ("all_to_one", 4, [4, 2, 3, 1], [0, 0, 20, 0], 2),  # experts 4 and 5 live on rank 2
+], ids=["random-ep2", "random-ep4-empty-rank-3-chunks", "empty-experts-ep4", "all-to-one-ep4-2-chunks"])
+def test_all_to_all_dispatch_matches_local(kind, world_size, tokens, expected_received, chunks):
+    """In chunks, each chunk's exchanges in flight while another's experts compute: the same results."""
+    received = run_distributed(dispatch_worker, world_size, kind, tokens, None, E, K, "float64", False, chunks)
     assert sum(received) == sum(tokens) * K
     if expected_received is not None:
         assert received == expected_received
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("nodes", "ranks_per_node", "tokens", "dtype"), [
-    (2, 2, [11, 0, 7, 5], "float64"),  # rank 1 has no tokens
-    (2, 4, [9, 4, 6, 8, 3, 7, 5, 2], "float64"),
-    (2, 2, [40, 33, 25, 37], "bfloat16"),
-], ids=["2x2", "2x4", "2x2-bf16"])
-def test_node_dispatch_matches_local(nodes, ranks_per_node, tokens, dtype):
+@pytest.mark.parametrize(("nodes", "ranks_per_node", "tokens", "dtype", "chunks"), [
+    (2, 2, [11, 0, 7, 5], "float64", 1),  # rank 1 has no tokens
+    (2, 4, [9, 4, 6, 8, 3, 7, 5, 2], "float64", 2),
+    (2, 2, [40, 33, 25, 37], "bfloat16", 1),
+], ids=["2x2", "2x4-2-chunks", "2x2-bf16"])
+def test_node_dispatch_matches_local(nodes, ranks_per_node, tokens, dtype, chunks):
     """Sent once per node and fanned out inside it: the local reference's output and every gradient, the bytes
     across nodes those of each token's distinct remote nodes (asserted on every rank)."""
     experts, k = 4 * nodes * ranks_per_node, 5
     received = run_distributed(dispatch_worker, nodes * ranks_per_node, "random", tokens, ranks_per_node, experts, k,
-                               dtype)
+                               dtype, False, chunks)
     assert sum(received) == sum(tokens) * k
 
 

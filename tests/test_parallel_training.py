@@ -75,7 +75,7 @@ def single_process(tmp_path, dtype):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("world_size", "overrides"), [
-    (4, ["parallel.ep=4", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2"]),
+    (4, ["parallel.ep=4", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2", "parallel.dispatch_chunks=2"]),
     (4, ["parallel.ep=2"]),
     (2, ["parallel.ep=2", "data.micro_batches=2", "model.moe.balancing=aux_free"]),
     (2, ["parallel.tp=2"]),
@@ -84,7 +84,7 @@ def single_process(tmp_path, dtype):
     (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=zero_bubble", "data.micro_batches=2"]),
     (2, ["parallel.pp=2", "parallel.pipeline_layers=[1,5]", "data.micro_batches=2"]),
     (4, ["parallel.pp=2", "parallel.tp=2", "data.micro_batches=2"]),
-    (2, ["parallel.ep=2", "train.recompute=full"]),
+    (2, ["parallel.ep=2", "train.recompute=full", "parallel.dispatch_chunks=2"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "model.mla.num_heads=4"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.ep=2", "parallel.cp_mla=latent", "data.micro_batches=2"]),
     (4, ["parallel.cp=4", "parallel.ep=2"]),  # 2 MLA heads: auto takes the latent exchange
@@ -95,9 +95,9 @@ def single_process(tmp_path, dtype):
     (2, ["parallel.pp=2", "data.micro_batches=2", *IMAGES]),
     (2, ["parallel.cp=2", *IMAGES]),
     (4, ["parallel.cp=2", "parallel.tp=2", "model.mla.num_heads=4", *IMAGES]),
-], ids=["ep4-by-node-2x2", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "pp2",
-        "pp2-vpp2-interleaved", "pp2-vpp2-zero-bubble", "pp2-dense-first-stage", "pp2xtp2", "ep2-recompute-full",
-        "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent",
+], ids=["ep4-by-node-2x2-2-chunks", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "pp2",
+        "pp2-vpp2-interleaved", "pp2-vpp2-zero-bubble", "pp2-dense-first-stage", "pp2xtp2",
+        "ep2-recompute-full-2-chunks", "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent",
         "images-dp2", "images-tp2xep2", "images-pp2", "images-cp2", "images-cp2xtp2"])
 def test_layout_matches_single_process_float64(tmp_path, world_size, overrides):
     assert_layout_matches_single_process(tmp_path, world_size, overrides)

@@ -35,6 +35,10 @@ class ParallelConfig:
     """Send the expert dispatch's rows as FP8 e4m3 in 1 x 128 blocks with fp32 scales (0.52x the bytes of bf16;
     the rail exchange under expert_dispatch=node), dequantized on arrival; gradients and combine stay in the
     run's dtype (parallel/fp8_dispatch.py). Off until a GPU has compared it with bf16 dispatch."""
+    dispatch_chunks: int = 1
+    """Split each MoE layer's tokens into this many chunks run as a pipeline: one chunk's all-to-alls in flight
+    while another's experts compute, forward and backward (parallel/chunk_pipeline.py). 1: each exchange is
+    waited for at once."""
     ranks_per_node: int = 0
     """Ranks sharing a node, for expert_dispatch=node: 0 = the launcher's (torchrun's LOCAL_WORLD_SIZE; the dry
     run's cluster.gpus_per_node). Set it to declare "nodes" of a few processes on one machine."""
@@ -63,7 +67,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         require_positive("parallel", tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, vpp=self.vpp,
-                         bucket_mb=self.bucket_mb, timeout_s=self.timeout_s)
+                         bucket_mb=self.bucket_mb, timeout_s=self.timeout_s, dispatch_chunks=self.dispatch_chunks)
         require(self.ranks_per_node >= 0, f"parallel.ranks_per_node={self.ranks_per_node} must be >= 0 (0: the "
                 "launcher's)")
 

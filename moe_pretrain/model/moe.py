@@ -48,11 +48,13 @@ class LatentMoE(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         topk_idx, topk_weight, balance_loss = self.router(x_TD)
         z_TL = self.latent_down(x_TD)
-        grouped, counts, meta = self.dispatcher.dispatch(z_TL, topk_idx, topk_weight)
-        self.router.record_processed(grouped.shape[0])
-        expert_out = maybe_recompute(self.recompute_experts, self.experts, grouped, counts)
-        routed_TL = self.dispatcher.combine(expert_out, meta)
+        routed_TL = self.dispatcher.exchange(z_TL, topk_idx, topk_weight, self._routed_experts)
         y = self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
         if self.shared is not None:
             y = y + self.shared(x)  # [B, T, D]: under sequence parallelism the shared MLP gathers along T
         return y, balance_loss
+
+    def _routed_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts on rows grouped by local expert (a dispatcher may call this once per chunk)."""
+        self.router.record_processed(grouped.shape[0])
+        return maybe_recompute(self.recompute_experts, self.experts, grouped, counts)

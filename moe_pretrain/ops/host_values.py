@@ -100,29 +100,34 @@ def _read(values: torch.Tensor, what: str, answer: Callable[[Assumptions], list]
     return answer(_assumptions(what))
 
 
-def split_sizes(send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: int, rank: int
-                ) -> tuple[list[int], list[int]]:
-    """(rows sent to, rows received from) each rank of the expert-parallel all-to-all, from the counts
-    [ranks, local experts] this rank (`rank` of the group, sending `rows` routed copies) sends and receives;
-    under a dry run the assumed routing's."""
-    ep, local = send_counts.shape
-    send, receive = _read(torch.stack([send_counts.sum(1), receive_counts.sum(1)]), "the all-to-all's split sizes",
-                          lambda a: list(a.split_sizes(rows, ep, rank, ep * local)))
-    return send, receive
+def split_sizes(send_counts: torch.Tensor, receive_counts: torch.Tensor, rows: list[int], rank: int
+                ) -> list[tuple[list[int], list[int]]]:
+    """Per chunk of a MoE layer's tokens, (rows sent to, rows received from) each rank of the expert-parallel
+    all-to-all, from the counts [chunks, ranks, local experts] this rank (`rank` of the group, sending rows[c]
+    routed copies of chunk c) sends and receives, read at once; under a dry run the assumed routing's."""
+    _, ep, local = send_counts.shape
+    values = _read(torch.stack([send_counts.sum(2), receive_counts.sum(2)], 1), "the all-to-all's split sizes",
+                   lambda a: [list(a.split_sizes(n, ep, rank, ep * local)) for n in rows])
+    return [(send, receive) for send, receive in values]
 
 
 def node_split_sizes(rail_send: torch.Tensor, rail_receive: torch.Tensor, node_send: torch.Tensor,
-                     node_receive: torch.Tensor, tokens: int, k: int, experts: int, rank: int
-                     ) -> tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]:
-    """((rows sent to, received from) each node, (copies sent to, received from) each rank of the node) of the
-    node dispatch (parallel/node_dispatch.py) of expert-parallel `rank`, from its counts on the device, read
-    at once; under a dry run the assumed routing's (of `tokens` x `k` copies on every rank)."""
-    nodes, ranks_per_node = rail_send.numel(), node_send.numel()
-    values = _read(torch.cat([rail_send, rail_receive, node_send, node_receive]), "the node dispatch's split sizes",
-                   lambda a: [n for pair in a.node_split_sizes(tokens, k, experts, nodes, ranks_per_node,
-                                                               rank) for side in pair for n in side])
-    rail, node = values[:2 * nodes], values[2 * nodes:]
-    return (rail[:nodes], rail[nodes:]), (node[:ranks_per_node], node[ranks_per_node:])
+                     node_receive: torch.Tensor, tokens: list[int], k: int, experts: int, rank: int
+                     ) -> list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]]:
+    """Per chunk of a MoE layer's tokens, ((rows sent to, received from) each node, (copies sent to, received
+    from) each rank of the node) of the node dispatch (parallel/node_dispatch.py) of expert-parallel `rank`,
+    from its counts on the device ([chunks, nodes] and [chunks, ranks of a node]), read at once; under a dry
+    run the assumed routing's (of tokens[c] x k copies in chunk c on every rank)."""
+    nodes, per_node = rail_send.shape[1], node_send.shape[1]
+
+    def assumed(a: Assumptions) -> list[list[int]]:
+        chunks = [a.node_split_sizes(n, k, experts, nodes, per_node, rank) for n in tokens]
+        return [[*rail_out, *rail_in, *node_out, *node_in] for (rail_out, rail_in), (node_out, node_in) in chunks]
+
+    values = _read(torch.cat([rail_send, rail_receive, node_send, node_receive], 1),
+                   "the node dispatch's split sizes", assumed)
+    return [((v[:nodes], v[nodes:2 * nodes]), (v[2 * nodes:2 * nodes + per_node], v[2 * nodes + per_node:]))
+            for v in values]
 
 
 def expert_rows(counts: torch.Tensor, rows: int) -> list[int]:

@@ -113,11 +113,11 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
 
 def expert_dispatcher(num_experts: int, ctx: ParallelContext, *, fused: bool) -> LocalTokenDispatcher:
     """The expert-parallel dispatcher parallel.expert_dispatch names (flat, or by node), its rows in FP8 with
-    parallel.dispatch_fp8."""
+    parallel.dispatch_fp8, its tokens in parallel.dispatch_chunks chunks."""
+    options = dict(fused=fused, fp8=ctx.dispatch_fp8, chunks=ctx.dispatch_chunks)
     if ctx.expert_dispatch == "node":
-        return NodeTokenDispatcher(num_experts, ctx.ep_rank, ctx.ep_rail_group, ctx.ep_node_group, fused=fused,
-                                   fp8=ctx.dispatch_fp8)
-    return AllToAllTokenDispatcher(num_experts, ctx.ep_group, ctx.ep_rank, fused=fused, fp8=ctx.dispatch_fp8)
+        return NodeTokenDispatcher(num_experts, ctx.ep_rank, ctx.ep_rail_group, ctx.ep_node_group, **options)
+    return AllToAllTokenDispatcher(num_experts, ctx.ep_group, ctx.ep_rank, **options)
 
 
 def keep_pipeline_stage(model: MoETransformer, cfg: Config, ctx: ParallelContext) -> MoETransformer:
