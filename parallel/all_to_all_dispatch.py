@@ -19,7 +19,7 @@ from moe_pretrain.ops.host_values import split_sizes
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, finish_rows, start_rows
 from parallel.dispatch import DispatchMetadata, Experts, LocalTokenDispatcher
-from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
+from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 
 def block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
@@ -55,7 +55,8 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         self.num_local_experts = num_experts // self.size
         self.first_local_expert = rank * self.num_local_experts
         self.fp8 = fp8
-        """The dispatch's rows as FP8 (parallel.dispatch_fp8), exchanged synchronously."""
+        self.codec = FP8_ROWS if fp8 else None
+        """The dispatch's rows as FP8 (parallel.dispatch_fp8)."""
         self.chunks = chunks
         """The tokens' chunks run as a pipeline (parallel.dispatch_chunks: chunk_pipeline.py)."""
         self.bytes_sent = 0
@@ -82,13 +83,9 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         """One chunk: its rows out to their experts' ranks, the experts, their outputs back (a generator that
         yields with each exchange in flight)."""
         send_splits, receive_splits = splits
-        if self.fp8:
-            received = all_to_all_rows_fp8(sorted_rows, receive_splits, send_splits, self.group)
-            yield
-        else:
-            out, flight = start_rows(sorted_rows, receive_splits, send_splits, self.group)
-            yield
-            received = finish_rows(out, flight)
+        out, flight = start_rows(sorted_rows, receive_splits, send_splits, self.group, self.codec)
+        yield
+        received = finish_rows(out, flight)
         regroup = block_regroup(receive_SE, sum(receive_splits))
         y = experts(received[regroup], receive_SE.sum(0))
         back, flight = start_rows(y[inverse_order(regroup)], send_splits, receive_splits, self.group)

@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -157,12 +158,25 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+class RowCodec(Protocol):
+    """How rows travel when not as they are (parallel/fp8_dispatch.py): encode -> tensors with one row per row
+    of x, each exchanged alike; decode those received -> the rows in `dtype`."""
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+
+
 class RowExchange:
     """An all-to-all of rows in flight (start_rows / finish_rows)."""
 
-    def __init__(self, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup):
+    def __init__(self, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
+                 codec: RowCodec | None):
         self.output_splits, self.input_splits, self.group = output_splits, input_splits, group
-        self.pending: Pending | None = None
+        self.codec = codec
+        self.dtype: torch.dtype | None = None
+        self.received: list[torch.Tensor] = []
+        self.pending: list[Pending] = []
         self.grad: torch.Tensor | None = None
         """The gradient's exchange back, once the backward has started it..."""
         self.grad_pending: Pending | None = None
@@ -183,9 +197,15 @@ class _StartRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, exchange):
         ctx.exchange = exchange
-        out = x.new_empty(sum(exchange.output_splits), *x.shape[1:])
-        exchange.pending = _start_all_to_all(out, x, exchange.output_splits, exchange.input_splits, exchange.group)
-        return out
+        rows = sum(exchange.output_splits)
+        parts = exchange.codec.encode(x) if exchange.codec else [x]
+        exchange.dtype = x.dtype
+        exchange.received = [part.new_empty(rows, *part.shape[1:]) for part in parts]
+        exchange.pending = [_start_all_to_all(out, part, exchange.output_splits, exchange.input_splits,
+                                              exchange.group) for out, part in zip(exchange.received, parts,
+                                                                                   strict=True)]
+        # Encoded, the rows arrive in other tensors: this output only carries the gradient's edge (no storage).
+        return x.new_zeros(()).expand(rows, *x.shape[1:]) if exchange.codec else exchange.received[0]
 
     @staticmethod
     def backward(ctx, grad):
@@ -202,9 +222,10 @@ class _FinishRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, exchange):
         ctx.exchange = exchange
-        exchange.pending.wait()
-        exchange.pending = None  # a backend's work holds its tensors until it is dropped
-        return out.view_as(out)
+        for pending in exchange.pending:
+            pending.wait()
+        received, exchange.received, exchange.pending = exchange.received, [], []  # a work holds its tensors
+        return exchange.codec.decode(received, exchange.dtype) if exchange.codec else out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
@@ -215,16 +236,17 @@ class _FinishRows(torch.autograd.Function):
         return grad, None
 
 
-def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None
-               ) -> tuple[torch.Tensor, RowExchange | None]:
+def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None,
+               codec: RowCodec | None = None) -> tuple[torch.Tensor, RowExchange | None]:
     """all_to_all_rows started and not waited for: (its output, not to be read before finish_rows, the exchange).
     Differentiable: the backward starts the gradients' exchange where the forward finished and waits for it
-    where the forward started, so what runs between the two in either direction hides it. A group of one
-    returns (x, None)."""
+    where the forward started, so what runs between the two in either direction hides it. codec: the rows
+    sent encoded (the gradients travel as they are: the encoding's gradient is taken as the identity). A group
+    of one returns (x, None)."""
     check_devices(group, [x], "start_rows")
     if group_size(group) == 1:
         return x, None
-    exchange = RowExchange(output_splits, input_splits, group)
+    exchange = RowExchange(output_splits, input_splits, group, codec)
     return _StartRows.apply(x, exchange), exchange
 
 

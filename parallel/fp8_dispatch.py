@@ -1,36 +1,36 @@
 """The expert dispatch's rows sent as FP8 (parallel.dispatch_fp8): DeepSeek-V3's dispatch payload.
 
 Each row's 1 x 128 blocks travel in e4m3 with one fp32 scale each (1 + 4/128 bytes a value against bf16's 2:
-0.52x the bytes), dequantized to the sender's dtype on arrival. Only the forward's dispatch direction is
-quantized: the backward sends the gradients back in their own dtype (straight-through: the quantization's
-gradient is taken as the identity, as for a quantized GEMM's input), and combine stays in the rows' dtype.
+0.52x the bytes), dequantized to the sender's dtype on arrival (FP8_ROWS, the codec collectives.start_rows
+takes). Only the forward's dispatch direction is quantized: the backward sends the gradients back in their
+own dtype (straight-through: the quantization's gradient is taken as the identity, as for a quantized GEMM's
+input), and combine stays in the rows' dtype.
 The received rows are dequantized rather than handed to the FP8 expert GEMMs as they are (those quantize
 their inputs again, in their recipe's blocks).
 """
 
 import torch
-import torch.distributed as dist
 
 from moe_pretrain.fp8.quantize import Quantized, quantize
-from parallel.collectives import all_to_all_rows, group_size
 
 BLOCK = (1, 128)
 """One scale per 128 values of a row."""
 
 
-class _FP8Rows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        sent = quantize(x.contiguous(), BLOCK, torch.float8_e4m3fn)
-        data = all_to_all_rows(sent.data.view(torch.uint8), output_splits, input_splits, group)  # gloo: no FP8 dtype
-        scales = all_to_all_rows(sent.scale_inv, output_splits, input_splits, group)
-        return Quantized(data.view(torch.float8_e4m3fn), scales, BLOCK).dequantize().to(x.dtype)
+class FP8Rows:
+    """collectives.RowCodec: a row's 1 x 128 blocks as e4m3 bytes (gloo carries no FP8 dtype; the bytes are the
+    same) and one fp32 scale each."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        sent = quantize(x.contiguous(), BLOCK, torch.float8_e4m3fn)
+        return [sent.data.view(torch.uint8), sent.scale_inv]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        data, scales = parts
+        return Quantized(data.view(torch.float8_e4m3fn), scales, BLOCK).dequantize().to(dtype)
+
+
+FP8_ROWS = FP8Rows()
 
 
 def row_bytes(x: torch.Tensor, fp8: bool) -> int:
@@ -38,12 +38,3 @@ def row_bytes(x: torch.Tensor, fp8: bool) -> int:
     block."""
     width = x.shape[1]
     return width + -(-width // BLOCK[1]) * 4 if fp8 else width * x.element_size()
-
-
-def all_to_all_rows_fp8(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                        group: dist.ProcessGroup | None) -> torch.Tensor:
-    """collectives.all_to_all_rows with the rows quantized on the way (module docstring); a group of one
-    returns x as it is."""
-    if group_size(group) == 1:
-        return x
-    return _FP8Rows.apply(x, output_splits, input_splits, group)

@@ -26,7 +26,7 @@ from parallel.all_to_all_dispatch import block_regroup, inverse_order
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, all_to_all_rows, finish_rows, group_size, start_rows
 from parallel.dispatch import Experts, LocalTokenDispatcher
-from parallel.fp8_dispatch import all_to_all_rows_fp8, row_bytes
+from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 
 class NodeTokenDispatcher(LocalTokenDispatcher):
@@ -37,8 +37,8 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
                  node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False, chunks: int = 1):
         super().__init__(num_experts, fused=fused)
         self.fp8 = fp8
-        """The rail exchange's rows as FP8 (parallel.dispatch_fp8), exchanged synchronously; the node exchange's
-        stay in their dtype."""
+        self.codec = FP8_ROWS if fp8 else None
+        """The rail exchange's rows as FP8 (parallel.dispatch_fp8); the node exchange's stay in their dtype."""
         self.chunks = chunks
         """The tokens' chunks run as a pipeline (parallel.dispatch_chunks: chunk_pipeline.py)."""
         self.nodes, self.ranks_per_node = group_size(rail_group), group_size(node_group)
@@ -103,13 +103,9 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         rail_receive, rail_send = rail_splits[1], rail_splits[0]
         weights = all_to_all_rows(topk_weight[token_of_row], rail_receive, rail_send, self.rail_group)
         ids = all_to_all_rows(ids_on_node, rail_receive, rail_send, self.rail_group)
-        if self.fp8:
-            rows = all_to_all_rows_fp8(x_TL[token_of_row], rail_receive, rail_send, self.rail_group)
-            yield
-        else:
-            out, flight = start_rows(x_TL[token_of_row], rail_receive, rail_send, self.rail_group)
-            yield
-            rows = finish_rows(out, flight)
+        out, flight = start_rows(x_TL[token_of_row], rail_receive, rail_send, self.rail_group, self.codec)
+        yield
+        rows = finish_rows(out, flight)
         # 2. node: one row per copy, sorted by the node's expert (so by rank of the node, then local expert).
         key = torch.where(ids >= 0, ids, self.experts_per_node).reshape(-1)
         copy = torch.argsort(key, stable=True)[:sum(node_splits[0])]

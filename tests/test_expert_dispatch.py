@@ -178,11 +178,11 @@ def test_distributed_quantile_balancing_is_that_of_one_process(dtype, rows, mode
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("ranks_per_node", [None, 2], ids=["flat", "by-node-2x2"])
-def test_fp8_dispatch_stays_within_e4m3_rounding(ranks_per_node):
+@pytest.mark.parametrize(("ranks_per_node", "chunks"), [(None, 1), (2, 2)], ids=["flat", "by-node-2x2-2-chunks"])
+def test_fp8_dispatch_stays_within_e4m3_rounding(ranks_per_node, chunks):
     """parallel.dispatch_fp8 in bf16 against the local dispatcher in float64 (FP8_RMS), every gradient included."""
     received = run_distributed(dispatch_worker, 4, "random", [40, 33, 25, 37], ranks_per_node, 32, 5, "bfloat16",
-                               True)
+                               True, chunks)
     assert sum(received) == (40 + 33 + 25 + 37) * 5
 
 
