@@ -74,20 +74,26 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         row = row_bytes(x_TL, self.fp8)
         self.bytes_sent += sum(sum(out) - out[self.rank] for out, _ in splits) * row
         outputs: list[torch.Tensor | None] = [None] * self.chunks
-        run_interleaved(self._chunk(c, rows, local, receive[c], splits[c], experts, outputs)
-                        for c, (rows, _, local) in enumerate(parts))
+        run_interleaved(self._chunk(c, parts, receive[c], splits[c], experts, outputs) for c in range(self.chunks))
         return torch.cat(outputs)
 
-    def _chunk(self, c: int, sorted_rows: torch.Tensor, local: DispatchMetadata, receive_SE: torch.Tensor,
-               splits: tuple[list[int], list[int]], experts: Experts, outputs: list[torch.Tensor | None]):
-        """One chunk: its rows out to their experts' ranks, the experts, their outputs back (a generator that
-        yields with each exchange in flight)."""
+    def _chunk(self, c: int, parts: list[tuple[torch.Tensor, torch.Tensor, DispatchMetadata] | None],
+               receive_SE: torch.Tensor, splits: tuple[list[int], list[int]],
+               experts: Experts, outputs: list[torch.Tensor | None]):
+        """One chunk (parts[c]: its sorted rows, counts, local metadata): its rows out to their experts' ranks,
+        the experts, their outputs back (a generator that yields with each exchange in flight). It lets go of
+        each tensor once it has served, so that a chunk waiting in the pipeline holds no more than the
+        unchunked exchange does."""
+        sorted_rows, _, local = parts[c]
+        parts[c] = None
         send_splits, receive_splits = splits
         out, flight = start_rows(sorted_rows, receive_splits, send_splits, self.group, self.codec)
+        del sorted_rows
         yield
-        received = finish_rows(out, flight)
         regroup = block_regroup(receive_SE, sum(receive_splits))
-        y = experts(received[regroup], receive_SE.sum(0))
+        y = experts(finish_rows(out, flight)[regroup], receive_SE.sum(0))
+        del out
         back, flight = start_rows(y[inverse_order(regroup)], send_splits, receive_splits, self.group)
+        del y
         yield
         outputs[c] = LocalTokenDispatcher.combine(self, finish_rows(back, flight), local)

@@ -105,26 +105,32 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         ids = all_to_all_rows(ids_on_node, rail_receive, rail_send, self.rail_group)
         out, flight = start_rows(x_TL[token_of_row], rail_receive, rail_send, self.rail_group, self.codec)
         yield
-        rows = finish_rows(out, flight)
         # 2. node: one row per copy, sorted by the node's expert (so by rank of the node, then local expert).
         key = torch.where(ids >= 0, ids, self.experts_per_node).reshape(-1)
         copy = torch.argsort(key, stable=True)[:sum(node_splits[0])]
         row_of_copy = copy // k
-        out, flight = start_rows(rows[row_of_copy], node_splits[1], node_splits[0], self.node_group)
+        out, flight = start_rows(finish_rows(out, flight)[row_of_copy], node_splits[1], node_splits[0],
+                                 self.node_group)
         yield
         regroup = block_regroup(receive_GE, sum(node_splits[1]))
         y = experts(finish_rows(out, flight)[regroup], receive_GE.sum(0))
+        del out
         # Back: each copy to its forwarding rank, which adds a token's copies on its node into its row (few:
         # index_add) and returns the partial rows over the rails; the token's rank sums them as flat combine
         # sums a token's copies (a gather and a sum), over the first of its copies on each node.
         out, flight = start_rows(y[inverse_order(regroup)], node_splits[0], node_splits[1], self.node_group)
+        del y
         yield
         copies = finish_rows(out, flight)
         weighted = copies * weights.reshape(-1)[copy].to(copies.dtype).unsqueeze(1)
-        partial = weighted.new_zeros(sum(rail_receive), copies.shape[1]).index_add(0, row_of_copy, weighted)
+        del out, copies
+        partial = weighted.new_zeros(sum(rail_receive), weighted.shape[1]).index_add(0, row_of_copy, weighted)
+        del weighted
         out, flight = start_rows(partial, rail_send, rail_receive, self.rail_group)
+        del partial
         yield
         returned = finish_rows(out, flight)
+        del out
         row_of_pair = torch.where(hits_NT, torch.cumsum(hits_NT.reshape(-1), 0).reshape(hits_NT.shape) - 1, sent_rows)
         row_of_token = row_of_pair.T.gather(1, node_of_copy)
         same_node = node_of_copy.unsqueeze(2) == node_of_copy.unsqueeze(1)  # [T, k, k]
