@@ -12,7 +12,8 @@ For each expert-parallel size, every rank routes its own tokens through one smok
 - median forward + backward time, and its ratio to ep 1 measured in the same run (2-core machines:
   more processes share the same cores, so this measures overhead, not speed-up);
 - at ep 4 flat and by node: the bytes each sends across node boundaries per token (flat: its copies whose
-  expert is on another node; by node: the dispatcher's count), the ratio node / flat, and the time ratio.
+  expert is on another node; by node: the dispatcher's count), the ratio node / flat, and the time ratio;
+- by node in 2 chunks run as a pipeline (parallel.dispatch_chunks=2) against 1: the time ratio.
 """
 
 import argparse
@@ -49,9 +50,9 @@ class _Holder(torch.nn.Module):
 
 
 def measure(rank: int, world_size: int, tokens: int, repeats: int, ranks_per_node: int = 0,
-            by_node: bool = False) -> dict:
+            by_node: bool = False, chunks: int = 1) -> dict:
     """One MoE layer's forward + backward on this rank, "nodes" of ranks_per_node (0: one node); by_node:
-    dispatched by node."""
+    dispatched by node; its tokens in `chunks` run as a pipeline."""
     with torch.device("meta"):
         holder = _Holder(LatentMoE(D, MOE, norm_eps=1e-5, init_std=0.02, out_std=0.02))
     parameters = describe_parameters(holder)
@@ -65,7 +66,7 @@ def measure(rank: int, world_size: int, tokens: int, repeats: int, ranks_per_nod
         ctx = ParallelContext(ParallelLayout(world_size, ep=world_size), rank=rank, dp_group=group,
                               ep_group=group, edp_group=None, tp_dp_group=group, dp_rank=rank, ep_rank=rank,
                               ep_rail_group=rail, ep_node_group=node,
-                              expert_dispatch="node" if by_node else "flat")
+                              expert_dispatch="node" if by_node else "flat", dispatch_chunks=chunks)
     plan = ShardingPlan()
     shard_parameters(holder, plan, ctx)
     materialize(holder, parameters, plan, ctx, seed=0, dtype=torch.float32)
@@ -124,6 +125,10 @@ def main() -> None:
           f"{flat['across_nodes'] / tokens:7.1f} B, by node {node['across_nodes'] / tokens:7.1f} B, ratio "
           f"{node['across_nodes'] / flat['across_nodes']:.2f}; time by node / flat {node['time'] / flat['time']:.2f} "
           f"({node['time'] * 1e3:.1f} / {flat['time'] * 1e3:.1f} ms)")
+    chunked = run_distributed(measure, 4, args.tokens, args.repeats, 2, True, 2)
+    print(f"ep 4 by node in 2 chunks run as a pipeline: time / 1 chunk {chunked['time'] / node['time']:.2f} "
+          f"({chunked['time'] * 1e3:.1f} / {node['time'] * 1e3:.1f} ms; gloo's exchanges run on its own threads "
+          f"beside the compute, on 2 shared cores)")
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
                hits_NT: torch.Tensor, receive_GE: torch.Tensor, rail_splits: tuple[list[int], list[int]],
                node_splits: tuple[list[int], list[int]], experts: Experts, outputs: list[torch.Tensor | None]):
         """One chunk of tokens through both exchanges to its experts and back (a generator that yields with
-        each exchange of rows in flight)."""
+        each rail exchange of rows in flight)."""
         num_tokens, k = topk_idx.shape
         node_of_copy = topk_idx // self.experts_per_node
         sent_rows = sum(rail_splits[0])
@@ -109,9 +109,10 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         key = torch.where(ids >= 0, ids, self.experts_per_node).reshape(-1)
         copy = torch.argsort(key, stable=True)[:sum(node_splits[0])]
         row_of_copy = copy // k
+        # The node's exchanges (NVLink) are waited for at once: this chunk's experts then run while the other
+        # chunks' rail exchanges (the NIC) are in flight.
         out, flight = start_rows(finish_rows(out, flight)[row_of_copy], node_splits[1], node_splits[0],
                                  self.node_group)
-        yield
         regroup = block_regroup(receive_GE, sum(node_splits[1]))
         y = experts(finish_rows(out, flight)[regroup], receive_GE.sum(0))
         del out
@@ -120,7 +121,6 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         # sums a token's copies (a gather and a sum), over the first of its copies on each node.
         out, flight = start_rows(y[inverse_order(regroup)], node_splits[0], node_splits[1], self.node_group)
         del y
-        yield
         copies = finish_rows(out, flight)
         weighted = copies * weights.reshape(-1)[copy].to(copies.dtype).unsqueeze(1)
         del out, copies
