@@ -11,14 +11,13 @@ and ranks or experts that receive nothing simply get empty blocks. The tokens ma
 exchanges overlap each other's experts (chunk_pipeline.py).
 """
 
-
 import torch
 import torch.distributed as dist
 
 from moe_pretrain.ops.host_values import split_sizes
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, finish_rows, start_rows
-from parallel.dispatch import DispatchMetadata, Experts, LocalTokenDispatcher
+from parallel.dispatch import DispatchMetadata, Experts, LocalTokenDispatcher, inverse_order
 from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 
@@ -34,13 +33,6 @@ def block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
     block_offset = torch.arange(total, device=counts_SE.device) - torch.repeat_interleave(
         torch.cumsum(counts_by_expert, 0) - counts_by_expert, counts_by_expert, output_size=total)
     return block_start + block_offset
-
-
-def inverse_order(order: torch.Tensor) -> torch.Tensor:
-    """The permutation that undoes `order` (a permutation of its indices)."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return inverse
 
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
@@ -71,7 +63,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         receive = all_to_all_counts(send.transpose(0, 1).reshape(self.size, -1), self.group)
         receive = receive.reshape(self.size, self.chunks, -1).transpose(0, 1)
         splits = split_sizes(send, receive, [rows.shape[0] for rows, _, _ in parts], self.rank)
-        row = row_bytes(x_TL, self.fp8)
+        row = row_bytes(x_TL.shape[1], x_TL.element_size(), self.fp8)
         self.bytes_sent += sum(sum(out) - out[self.rank] for out, _ in splits) * row
         outputs: list[torch.Tensor | None] = [None] * self.chunks
         run_interleaved(self._chunk(c, parts, receive[c], splits[c], experts, outputs) for c in range(self.chunks))

@@ -131,33 +131,6 @@ def _tensors_in(obj: object) -> Iterable[torch.Tensor]:
             yield from _tensors_in(value)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Uneven all-to-all of rows; the backward sends gradients back along the reversed splits."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        out = x.new_empty(sum(output_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        out = grad.new_empty(sum(input_splits), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return out, None, None, None
-
-
-def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                    group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Send input_splits[r] rows of x to rank r; receive output_splits[r] rows from rank r (differentiable)."""
-    check_devices(group, [x], "all_to_all_rows")
-    if group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, output_splits, input_splits, group)
-
-
 class RowCodec(Protocol):
     """How rows travel when not as they are (parallel/fp8_dispatch.py): encode -> tensors with one row per row
     of x, each exchanged alike; decode those received -> the rows in `dtype`."""
@@ -236,6 +209,14 @@ class _FinishRows(torch.autograd.Function):
         return grad, None
 
 
+def _start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup | None, codec: RowCodec | None) -> tuple[torch.Tensor, RowExchange | None]:
+    if group_size(group) == 1:
+        return x, None
+    exchange = RowExchange(output_splits, input_splits, group, codec)
+    return _StartRows.apply(x, exchange), exchange
+
+
 def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None,
                codec: RowCodec | None = None) -> tuple[torch.Tensor, RowExchange | None]:
     """all_to_all_rows started and not waited for: (its output, not to be read before finish_rows, the exchange).
@@ -244,10 +225,7 @@ def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int
     sent encoded (the gradients travel as they are: the encoding's gradient is taken as the identity). A group
     of one returns (x, None)."""
     check_devices(group, [x], "start_rows")
-    if group_size(group) == 1:
-        return x, None
-    exchange = RowExchange(output_splits, input_splits, group, codec)
-    return _StartRows.apply(x, exchange), exchange
+    return _start_rows(x, output_splits, input_splits, group, codec)
 
 
 def finish_rows(out: torch.Tensor, exchange: RowExchange | None) -> torch.Tensor:
@@ -255,6 +233,14 @@ def finish_rows(out: torch.Tensor, exchange: RowExchange | None) -> torch.Tensor
     if exchange is None:
         return out
     return _FinishRows.apply(out, exchange)
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send input_splits[r] rows of x to rank r; receive output_splits[r] rows from rank r (differentiable: the
+    gradients go back along the reversed splits). start_rows waited for at once."""
+    check_devices(group, [x], "all_to_all_rows")
+    return finish_rows(*_start_rows(x, output_splits, input_splits, group, None))
 
 
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

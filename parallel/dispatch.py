@@ -19,6 +19,13 @@ Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """experts(rows grouped by local expert [R, L], rows per local expert [E_local]) -> their outputs [R, L]."""
 
 
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order` (a permutation of its indices)."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 @dataclass(frozen=True)
 class DispatchMetadata:
     """What combine() needs to undo dispatch(): where each routed copy went, and its weight."""
@@ -46,9 +53,7 @@ class LocalTokenDispatcher:
         num_tokens, k = topk_idx.shape
         flat_expert = topk_idx.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        positions = torch.empty_like(order)
-        positions[order] = torch.arange(order.numel(), device=order.device)
-        positions = positions.reshape(num_tokens, k)
+        positions = inverse_order(order).reshape(num_tokens, k)
         counts = expert_load(flat_expert, self.num_experts)
         return permute(x_TL, order // k, positions, fused=self.fused), counts, DispatchMetadata(positions, topk_weight)
 

@@ -33,8 +33,7 @@ class FP8Rows:
 FP8_ROWS = FP8Rows()
 
 
-def row_bytes(x: torch.Tensor, fp8: bool) -> int:
-    """Bytes one row of x [rows, width] takes on the wire: its values, or as FP8 a byte a value and a scale a
-    block."""
-    width = x.shape[1]
-    return width + -(-width // BLOCK[1]) * 4 if fp8 else width * x.element_size()
+def row_bytes(width: int, element_size: int, fp8: bool) -> int:
+    """Bytes a row of `width` values of `element_size` bytes takes on the wire: its values, or as FP8 a byte a
+    value and a scale a block (the dispatchers' counts and the plan's)."""
+    return width + -(-width // BLOCK[1]) * 4 if fp8 else width * element_size

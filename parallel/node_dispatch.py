@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from moe_pretrain.ops.host_values import node_split_sizes
 from moe_pretrain.ops.routing import expert_load
-from parallel.all_to_all_dispatch import block_regroup, inverse_order
+from parallel.all_to_all_dispatch import block_regroup
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, all_to_all_rows, finish_rows, group_size, start_rows
-from parallel.dispatch import Experts, LocalTokenDispatcher
+from parallel.dispatch import Experts, LocalTokenDispatcher, inverse_order
 from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 
@@ -58,11 +58,11 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
                  ) -> torch.Tensor:
         k = topk_idx.shape[1]
         parts = list(zip(*(t.tensor_split(self.chunks) for t in (x_TL, topk_idx, topk_weight)), strict=True))
-        hits = [self._nodes_reached(idx) for _, idx, _ in parts]  # [N, T_c] each
+        reached = [self._nodes_reached(idx) for _, idx, _ in parts]  # (node of each copy, [N, T_c] hits) each
         # Counts both exchanges of every chunk need, exchanged on the device before the one host read: rows per
         # node, and copies per expert of each node (which the forwarding ranks sum into what they send on).
         copies = torch.stack([expert_load(idx, self.num_experts).reshape(self.nodes, -1) for _, idx, _ in parts])
-        rail_send = torch.stack([h.sum(1) for h in hits])  # [C, N]
+        rail_send = torch.stack([hits.sum(1) for _, hits in reached])  # [C, N]
         rail = all_to_all_counts(torch.cat([rail_send.unsqueeze(2), copies], 2).transpose(0, 1).reshape(
             self.nodes, -1), self.rail_group).reshape(self.nodes, self.chunks, -1).transpose(0, 1)
         forward_CGE = rail[:, :, 1:].sum(1).reshape(self.chunks, self.ranks_per_node, self.num_local_experts)
@@ -71,35 +71,34 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         receive_CGE = receive_CGE.reshape(self.ranks_per_node, self.chunks, -1).transpose(0, 1)
         splits = node_split_sizes(rail_send, rail[:, :, 0], forward_CGE.sum(2), receive_CGE.sum(2),
                                   [idx.shape[0] for _, idx, _ in parts], k, self.num_experts, self.rank)
-        row = row_bytes(x_TL, self.fp8)
+        row = row_bytes(x_TL.shape[1], x_TL.element_size(), self.fp8)
         self.bytes_across_nodes += sum(sum(rail_out) - rail_out[self.node] for (rail_out, _), _ in splits) * row
         outputs: list[torch.Tensor | None] = [None] * self.chunks
-        run_interleaved(self._chunk(c, *part, hits[c], receive_CGE[c], *splits[c], experts, outputs)
+        run_interleaved(self._chunk(c, *part, *reached[c], receive_CGE[c], *splits[c], experts, outputs)
                         for c, part in enumerate(parts))
         return torch.cat(outputs)
 
-    def _nodes_reached(self, topk_idx: torch.Tensor) -> torch.Tensor:
-        """[N, T]: whether token t has an expert on node n."""
+    def _nodes_reached(self, topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, k] the node of each copy, [N, T] whether token t has an expert on node n)."""
         num_tokens, k = topk_idx.shape
         hits_NT = torch.zeros(self.nodes, num_tokens, dtype=torch.bool, device=topk_idx.device)
         node_of_copy = topk_idx // self.experts_per_node
         hits_NT[node_of_copy.T.reshape(-1), torch.arange(num_tokens, device=topk_idx.device).repeat(k)] = True
-        return hits_NT
+        return node_of_copy, hits_NT
 
     def _chunk(self, c: int, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
-               hits_NT: torch.Tensor, receive_GE: torch.Tensor, rail_splits: tuple[list[int], list[int]],
-               node_splits: tuple[list[int], list[int]], experts: Experts, outputs: list[torch.Tensor | None]):
+               node_of_copy: torch.Tensor, hits_NT: torch.Tensor, receive_GE: torch.Tensor,
+               rail_splits: tuple[list[int], list[int]], node_splits: tuple[list[int], list[int]],
+               experts: Experts, outputs: list[torch.Tensor | None]):
         """One chunk of tokens through both exchanges to its experts and back (a generator that yields with
         each rail exchange of rows in flight)."""
         num_tokens, k = topk_idx.shape
-        node_of_copy = topk_idx // self.experts_per_node
         sent_rows = sum(rail_splits[0])
         # 1. rail: row (node b, token t) for every hit, node-major; the token's ids local to node b, or -1.
         pair = torch.argsort((~hits_NT).reshape(-1).to(torch.int8), stable=True)[:sent_rows]
         row_node, token_of_row = pair // num_tokens, pair % num_tokens
-        ids = topk_idx[token_of_row]
-        on_node = ids // self.experts_per_node == row_node.unsqueeze(1)
-        ids_on_node = torch.where(on_node, ids % self.experts_per_node, -1).to(torch.int32)
+        on_node = node_of_copy[token_of_row] == row_node.unsqueeze(1)
+        ids_on_node = torch.where(on_node, topk_idx[token_of_row] % self.experts_per_node, -1).to(torch.int32)
         rail_receive, rail_send = rail_splits[1], rail_splits[0]
         weights = all_to_all_rows(topk_weight[token_of_row], rail_receive, rail_send, self.rail_group)
         ids = all_to_all_rows(ids_on_node, rail_receive, rail_send, self.rail_group)

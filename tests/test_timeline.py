@@ -2,7 +2,8 @@
 
 import pytest
 
-from moe_pretrain.planning.timeline import FORWARD_SHARE, Timeline
+from moe_pretrain.planning.step_time import BACKWARD_SHARE
+from moe_pretrain.planning.timeline import Timeline
 
 
 def test_a_synchronous_collective_is_waited_for_at_once():
@@ -49,4 +50,4 @@ def test_what_is_in_flight_at_the_end_runs_into_the_next_steps_first_forward():
     late.compute(6.0)
     late.issue("dp", 2.5)
     late.started()
-    assert late.finish(micro_batches=2) == pytest.approx(6.0 + 2.5 - FORWARD_SHARE * 3.0)
+    assert late.finish(micro_batches=2) == pytest.approx(6.0 + 2.5 - (1 - BACKWARD_SHARE) * 3.0)

@@ -77,13 +77,6 @@ class CollectiveTraffic(TorchDispatchMode):
             sent[group] = sent.get(group, 0.0) + size * sent_share(op, len(self.ranks.get(group, [])))
         return dict(sorted(sent.items()))
 
-    def seconds(self, cluster: ClusterConfig) -> dict[str, float]:
-        """Per group, its collectives' time on their links (planning/step_time.py)."""
-        times: dict[str, float] = {}
-        for (group, op), size in self.bytes.items():
-            times[group] = times.get(group, 0.0) + collective_seconds(op, size, self.ranks.get(group, []), cluster)
-        return dict(sorted(times.items()))
-
     def _group_name(self, args: tuple) -> str:
         for arg in args:
             if isinstance(arg, torch.ScriptObject) and arg._type().qualified_name().endswith(".ProcessGroup"):

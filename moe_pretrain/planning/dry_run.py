@@ -177,7 +177,6 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
     optimizer = trainer.optimizer
-    collective_s = traffic.seconds(cfg.cluster)
     model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
     step_s = timeline.finish(plan.micro_batches)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank, fast_paths(trainer.model),
@@ -191,7 +190,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
-                     ops.bytes_moved, ops.roofline_s, collective_s, dict(sorted(timeline.exposed_s.items())),
+                     ops.bytes_moved, ops.roofline_s, dict(sorted(timeline.link_s.items())),
+                     dict(sorted(timeline.exposed_s.items())),
                      step_s, model_flops / (step_s * gpu.peak_flops), time.perf_counter() - start)
 
 

@@ -6,7 +6,7 @@ import math
 
 from moe_pretrain.config import Config
 from moe_pretrain.planning.tensor_parallel_traffic import ring_share
-from parallel.fp8_dispatch import BLOCK as FP8_BLOCK
+from parallel.fp8_dispatch import row_bytes
 from parallel.node_groups import node_blocks
 
 ID_BYTES = 4
@@ -53,7 +53,7 @@ def expert_exchange_bytes(cfg: Config, ep: int, tokens: float, passes: int, act_
     m = cfg.model.moe
     row = m.latent_size * act_bytes
     forward_passes = passes - 1
-    dispatched = m.latent_size + -(-m.latent_size // FP8_BLOCK[1]) * 4 if cfg.parallel.dispatch_fp8 else row
+    dispatched = row_bytes(m.latent_size, act_bytes, cfg.parallel.dispatch_fp8)
     per_row = forward_passes * (dispatched + row) + 2 * row  # out and back in each pass, the backward's in bf16
     if cfg.parallel.expert_dispatch == "flat":
         return {"ep": ring_share(ep, m.top_k * tokens * per_row)}

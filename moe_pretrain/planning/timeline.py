@@ -14,8 +14,7 @@ counts as hidden for the length of one micro-batch's forward, and beyond that as
 import collections
 from dataclasses import dataclass
 
-FORWARD_SHARE = 1 / 3
-"""A micro-batch's forward share of its compute (the backward does twice its FLOPs)."""
+from moe_pretrain.planning.step_time import BACKWARD_SHARE
 
 
 @dataclass
@@ -34,6 +33,8 @@ class Timeline:
         """The compute stream's clock: the compute issued so far, and its waits."""
         self.busy_s = 0.0
         """The compute alone."""
+        self.link_s: collections.Counter = collections.Counter()
+        """Per group, its collectives' time on their links."""
         self.link_free: dict[str, float] = {}
         self.collectives: list[_Collective] = []
         self.exposed_s: collections.Counter = collections.Counter()
@@ -62,6 +63,7 @@ class Timeline:
 
     def issue(self, group: str, seconds: float) -> None:
         self._resolve()
+        self.link_s[group] += seconds
         start = max(self.compute_s, self.link_free.get(group, 0.0))
         self.link_free[group] = start + seconds
         self.collectives.append(_Collective(group, start + seconds))
@@ -82,7 +84,7 @@ class Timeline:
         """The step's time: its compute and waits, and what is still in flight beyond the next step's first
         micro-batch's forward (module docstring)."""
         self._resolve()
-        hidden_until = self.compute_s + FORWARD_SHARE * self.busy_s / micro_batches
+        hidden_until = self.compute_s + (1 - BACKWARD_SHARE) * self.busy_s / micro_batches
         for collective in self.collectives:
             if not collective.waited:
                 collective.waited = True
