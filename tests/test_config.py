@@ -84,6 +84,8 @@ def test_bad_values_name_their_keys(override, message):
      "parallel.cp_mla=latent does nothing: MLA exchanges nothing without context parallelism"),
     (["parallel.ranks_per_node=2"], ["parallel.expert_dispatch=node"],
      "parallel.ranks_per_node=2 does nothing: it cuts expert-parallel groups by node"),
+    (["train.recompute_exchanges=false"], ["train.recompute=full", "parallel.ep=2"],
+     "train.recompute_exchanges=false does nothing: only full recomputation"),
     (["data.long_doc_tokens=128"], ["data.long_doc_share=0.5"],
      "data.long_doc_tokens=128 does nothing: no long_doc_share draws from long documents"),
 ])

@@ -81,6 +81,7 @@ def check_inert_settings(config: "Config") -> None:
     problems += _long_document_thresholds(config)
     problems += _context_parallel_methods(config)
     problems += _saved_input_policies(config)
+    problems += _exchanges_kept(config)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -111,6 +112,17 @@ def _context_parallel_methods(config: "Config") -> list[str]:
         if stage.cp_mla and (stage.cp or p.cp) == 1:
             problems.append(f"stages[{i}].cp_mla={stage.cp_mla} does nothing: {how} in this stage (its cp is 1)")
     return problems
+
+
+def _exchanges_kept(config: "Config") -> list[str]:
+    """recompute_exchanges=false keeps what full recomputation would fetch again over expert parallelism: it
+    acts only where full recomputation runs with ep > 1."""
+    train = config.train
+    modes = [stage.recompute or train.recompute for stage in config.stages] or [train.recompute]
+    if train.recompute_exchanges or ("full" in modes and config.parallel.ep > 1):
+        return []
+    return ["train.recompute_exchanges=false does nothing: only full recomputation (train.recompute=full or a "
+            "stage's) with parallel.ep > 1 repeats the expert exchanges"]
 
 
 def _saved_input_policies(config: "Config") -> list[str]:

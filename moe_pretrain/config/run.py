@@ -160,6 +160,11 @@ class TrainConfig:
     """Where full recomputation keeps each layer's inputs until its backward (model/saved_inputs.py):
     device; host (copied out as saved, back one layer ahead of the backward; exact); fp8 (block-scaled
     e4m3 on the device: about half the bytes of bf16, lossy). Needs recompute=full."""
+    recompute_exchanges: bool = True
+    """Whether full recomputation's re-forward repeats the MoE layers' expert exchanges. false: each MoE layer
+    is recomputed in pieces around its dispatch and combine (model/decoder_layer.py), which run once and keep
+    what they received until the backward: the step sends the expert rows twice, not three times, for the
+    stash priced by launch.plan. Needs recompute=full and ep > 1."""
 
     def __post_init__(self) -> None:
         require_positive("train", steps=self.steps)

@@ -56,17 +56,33 @@ class DecoderLayer(nn.Module):
         """-> (new partial block sum, balancing loss or None)."""
         if not self.recompute:
             return self._forward(bank, partial, layout)
+        if isinstance(self.mlp, LatentMoE) and self.mlp.recompute_around_exchanges:
+            # The layer up to its MoE's input is recomputed from the layer's inputs; the MoE recomputes its
+            # own pieces around the expert exchanges, which run once (train.recompute_exchanges=false).
+            with self.saved_inputs.layer(self.index):
+                partial, moe_in = maybe_recompute(True, self._to_mlp_flat, partial, layout, *bank)
+            return self._add_mlp(partial, moe_in)
         with self.saved_inputs.layer(self.index):  # the bank's tensors as arguments: the checkpoint saves them
             return maybe_recompute(True, self._forward_flat, partial, layout, *bank)
 
     def _forward_flat(self, partial, layout, *bank):
         return self._forward(list(bank), partial, layout)
 
+    def _to_mlp_flat(self, partial, layout, *bank):
+        return self._to_mlp(list(bank), partial, layout)
+
     def _forward(self, bank, partial, layout):
+        return self._add_mlp(*self._to_mlp(bank, partial, layout))
+
+    def _to_mlp(self, bank, partial, layout):
+        """-> (partial block sum with the sequence mixer's output, the MLP's normed input)."""
         visible = bank if partial is None else [*bank, partial]
         out = self.mixer(self.attn_norm(self.attn_mix(visible)), layout)
         partial = out if partial is None else partial + out
-        mlp_out = self.mlp(self.mlp_norm(self.mlp_mix([*bank, partial])))
+        return partial, self.mlp_norm(self.mlp_mix([*bank, partial]))
+
+    def _add_mlp(self, partial, mlp_in):
+        mlp_out = self.mlp(mlp_in)
         balance_loss = None
         if isinstance(mlp_out, tuple):
             mlp_out, balance_loss = mlp_out

@@ -41,20 +41,31 @@ class LatentMoE(nn.Module):
         self.dispatcher = LocalTokenDispatcher(cfg.num_experts, fused=kernels.triton)
         self.recompute_experts = False
         """Recompute the routed experts' MLP in backward (train.recompute=selective)."""
+        self.recompute_around_exchanges = False
+        """Recompute the block in three pieces around the dispatcher's exchanges, which run once and keep what
+        they received: routing and the latent projection, the routed experts, the way back to d with the
+        shared experts (train.recompute=full with train.recompute_exchanges=false)."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, T, D] -> (y [B, T, D], balancing loss or None)."""
-        shape = x.shape
-        x_TD = x.reshape(-1, shape[-1])
-        topk_idx, topk_weight, balance_loss = self.router(x_TD)
-        z_TL = self.latent_down(x_TD)
+        around = self.recompute_around_exchanges
+        topk_idx, topk_weight, balance_loss, z_TL = maybe_recompute(around, self._route, x)
         routed_TL = self.dispatcher.exchange(z_TL, topk_idx, topk_weight, self._routed_experts)
-        y = self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
+        return maybe_recompute(around, self._output, routed_TL, x), balance_loss
+
+    def _route(self, x: torch.Tensor):
+        x_TD = x.reshape(-1, x.shape[-1])
+        topk_idx, topk_weight, balance_loss = self.router(x_TD)
+        return topk_idx, topk_weight, balance_loss, self.latent_down(x_TD)
+
+    def _output(self, routed_TL: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = self.latent_up(self.latent_norm(routed_TL)).reshape(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)  # [B, T, D]: under sequence parallelism the shared MLP gathers along T
-        return y, balance_loss
+        return y
 
     def _routed_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The routed experts on rows grouped by local expert (a dispatcher may call this once per chunk)."""
         self.router.record_processed(grouped.shape[0])
-        return maybe_recompute(self.recompute_experts, self.experts, grouped, counts)
+        recompute = self.recompute_experts or self.recompute_around_exchanges
+        return maybe_recompute(recompute, self.experts, grouped, counts)

@@ -183,9 +183,11 @@ class MoETransformer(nn.Module):
             setattr(stage, name, getattr(full, name))
         return stage
 
-    def set_recompute(self, mode: Recompute, saved_inputs: SavedInputsPolicy = "device") -> SavedInputs:
-        """What backward recomputes (model/recompute.py), on the layers this module holds, and where full
-        recomputation keeps the layers' inputs (model/saved_inputs.py): one store for them all, returned."""
+    def set_recompute(self, mode: Recompute, saved_inputs: SavedInputsPolicy = "device",
+                      exchanges: bool = True) -> SavedInputs:
+        """What backward recomputes (model/recompute.py), on the layers this module holds, whether full
+        recomputation repeats the expert exchanges, and where it keeps the layers' inputs
+        (model/saved_inputs.py): one store for them all, returned."""
         store = SavedInputs(saved_inputs)
         if hasattr(self, "vision_tower"):  # a pipeline's first stage, or the whole model
             self.vision_tower.encoder.recompute = mode == "full"
@@ -195,6 +197,7 @@ class MoETransformer(nn.Module):
             layer.mixer.recompute_core = mode == "selective"
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.recompute_experts = mode == "selective"
+                layer.mlp.recompute_around_exchanges = mode == "full" and not exchanges
         return store
 
     def decoder_layers(self) -> dict[int, DecoderLayer]:

@@ -198,7 +198,8 @@ class Trainer:
             for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
                 apply_context_parallel(model, context)
         if (plan.recompute, plan.saved_inputs) != self._recompute:
-            self.saved_inputs = self.model.set_recompute(plan.recompute, plan.saved_inputs)
+            self.saved_inputs = self.model.set_recompute(plan.recompute, plan.saved_inputs,
+                                                         self.cfg.train.recompute_exchanges)
             self._recompute = (plan.recompute, plan.saved_inputs)
 
     def _apply_positional_settings(self, plan: StepPlan) -> None:
