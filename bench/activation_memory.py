@@ -1,6 +1,6 @@
 """The memory plan's activation formulas against measured memory of real CPU forward + backward passes.
 
-Run: .venv/bin/python bench/activation_memory.py [--lengths 2048 8192] [--modes none selective full]
+Run: .venv/bin/python bench/activation_memory.py [--lengths 2048 8192] [--modes none selective full full-kept]
 Each (recompute, T) runs in a fresh process (a clean allocator): the tiny model (d = 64, KDA chunk 64,
 1000-token documents) in fp32 does one forward, a cross-entropy loss and a backward. Printed, in MB: the
 plan's saved activations and peak (moe_pretrain/planning/step_activations.py, the same arithmetic launch.plan
@@ -49,7 +49,9 @@ class ProcessMemory:
 
 def probe(recompute: str, T: int, process: ProcessMemory | None = None) -> dict:
     """One forward + loss + backward at T tokens: the plan's figures and the measured live tensor bytes (and the
-    process's figures, when a ProcessMemory is given)."""
+    process's figures, when a ProcessMemory is given). recompute "full-kept": full recomputation around the
+    expert exchanges (train.recompute_exchanges=false; here the local dispatcher's, which saves what the
+    expert-parallel ones save)."""
     from moe_pretrain.planning.measured import LiveTensorBytes
     from moe_pretrain.planning.step_activations import activation_bytes
     from moe_pretrain.training.parallelize import build_model
@@ -57,7 +59,8 @@ def probe(recompute: str, T: int, process: ProcessMemory | None = None) -> dict:
 
     cfg = tiny_config(*CONFIG)
     model = build_model(cfg)
-    model.set_recompute(recompute)
+    mode, exchanges = ("full", False) if recompute == "full-kept" else (recompute, True)
+    model.set_recompute(mode, exchanges=exchanges)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # gradients are the plan's state, not activations
     gen = torch.Generator().manual_seed(0)
@@ -68,7 +71,7 @@ def probe(recompute: str, T: int, process: ProcessMemory | None = None) -> dict:
         after_forward = live.live
         (F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + balance).backward()
     m = cfg.model
-    plan = activation_bytes(m, list(range(m.num_layers)), recompute, T, act_bytes=4)
+    plan = activation_bytes(m, list(range(m.num_layers)), mode, T, act_bytes=4, exchanges=exchanges)
     result = {"recompute": recompute, "T": T, "plan_saved": plan.saved, "plan_peak": plan.peak,
               "live_after_forward": after_forward, "live_peak": live.peak}
     return {**result, **(process.figures() if process else {})}
@@ -84,7 +87,7 @@ def run_probe(recompute: str, T: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
-    parser.add_argument("--modes", nargs="+", default=["none", "selective", "full"])
+    parser.add_argument("--modes", nargs="+", default=["none", "selective", "full", "full-kept"])
     parser.add_argument("--probe", nargs=2, metavar=("RECOMPUTE", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:

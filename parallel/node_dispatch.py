@@ -29,6 +29,21 @@ from parallel.dispatch import Experts, LocalTokenDispatcher, inverse_order
 from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 
+class _SumRows(torch.autograd.Function):
+    """rows [R, L] summed into n rows, row r into index[r] (index_add), keeping only the index for the
+    backward: torch's index_add keeps its source too, all of a layer's k L-wide weighted copies."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return rows.new_zeros(n, rows.shape[1]).index_add_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 class NodeTokenDispatcher(LocalTokenDispatcher):
     """ep ranks as N nodes of G (rail_group: this rank's peers of the same local index, one per node, in node
     order; node_group: the G ranks of this node, in local order)."""
@@ -123,7 +138,7 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         copies = finish_rows(out, flight)
         weighted = copies * weights.reshape(-1)[copy].to(copies.dtype).unsqueeze(1)
         del out, copies
-        partial = weighted.new_zeros(sum(rail_receive), weighted.shape[1]).index_add(0, row_of_copy, weighted)
+        partial = _SumRows.apply(weighted, row_of_copy, sum(rail_receive))
         del weighted
         out, flight = start_rows(partial, rail_send, rail_receive, self.rail_group)
         del partial

@@ -116,7 +116,8 @@ class MemoryPlanner:
     def _layer(self, index: int, recompute: str, mla: str = "ulysses", cp: int = 1, tp: int = 1) -> LayerActivations:
         key = (index, recompute, mla, cp, tp)
         if key not in self._layers:
-            self._layers[key] = layer_activations(self.cfg.model, index, recompute, mla, cp, tp)
+            self._layers[key] = layer_activations(self.cfg.model, index, recompute, mla, cp, tp,
+                                                  self.cfg.train.recompute_exchanges)
         return self._layers[key]
 
     def problems(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> list[str]:
@@ -249,11 +250,12 @@ class MemoryPlanner:
         # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
         layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * last
         passes = 3 if layout.recompute == "full" else 2  # forward, backward (+ the re-forward)
+        expert_passes = passes if cfg.train.recompute_exchanges else 2  # recompute_exchanges=false: no re-forward
         # Muon's whole-matrix rules all-gather their tensor-parallel slices over the tp group (parallel/muon.py).
         tp = M * tensor_parallel_bytes(m, layers, tokens, run.tp, b, passes, first, last) + state["muon_join_bytes"]
         moe = sum(m.is_moe_layer(i) for i in layers)
         ep = {group: M * moe * size for group, size in
-              expert_exchange_bytes(cfg, run.ep, tokens / run.tp, passes, b).items()}
+              expert_exchange_bytes(cfg, run.ep, tokens / run.tp, expert_passes, b).items()}
         chunks = pipeline_chunks(cfg)
         pp = M * pipeline_bytes(m, chunks, chunks_of_rank(len(chunks), run.pp, p), tokens / run.tp,
                                 PARAM_BYTES[cfg.train.dtype], b)

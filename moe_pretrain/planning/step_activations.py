@@ -19,6 +19,8 @@ What they count, by component:
 - Full recomputation: each layer keeps its inputs, d per token: the partial block sum, or at a block's
   first layer the bank entry it closes (each entry saved once: model/saved_inputs.py's ledger counts
   exactly d per token per layer); train.saved_inputs keeps them on the host or in FP8 (saved_input_bytes).
+  Without repeating the expert exchanges (train.recompute_exchanges=false) an MoE layer also keeps what
+  they received, 2 k L + L + d and its indices (exchanges_kept).
 - The vision tower (vision_activations), per patch: each block 6 D + 5.06 W + 1.88 Dh + 2 I + 4 (D its width, W
   heads x head dim, I its MLP width: norms, wqkv, rotary q / k, attention with its log-sum-exp, wo, the tanh-GELU
   MLP), plus 5 D + d / 2 + 1.25 outside the blocks (patch embedding and positions, final norm, merge, projector:
@@ -51,6 +53,9 @@ class LayerActivations:
     transient: float
     transient_core: float = 0.0
     """Of the transient, KDA's fp32 core (4 bytes an element; the rest in the activation dtype)."""
+    exchanges_kept: float = 0.0
+    """Under full recomputation that does not repeat the expert exchanges, what the MoE layer keeps on the
+    device beside the layer's inputs (exchanges_kept)."""
 
     @property
     def total(self) -> float:
@@ -115,10 +120,21 @@ def mix_entries(m: ModelConfig, index: int) -> tuple[int, int]:
     return bank + (index % block != 0), bank + 1
 
 
+def exchanges_kept(m: ModelConfig) -> float:
+    """Elements per token an MoE layer keeps under full recomputation that runs its expert exchanges once
+    (train.recompute_exchanges=false, model/decoder_layer.py): the MoE's input (d: routing, the latent
+    projection and the shared experts start from it), the routed experts' input rows as received (k L) and
+    their outputs as returned (k L: the routing weights take their gradient from them), the combined latent
+    rows (L), and the dispatch's indices (int64, about 2 k elements' worth)."""
+    e = m.moe
+    return m.hidden_size + 2 * e.top_k * e.latent_size + e.latent_size + 2 * e.top_k
+
+
 def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exchange: str = "ulysses",
-                      cp: int = 1, tp: int = 1) -> LayerActivations:
+                      cp: int = 1, tp: int = 1, exchanges: bool = True) -> LayerActivations:
     """Saved elements per token of layer `index` (all heads: divide by tp for a tensor-parallel rank);
-    mla_exchange: how an MLA layer attends across cp ranks (latent: _mla_by_latent)."""
+    mla_exchange: how an MLA layer attends across cp ranks (latent: _mla_by_latent); exchanges: whether full
+    recomputation repeats the MoE layer's expert exchanges (train.recompute_exchanges)."""
     d = m.hidden_size
     attn_entries, mlp_entries = mix_entries(m, index)
     norms_and_mixes = 2 * (2 * d + 1) + _mix(d, attn_entries) + _mix(d, mlp_entries)
@@ -135,7 +151,8 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
     if recompute == "full":
         # The layer keeps its inputs (the running partial sum, or the bank entry a block's first layer
         # closes: d per token per layer) and backward re-runs it whole, one layer at a time.
-        return LayerActivations(0.0, 0.0, d, core + mixer + other, core)
+        kept = 0.0 if exchanges or not m.is_moe_layer(index) else exchanges_kept(m)
+        return LayerActivations(0.0, 0.0, d, core + mixer + other, core, kept)
     # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections;
     # the latent exchange already saves only what its backward needs (nothing is recomputed there).
     if latent:
@@ -214,14 +231,16 @@ class ActivationBytes:
 def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, tokens: int, *, act_bytes: int,
                      tp: int = 1, in_flight: float = 1.0, last: bool = True,
                      layer_of: Callable[[int, Recompute], LayerActivations] | None = None,
-                     saved_inputs: SavedInputsPolicy = "device") -> ActivationBytes:
+                     saved_inputs: SavedInputsPolicy = "device", exchanges: bool = True) -> ActivationBytes:
     """Bytes for `tokens` positions of one micro-batch through `layers`, `in_flight` micro-batches kept at
     once, every per-token count divided over tensor (and sequence) parallel; KDA's core elements (saved, or
     re-materialised in the transient) are counted at 4 bytes (fp32 under autocast too), the rest at act_bytes
     (the recomputed layer's transient too: its activations and their gradients are in the compute dtype).
     Under full recomputation `other` is the layers' inputs, kept as saved_inputs says; the host policy keeps
-    on the GPU the inputs of PREFETCH_LAYERS layers and every bank entry of the micro-batch in backward."""
-    per_layer = [(layer_of or (lambda i, r: layer_activations(m, i, r)))(i, recompute) for i in layers]
+    on the GPU the inputs of PREFETCH_LAYERS layers and every bank entry of the micro-batch in backward;
+    what the MoE layers keep around their exchanges (exchanges=False) stays on the device."""
+    per_layer = [(layer_of or (lambda i, r: layer_activations(m, i, r, exchanges=exchanges)))(i, recompute)
+                 for i in layers]
     scale = tokens / tp * in_flight
     mixers = sum(a.kda_core * 4 + a.mixer * act_bytes for a in per_layer) * scale
     other = sum(a.other for a in per_layer) * act_bytes * scale
@@ -231,6 +250,7 @@ def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, to
         if saved_inputs == "host":
             window = min(len(layers), PREFETCH_LAYERS + m.num_layers // m.attn_res.block_size + 1)
             other = window * m.hidden_size * tokens / tp * act_bytes
+        other += sum(a.exchanges_kept for a in per_layer) * act_bytes * scale
     transient = max((a.transient_core * 4 + (a.transient - a.transient_core) * act_bytes for a in per_layer),
                     default=0.0) * tokens / tp
     head = head_activations(m, m.vocab_size) * 4 * tokens / tp if last else 0.0
