@@ -57,19 +57,27 @@ class DecoderLayer(nn.Module):
         if not self.recompute:
             return self._forward(bank, partial, layout)
         if isinstance(self.mlp, LatentMoE) and self.mlp.recompute_around_exchanges:
-            # The layer up to its MoE's input is recomputed from the layer's inputs; the MoE recomputes its
-            # own pieces around the expert exchanges, which run once (train.recompute_exchanges=false).
-            with self.saved_inputs.layer(self.index):
-                partial, moe_in = maybe_recompute(True, self._to_mlp_flat, partial, layout, *bank)
-            return self._add_mlp(partial, moe_in)
+            return self._forward_around_exchanges(bank, partial, layout)
         with self.saved_inputs.layer(self.index):  # the bank's tensors as arguments: the checkpoint saves them
             return maybe_recompute(True, self._forward_flat, partial, layout, *bank)
+
+    def _forward_around_exchanges(self, bank, partial, layout):
+        """Full recomputation that runs the MoE's expert exchanges once (train.recompute_exchanges=false): the
+        layer up to them is recomputed from the layer's inputs, the routed experts from the rows they received,
+        the way back to d from the combined rows and the shared experts' output; what the exchanges received
+        waits for the backward instead of being fetched again (planning/step_activations.exchanges_kept)."""
+        with self.saved_inputs.layer(self.index):
+            partial, *routing, shared = maybe_recompute(True, self._to_experts_flat, partial, layout, *bank)
+        topk_idx, topk_weight, balance_loss, z_TL = routing
+        routed_TL = self.mlp.exchange(z_TL, topk_idx, topk_weight)
+        return partial + maybe_recompute(True, self.mlp.from_experts, routed_TL, shared, partial.shape), balance_loss
 
     def _forward_flat(self, partial, layout, *bank):
         return self._forward(list(bank), partial, layout)
 
-    def _to_mlp_flat(self, partial, layout, *bank):
-        return self._to_mlp(list(bank), partial, layout)
+    def _to_experts_flat(self, partial, layout, *bank):
+        partial, mlp_in = self._to_mlp(list(bank), partial, layout)
+        return partial, *self.mlp.to_experts(mlp_in)
 
     def _forward(self, bank, partial, layout):
         return self._add_mlp(*self._to_mlp(bank, partial, layout))
