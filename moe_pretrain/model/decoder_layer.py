@@ -70,14 +70,23 @@ class DecoderLayer(nn.Module):
             partial, *routing, shared = maybe_recompute(True, self._to_experts_flat, partial, layout, *bank)
         topk_idx, topk_weight, balance_loss, z_TL = routing
         routed_TL = self.mlp.exchange(z_TL, topk_idx, topk_weight)
-        return partial + maybe_recompute(True, self.mlp.from_experts, routed_TL, shared, partial.shape), balance_loss
+        return partial + maybe_recompute(True, self._from_experts, routed_TL, shared, partial.shape), balance_loss
 
     def _forward_flat(self, partial, layout, *bank):
         return self._forward(list(bank), partial, layout)
 
     def _to_experts_flat(self, partial, layout, *bank):
+        """The layer up to the MoE's exchanges, and its shared experts (which read the same input: computed
+        here, that input and its sequence-parallel gather need not wait for the backward)."""
         partial, mlp_in = self._to_mlp(list(bank), partial, layout)
-        return partial, *self.mlp.to_experts(mlp_in)
+        # Routing first, the shared experts after, as the MoE's forward runs them: their gradients then reach
+        # mlp_in in the same order, and its sum is bitwise the one full recomputation makes.
+        routing = self.mlp.to_experts(mlp_in)
+        return partial, *routing, self.mlp.shared(mlp_in) if self.mlp.shared is not None else None
+
+    def _from_experts(self, routed_TL, shared, shape):
+        y = self.mlp.from_experts(routed_TL, shape)
+        return y + shared if shared is not None else y
 
     def _forward(self, bank, partial, layout):
         return self._add_mlp(*self._to_mlp(bank, partial, layout))

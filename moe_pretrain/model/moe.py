@@ -48,27 +48,25 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, T, D] -> (y [B, T, D], balancing loss or None)."""
-        topk_idx, topk_weight, balance_loss, z_TL, shared = self.to_experts(x)
-        return self.from_experts(self.exchange(z_TL, topk_idx, topk_weight), shared, x.shape), balance_loss
+        topk_idx, topk_weight, balance_loss, z_TL = self.to_experts(x)
+        y = self.from_experts(self.exchange(z_TL, topk_idx, topk_weight), x.shape)
+        if self.shared is not None:
+            y = y + self.shared(x)  # [B, T, D]: under sequence parallelism the shared MLP gathers along T
+        return y, balance_loss
 
     def to_experts(self, x: torch.Tensor):
-        """x [B, T, D] -> (top-k ids [T, k], weights [T, k], balancing loss or None, latent rows [T, L], the shared
-        experts' output [B, T, D] or None)."""
+        """x [B, T, D] -> (top-k ids [T, k], weights [T, k], balancing loss or None, latent rows [T, L])."""
         x_TD = x.reshape(-1, x.shape[-1])
         topk_idx, topk_weight, balance_loss = self.router(x_TD)
-        z_TL = self.latent_down(x_TD)
-        # Under sequence parallelism the shared MLP gathers along T: [B, T, D] out, this rank's shard.
-        shared = self.shared(x) if self.shared is not None else None
-        return topk_idx, topk_weight, balance_loss, z_TL, shared
+        return topk_idx, topk_weight, balance_loss, self.latent_down(x_TD)
 
     def exchange(self, z_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """Each latent row through its routed experts and back, weighted and summed -> [T, L]."""
         return self.dispatcher.exchange(z_TL, topk_idx, topk_weight, self._routed_experts)
 
-    def from_experts(self, routed_TL: torch.Tensor, shared: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
-        """The routed experts' sum back to d, plus the shared experts' output -> [B, T, D] (shape)."""
-        y = self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
-        return y + shared if shared is not None else y
+    def from_experts(self, routed_TL: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The routed experts' sum back to d -> [B, T, D] (shape)."""
+        return self.latent_up(self.latent_norm(routed_TL)).reshape(shape)
 
     def _routed_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The routed experts on rows grouped by local expert (a dispatcher may call this once per chunk)."""
