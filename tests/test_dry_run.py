@@ -27,7 +27,7 @@ BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.
         "train.run_dir=/nonexistent", "cluster.gpus_per_node=2"]
 LAYOUTS = {
     "tp2-pp2-ep2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "optim.name=muon",
-                        "parallel.dispatch_chunks=2"],
+                        "parallel.dispatch_chunks=2", "train.recompute=full", "train.recompute_exchanges=false"],
     "cp2-tp2-ep4-dp2": ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.moe.qb_quantile=exact",
                         "precision.fp8=tensorwise", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2",
                         "parallel.dispatch_fp8=true"],
