@@ -30,6 +30,21 @@ def node_blocks(members: list[int], ranks_per_node: int) -> list[list[int]]:
     return blocks
 
 
+def check_node_hosts(hosts: list[str], ranks_per_node: int) -> None:
+    """hosts: every rank's host name, in rank order. The ranks numbered onto one node must run on one host:
+    a launcher that numbers them otherwise, or a wrong parallel.ranks_per_node, would send the node exchange
+    (meant for NVLink) over the NIC and several rail rows through one NIC. The run would be slow, not wrong,
+    so it is refused at start. Declared nodes that share a host (tests' nodes of 2 processes) pass."""
+    for first in range(0, len(hosts), ranks_per_node):
+        block = hosts[first:first + ranks_per_node]
+        if len(set(block)) > 1:
+            raise ConfigError(
+                f"parallel.expert_dispatch=node: ranks {first}-{first + len(block) - 1} are numbered as one node "
+                f"of {ranks_per_node} (parallel.ranks_per_node, else the launcher's LOCAL_WORLD_SIZE) but run on "
+                f"hosts {', '.join(sorted(set(block)))}; set parallel.ranks_per_node to the ranks each node "
+                f"starts, or parallel.expert_dispatch=flat")
+
+
 def expert_node_groups(ep_groups: list[list[int]] | list[tuple[int, ...]], ranks_per_node: int, rank: int
                        ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(rail, node) groups of `rank` from every expert-parallel group of the job (global ranks, ep order),

@@ -9,6 +9,7 @@ expert parameters are reduced over the expert-data-parallel group.
 import logging
 import math
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
 from parallel.collectives import gather_objects
-from parallel.node_groups import expert_node_groups
+from parallel.node_groups import check_node_hosts, expert_node_groups
 
 log = logging.getLogger(__name__)
 
@@ -356,8 +357,10 @@ def _expert_node_groups(cfg: Config, ep_group: dist.ProcessGroup
                         ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """The node dispatch's groups, from every rank's expert-parallel group (gathered: creation is collective)."""
     members = dist.get_process_group_ranks(ep_group)
-    everyone: list[list[int]] = gather_objects(members, dist.group.WORLD)
-    return expert_node_groups(sorted({tuple(g) for g in everyone}), ranks_per_node(cfg), dist.get_rank())
+    everyone: list[tuple[list[int], str]] = gather_objects((members, socket.gethostname()), dist.group.WORLD)
+    size = ranks_per_node(cfg)
+    check_node_hosts([host for _, host in everyone], size)
+    return expert_node_groups(sorted({tuple(group) for group, _ in everyone}), size, dist.get_rank())
 
 
 def new_host_group(timeout: timedelta) -> dist.ProcessGroup:

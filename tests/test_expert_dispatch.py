@@ -12,7 +12,7 @@ from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.dispatch import LocalTokenDispatcher
 from parallel.fp8_dispatch import row_bytes
 from parallel.node_dispatch import NodeTokenDispatcher
-from parallel.node_groups import expert_node_groups, node_blocks
+from parallel.node_groups import check_node_hosts, expert_node_groups, node_blocks
 from parallel.statistics import GroupStatistics
 from tests.helpers import rel_rms
 
@@ -197,6 +197,13 @@ def test_node_blocks_cut_an_expert_group_by_node_or_name_why_not():
     for members in ([0, 1, 2], [0, 2, 1, 3]):  # unequal blocks; a node met twice
         with pytest.raises(ConfigError, match=r"parallel\.ranks_per_node=2"):
             node_blocks(members, 2)
+
+
+def test_ranks_numbered_onto_one_node_must_share_a_host():
+    check_node_hosts(["a", "a", "b", "b"], 2)
+    check_node_hosts(["a"] * 4, 2)  # one machine declaring nodes of 2 processes
+    with pytest.raises(ConfigError, match=r"ranks 0-1 are numbered as one node of 2 .* hosts a, b"):
+        check_node_hosts(["a", "b", "a", "b"], 2)  # a launcher that deals ranks round-robin over the nodes
 
 
 def overlap_worker(rank, world_size, chunks):
