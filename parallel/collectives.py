@@ -284,15 +284,6 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     return _all_reduce(x, group, dist.ReduceOp.MAX, "all_reduce_max")
 
 
-def _into(collective, out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
-    check_devices(group, [out, x], what)
-    if group_size(group) == 1:
-        out.copy_(x)
-    else:
-        with backend_ops():
-            collective(out, x, group=group)
-
-
 def all_gather_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
                           ) -> Pending | None:
     """out [size * n, ...] <- every rank's x [n, ...] in rank order (in place; no grad), started and not

@@ -1,10 +1,10 @@
 """DCP's file-system writer, hashing every file while it is written: no second pass over the bytes.
 
-A save used to write its shard files, then read them back to SHA-256 them: two passes, the second one
-serial after the first. Here every write() of DCP's writer threads also feeds the file's digest, on data
-still in memory, so the hashing runs inside the writer threads (one per file, WRITE_THREADS per rank) and
-overlaps with their I/O. Files are written front to back (DCP and torch.save append, never seek), which
-the digest relies on: the stream offers no seek, so a writer that needed one would fail, not mis-hash.
+Hashing after the save would read every shard file back, a second pass serial after the first. Here every
+write() of DCP's writer threads also feeds the file's digest, on data still in memory, so the hashing runs
+inside the writer threads (one per file, WRITE_THREADS per rank) and overlaps with their I/O. Files are
+written front to back (DCP and torch.save append, never seek), which the digest relies on: the stream offers
+no seek, so a writer that needed one would fail, not mis-hash.
 """
 
 import hashlib

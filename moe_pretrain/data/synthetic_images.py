@@ -15,14 +15,6 @@ COLOURS = {
 SHAPES = ("square", "circle", "triangle", "cross")
 CELLS = ("top left", "top right", "bottom left", "bottom right")
 
-MAX_SHAPES = 2
-
-
-def longest_caption_bytes() -> int:
-    """Bytes of the longest caption make_image can write (two of the longest phrases)."""
-    phrase = len(f"a {max(COLOURS, key=len)} {max(SHAPES, key=len)} in the {max(CELLS, key=len)}")
-    return MAX_SHAPES * phrase + len(" and ") * (MAX_SHAPES - 1) + len(".")
-
 
 def image_size(seed: int, index: int, side: int) -> tuple[int, int]:
     """(H, W) of image `index`: side or side / 2 each, drawn from (seed, index)."""
@@ -54,13 +46,12 @@ def make_image(seed: int, index: int, side: int, channels: int = 3) -> tuple[np.
         raise ValueError(f"synthetic images are RGB: model.vision.channels must be 3, got {channels}")
     height, width = image_size(seed, index, side)
     rng = np.random.default_rng([seed, index])
-    # Mid-grey, like a normalised photograph (pixels around 0 once scaled to [-1, 1]). A dark canvas put one
+    # Mid-grey, like a normalised photograph (pixels around 0 once scaled to [-1, 1]). A dark canvas puts one
     # large offset into every patch, which the bias-free patch embedding and the RMSNorms carry into every image
-    # token: tokens of different images started at cosine 0.9-0.99, and the tower was read far more slowly
-    # (held-out colour accuracy 0.37 against 0.76 at 200 steps, tests/test_multimodal.py's setting).
+    # token, so that the tower tells images apart slowly (docs/results.md).
     canvas = rng.uniform(0.35, 0.65, size=(3, height, width)).astype(np.float32)
     cell_h, cell_w = height // 2, width // 2
-    count = 1 + int(rng.random() < 0.4)  # at most MAX_SHAPES
+    count = 1 + int(rng.random() < 0.4)  # one shape or two
     cells = rng.choice(len(CELLS), size=count, replace=False)
     phrases = []
     for cell_index in sorted(cells):

@@ -64,10 +64,8 @@ class PatchEmbed(nn.Module):
 def position_table_std(patch_size: int, channels: int, init_std: float) -> float:
     """The position table's initial std: the patch embedding's output std for unit-variance pixels,
     init_std * sqrt(C p p) (0.48 for 3 x 14 x 14 and 0.02), so position and content enter the tower at one
-    scale. Drawn at init_std it was ~25x below the content of a coloured patch, and the model learned slowly
-    where things are in an image; drawn at N(0, 1) (the release's) it swamped the content (measured in
-    tests/test_multimodal.py's setting at 300 steps, held-out colour accuracy on captions of two shapes, where
-    the model must find the first: 0.88 at init_std, 0.84 at 1.0, 0.95-0.98 at this std or 0.3)."""
+    scale. Drawn at init_std it is far below the content of a coloured patch, and the model learns slowly
+    where things are in an image; drawn at N(0, 1) (the release's) it swamps the content (docs/results.md)."""
     return init_std * math.sqrt(channels * patch_size * patch_size)
 
 
