@@ -1,9 +1,12 @@
 """Config loading, overrides and the errors users see."""
 
+from pathlib import Path
+
 import pytest
 
 from moe_pretrain.config import ConfigError, load_config
 from moe_pretrain.config.model import FULL_LAYER_PATTERN
+from moe_pretrain.config.reference import reference_markdown
 from tests.models import EVAL_OFF
 
 
@@ -137,3 +140,16 @@ def test_yaml_exponent_without_dot_is_read_as_float(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("optim:\n  lr: 1e-3\n  min_lr: 1e-4\n")  # YAML 1.1 reads these as strings
     assert load_config(f).optim.lr == pytest.approx(1e-3)
+
+
+def test_the_configuration_reference_is_generated_from_the_code_and_documents_every_key():
+    """docs/config_reference.md is what moe_pretrain.config.reference writes (a key added, renamed or re-documented
+    without regenerating the page fails here), and every key has a docstring under its field."""
+    page = Path("docs/config_reference.md").read_text()
+    assert page == reference_markdown(), \
+        "docs/config_reference.md is stale: python -m moe_pretrain.config.reference > docs/config_reference.md"
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    keys = {row.split("`")[1] for row in rows}
+    assert {"model.moe.top_k", "parallel.expert_dispatch", "train.recompute_exchanges", "stages[i].cp",
+            "data.blend[i].weight", "logging.wandb.project"} <= keys
+    assert [row.split("|")[1] for row in rows if row.rstrip().endswith("|  |")] == []

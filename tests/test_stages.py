@@ -244,7 +244,8 @@ def test_plan_moves_the_saved_inputs_where_the_stage_says(monkeypatch):
     device, host, fp8 = first["device"], first["host"], first["fp8"]
     moved = host["host_bytes"]
     assert device["host_bytes"] == fp8["host_bytes"] == 0 and moved > 0
-    assert host["total_bytes"] < device["total_bytes"] < device["total_bytes"] + moved
+    # The host policy frees what it moved but its prefetch window of layers' inputs (kept on the device).
+    assert 0 < device["total_bytes"] - host["total_bytes"] < moved
     assert device["total_bytes"] - fp8["total_bytes"] == pytest.approx(moved * (1 - (1 + 4 / 128) / 2), rel=1e-9)
     gpu = stage_memory.GPU_BYTES["h200"]
     assert planner.fits(run, stage, replace(layout, saved_inputs="host"), gpu) is not None

@@ -10,7 +10,10 @@ class BlendConfig:
     """One dataset of a blend: the prefix preprocess wrote (PREFIX.bin/.idx/.json) and its token share."""
 
     path: str = ""
+    """The dataset's prefix: PREFIX.bin / .idx (and our PREFIX.json) written by python -m
+    moe_pretrain.data.preprocess, or a Megatron pair."""
     weight: float = 1.0
+    """Its share of the blend's tokens, relative to the other entries' weights."""
     tokenizer: str = ""
     """For a plain Megatron dataset (.bin / .idx without our .json): the tokenizer it was made with, as
     byte, hf:<tokenizer.json> or tiktoken:<file>; empty = data.tokenizer."""

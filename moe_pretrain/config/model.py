@@ -38,14 +38,22 @@ class MLAConfig:
     """Gated Multi-head Latent Attention layers (MODEL.md, "Gated MLA")."""
 
     num_heads: int = 96
+    """Attention heads (split over tensor-parallel ranks)."""
     q_lora_rank: int = 1536
+    """Width of the query's low-rank latent (q_down: d -> q_lora_rank, normed, then q_up to the heads)."""
     kv_lora_rank: int = 512
+    """Width of the shared key-value latent (kv_down: d -> kv_lora_rank + qk_rope_head_dim); what the latent
+    exchange under context parallelism sends."""
     qk_nope_head_dim: int = 128
+    """Per-head query / key dims without rotation."""
     qk_rope_head_dim: int = 64
+    """Per-head query / key dims rotated under position=rope (even; the key's are shared by all heads)."""
     v_head_dim: int = 128
+    """Per-head value width."""
     position: Literal["nope", "rope"] = "nope"
     """nope (full size: the rope dims are never rotated, position comes from KDA) or rope (ablations)."""
     rope_theta: float = 10000.0
+    """RoPE base under position=rope (a stage may set its own: stages[i].rope_theta)."""
     lora_norm_eps: float = 1e-6
     """eps of the RMSNorms on the q and kv latents."""
 
@@ -62,18 +70,23 @@ class MoEConfig:
     """Stable LatentMoE with SiTU-GLU experts and its balancing (MODEL.md)."""
 
     num_experts: int = 896
+    """Routed experts per MoE layer (split over parallel.ep ranks)."""
     top_k: int = 16
+    """Experts each token is routed to (< num_experts)."""
     expert_intermediate: int = 3072
     """SiTU-GLU intermediate width of each routed expert (which works in the latent dim)."""
     latent_size: int = 3584
     """l: routed experts read and write l-dim vectors (W_down: d -> l, W_up: l -> d)."""
     num_shared_experts: int = 2
+    """Shared SiTU-GLU experts every token goes through (in full d); 0 = none."""
     shared_intermediate: int = 3072
     """Intermediate width of each shared expert (in full d)."""
     routed_scaling: float = 1.0
+    """The routing weights of a token (its selected raw scores, renormalised) sum to this."""
     balancing: Literal["qb", "aux_free", "aux_loss"] = "qb"
     """qb: quantile balancing; aux_free: DeepSeek sign update; aux_loss: classic auxiliary loss."""
     qb_rate: float = 1.0
+    """Quantile balancing's step: b_j <- b_j - qb_rate * c_j (1.0: the whole correction each step)."""
     qb_quantile: Literal["histogram", "exact"] = "histogram"
     """How quantile balancing finds each expert's margin quantile over the step's global batch. histogram: from
     integer counts of model.moe.qb_bins bins per expert, every forward's scores dropped once counted (a few MB
@@ -83,9 +96,13 @@ class MoEConfig:
     qb_bins: int = 1000
     """Histogram bins per expert (model.moe.qb_quantile=histogram): width (2 + bias range) / qb_bins."""
     aux_free_rate: float = 1e-3
+    """balancing=aux_free: the bias step u of b_i += u * sign(mean load - load_i)."""
     aux_loss_coef: float = 1e-2
+    """balancing=aux_loss: the auxiliary load-balancing loss's weight in the loss."""
     situ_beta: float = 4.0
+    """SiTU's bound b: SiTU_b(g) = b * tanh(g / b) * sigmoid(g)."""
     situ_linear_beta: float = 25.0
+    """The linear branch's bound b_lin: u' = b_lin * tanh(u / b_lin)."""
 
     def __post_init__(self) -> None:
         require_positive("model.moe", num_experts=self.num_experts, top_k=self.top_k,
@@ -116,20 +133,27 @@ class VisionEncoderConfig:
     released checkpoint's (401,214,464 tower + 46,144,512 projector parameters with hidden_size 7168)."""
 
     num_layers: int = 27
+    """Transformer blocks of the vision tower."""
     hidden_size: int = 1024
+    """The tower's width."""
     num_heads: int = 12
+    """Attention heads per block."""
     head_dim: int = 128
     """q / k / v width per head: wqkv is hidden_size -> 3 * num_heads * head_dim (4608)."""
     intermediate_size: int = 4096
+    """The blocks' MLP width."""
     pos_grid: int = 64
     """The learned position table is pos_grid x pos_grid, resized to each image's patch grid."""
     pos_interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+    """How the position table is resized to an image's patch grid."""
     max_frames: int = 4
     """A clip holds at most this many frames (t); the sin/cos time embedding covers them."""
     merge: int = 2
     """merge x merge neighbouring patches become one language-model token (their features concatenated)."""
     rope_theta: float = 10000.0
+    """Base of the tower's 2-D rotary embedding."""
     norm_eps: float = 1e-6
+    """eps of the tower's norms."""
 
     def __post_init__(self) -> None:
         require_positive("model.vision.encoder", num_layers=self.num_layers, hidden_size=self.hidden_size,
@@ -153,7 +177,9 @@ class VisionConfig:
     vision tower (`encoder`) and merged into language-model tokens by the projector."""
 
     patch_size: int = 14
+    """Patches are patch_size x patch_size pixels."""
     channels: int = 3
+    """Colour channels of an image."""
     encoder: VisionEncoderConfig = field(default_factory=VisionEncoderConfig)
 
     def __post_init__(self) -> None:
@@ -191,14 +217,21 @@ class ModelConfig:
     """The whole model; layer i's mixer is layer_pattern[i] (K = KDA, M = gated MLA)."""
 
     vocab_size: int = 163840
+    """Tokens of the vocabulary (embedding and head rows; split over tensor-parallel ranks)."""
     hidden_size: int = 7168
+    """d: the residual stream's width."""
     num_layers: int = 93
+    """Decoder layers of the backbone (layer_pattern has one letter each)."""
     layer_pattern: str = FULL_LAYER_PATTERN
+    """One letter per layer: K (Kimi Delta Attention) or M (gated MLA); full size KKKM x 23 + M."""
     dense_layers: int = 1
     """The first dense_layers layers use a dense SiTU-GLU MLP instead of the LatentMoE."""
     dense_intermediate: int = 33792
+    """SiTU-GLU intermediate width of the dense layers' MLP."""
     norm_eps: float = 1e-5
+    """eps of the RMSNorms."""
     init_std: float = 0.02
+    """Std of the normal initialisation (output projections are scaled down by the depth)."""
     kda: KDAConfig = field(default_factory=KDAConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -78,6 +78,7 @@ class DataConfig:
     Python stdlib source text plus procedural captioned images, built into that format on first use."""
 
     seq_len: int = 256
+    """Tokens per sequence (packed documents; a staged run takes each stage's seq_len)."""
     batch_size: int = 8
     """Global sequences per optimizer step (split over micro-batches and data-parallel ranks)."""
     micro_batches: int = 0
@@ -135,10 +136,13 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    """Optimizer steps of the run (with stages: their sum)."""
     seed: int = 0
+    """Seed of the parameters' initialisation (the data order has data.seed)."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Parameter and activation dtype; router and nonlinearities always run in >= fp32."""
     run_dir: str = "runs/smoke"
+    """Where the run writes its metrics, logs and (checkpoint.dir empty) checkpoints."""
     resume: str = "auto"
     """auto: continue from the newest verified checkpoint in checkpoint.dir, if any; none: start fresh;
     or the path of one checkpoint directory (fails clearly if it does not verify)."""
@@ -151,6 +155,7 @@ class TrainConfig:
     """Watchdog: a step running longer than this many times the median of the stage's recent steps (and
     at least hang_min_s) dumps every thread's stack to <run_dir>/hang/ and exits (code 76); 0 = off."""
     hang_min_s: float = 120.0
+    """Watchdog: the multiple-of-median limit is never below this many seconds."""
     hang_timeout_s: float = 3600.0
     """Watchdog: the absolute limit for one step (also before any median exists); 0 = none."""
     recompute: Literal["none", "selective", "full"] = "none"
@@ -188,12 +193,19 @@ class OptimConfig:
     """QK-clip (model/qk_clip.py; Kimi K2 used 100): after each step, every MLA head whose largest attention logit
     of the step exceeded this has its query and key weights scaled so it would not. 0 = off (no recording)."""
     lr: float = 3e-3
+    """Peak learning rate (a staged run takes each stage's lr_peak)."""
     min_lr: float = 3e-4
+    """Learning rate at the end of the decay."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW's and Muon's)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's eps."""
     warmup_steps: int = 10
+    """Linear warmup from 0 to lr over the first steps (unstaged runs)."""
     schedule: Literal["cosine", "wsd"] = "cosine"
     """cosine: warmup then cosine to min_lr; wsd: warmup, stable at lr, then linear decay to min_lr."""
     decay_fraction: float = 0.2
@@ -260,6 +272,7 @@ class WandbConfig:
     """Weights & Biases logging beside metrics.jsonl (rank 0); off while project is empty."""
 
     project: str = ""
+    """The W&B project; empty = no W&B logging."""
     name: str = ""
     """The run's display name; empty = the run directory's name."""
     mode: Literal["online", "offline"] = "online"
@@ -271,6 +284,7 @@ class LoggingConfig:
     log_every: int = 1
     """Print a progress line every log_every steps (metrics.jsonl gets every step)."""
     progress: bool = True
+    """Print the progress lines (metrics.jsonl is written either way)."""
     peak_tflops: float = 0.0
     """Peak FLOP/s per process for MFU, in TFLOP/s; 0 = the vendor's dense BF16 peak on a GPU the table in
     training/peak_flops.py knows (bf16 runs; otherwise a start-up error asks for this key), a matmul timed

@@ -15,9 +15,11 @@ from moe_pretrain.config.errors import require, require_positive
 @dataclass
 class StageConfig:
     name: str = "stage"
+    """The stage's name in logs, metrics and launch.plan (8k, 64k, ...)."""
     tokens: int = 0
     """Tokens trained in this stage; a whole number of global batches."""
     seq_len: int = 8192
+    """Tokens per sequence in this stage."""
     batch_tokens: int = 4096 * 8192
     """Global batch per optimizer step, in tokens (a multiple of seq_len)."""
     micro_batches: int = 0
@@ -32,7 +34,9 @@ class StageConfig:
     saved_inputs: Literal["", "device", "host", "fp8"] = ""
     """Where full recomputation keeps the layers' inputs in this stage ("" = train.saved_inputs)."""
     lr_peak: float = 3e-4
+    """The stage's peak learning rate (after its warmup)."""
     lr_end: float = 3e-5
+    """The learning rate its decay ends at."""
     warmup_tokens: int = 0
     """Linear warmup from 0 to lr_peak over the first tokens of the stage (usually only the first stage)."""
     decay: Literal["cosine", "linear", "constant", "run_cosine"] = "cosine"
