@@ -1,0 +1,63 @@
+"""The docs point at what exists: every relative link, every repository path and every `python -m` module that
+README.md and docs/*.md name (a renamed file or module cannot leave a stale pointer), and every command the
+README's tour runs answers --help."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TOP = ("moe_pretrain", "parallel", "launch", "tests", "bench", "configs", "gpu_kernels", "checkpoints_tool", "docs",
+       ".ci")
+"""Top-level directories a path in the docs may start with."""
+PACKAGE = ("model", "planning", "training", "ops", "checkpoint", "fp8", "config")
+"""moe_pretrain's sub-packages, which the docs also name without the moe_pretrain/ prefix (not data/: the docs'
+example datasets live there)."""
+PATH = re.compile(r"(?<![\w./<-])((?:\.ci|[a-z_]+)/[\w./-]*[\w/])")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+MODULE = re.compile(r"python -m ([\w.]+)")
+
+
+def named_paths(text: str) -> set[str]:
+    """Repository paths a page names (test ids' ::names dropped; placeholders such as runs/<run> skipped)."""
+    found = set()
+    for path in PATH.findall(text):
+        first = path.split("/")[0]
+        if first in TOP or first in PACKAGE:
+            found.add(path.split("::")[0].rstrip("."))
+    return found
+
+
+def exists(path: str) -> bool:
+    """A file or directory, from the root or moe_pretrain/; or module.attribute (planning/dry_run.traced_step)."""
+    if "*" in path:
+        return any(ROOT.glob(path)) or any((ROOT / "moe_pretrain").glob(path))
+    module, _, attribute = path.rpartition(".")
+    candidates = [path] + ([f"{module}.py"] if attribute.isidentifier() and attribute != "py" else [])
+    return any((base / c).exists() for base in (ROOT, ROOT / "moe_pretrain") for c in candidates)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_link_path_and_module_a_page_names_exists(page):
+    text = page.read_text()
+    links = [link for link in LINK.findall(text) if "://" not in link and not link.startswith("mailto:")]
+    assert [link for link in links if not (page.parent / link).exists()] == [], f"{page.name}: broken links"
+    assert sorted(p for p in named_paths(text) if not exists(p)) == [], f"{page.name}: paths that do not exist"
+    modules = set(MODULE.findall(text))
+    assert sorted(m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None
+                  or importlib.util.find_spec(m) is None) == [], f"{page.name}: modules that do not exist"
+
+
+@pytest.mark.timeout(300)
+def test_every_command_of_the_readme_answers_help():
+    modules = sorted(set(MODULE.findall((ROOT / "README.md").read_text())))
+    assert modules
+    for module in modules:
+        done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and "usage" in done.stdout.lower(), (module, done.stderr[-2000:])
