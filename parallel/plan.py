@@ -42,7 +42,7 @@ class Style(StrEnum):
 MODEL_PLAN: tuple[tuple[str, Style], ...] = (
     ("embedding", Style.VOCAB),
     ("head", Style.COLUMN),
-    # KDA (MODEL.md): projections to heads, per-head parameters, output projection.
+    # KDA (docs/model.md): projections to heads, per-head parameters, output projection.
     ("layers.*.mixer.q_proj", Style.COLUMN), ("layers.*.mixer.k_proj", Style.COLUMN),
     ("layers.*.mixer.v_proj", Style.COLUMN), ("layers.*.mixer.f_b_proj", Style.COLUMN),
     ("layers.*.mixer.b_proj", Style.COLUMN),

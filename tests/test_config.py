@@ -16,7 +16,7 @@ def test_smoke_and_full_configs_load():
     full = load_config("configs/full.yaml")
     assert full.model.layer_pattern == FULL_LAYER_PATTERN
     mla_positions = [i + 1 for i, c in enumerate(full.model.layer_pattern) if c == "M"]
-    assert mla_positions == [*range(4, 93, 4), 93]  # MODEL.md: 4, 8, ..., 92 and 93
+    assert mla_positions == [*range(4, 93, 4), 93]  # docs/model.md: 4, 8, ..., 92 and 93
     assert full.model.layer_pattern.count("K") == 69
 
 

@@ -1,4 +1,4 @@
-"""KDA decay initialisation (MODEL.md, fla's): the initial per-step decays of a freshly built layer follow
+"""KDA decay initialisation (docs/model.md, fla's): the initial per-step decays of a freshly built layer follow
 exp(-5 (1 - e^-dt)) with log dt ~ U(log 1e-3, log 1e-1) under the bounded gate."""
 
 import math
@@ -32,7 +32,7 @@ def test_initial_decays_follow_fla_initialisation():
         # 2048 draws: a quantile's standard error is under 0.01 of the dt range; 0.01 absolute is ~3 sigma.
         assert abs(torch.quantile(alpha, q).item() - expected) < 0.01, (q, expected)
     assert decay_at_dt(DT_RANGE[1]) <= alpha.min() and alpha.max() <= decay_at_dt(DT_RANGE[0])
-    assert 0.6 < alpha.min() < 0.7 and 0.99 < alpha.max() < 0.996  # MODEL.md: about (0.6, 0.995)
+    assert 0.6 < alpha.min() < 0.7 and 0.99 < alpha.max() < 0.996  # docs/model.md: about (0.6, 0.995)
     assert abs(alpha.median().item() - 0.9515) < 0.01
 
 

@@ -28,7 +28,7 @@ def build(*overrides, seed=0, dtype=F64):
 
 
 def reference_forward(model: MoETransformer, tokens: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-    """MODEL.md's AttnRes written with explicit lists: completed blocks + the current block's outputs."""
+    """docs/model.md's AttnRes written with explicit lists: completed blocks + the current block's outputs."""
     cfg = model.cfg
 
     def mix(module, entries):

@@ -43,7 +43,7 @@ def test_situ_glu_gradcheck():
 
 
 def test_situ_glu_gradients_match_the_formula_autograd():
-    """The saved-inputs backward against autograd through MODEL.md's formula (float64, 1e-12)."""
+    """The saved-inputs backward against autograd through docs/model.md's formula (float64, 1e-12)."""
     gate = (torch.randn(64, 33, dtype=F64) * 4).requires_grad_()
     up = (torch.randn(64, 33, dtype=F64) * 40).requires_grad_()
     grad = torch.randn(64, 33, dtype=F64)
@@ -97,7 +97,7 @@ def test_route_selects_by_biased_scores_and_normalises_raw_scores():
 
 
 def direct_qb(scores: np.ndarray, bias: np.ndarray, k: int, rate: float) -> np.ndarray:
-    """MODEL.md's rule spelled out with numpy sorts."""
+    """docs/model.md's rule spelled out with numpy sorts."""
     m, n = scores.shape
     biased = scores + bias
     alpha = np.array([sorted(row, reverse=True)[k] for row in biased])

@@ -3,7 +3,7 @@
 Works from the DCP metadata alone (global shapes and dtypes), in one process: no model is built.
 Writes model-0000i-of-0000n.safetensors (each at most max_shard_bytes, tensors whole),
 model.safetensors.index.json (weight_map, as the Hugging Face convention) and config.json. Two layouts:
-native (our names and dtypes, config.json under MODEL.md's names, files of at most max_shard_bytes) and
+native (our names and dtypes, config.json under docs/model.md's names, files of at most max_shard_bytes) and
 kimi-k3-hf (the released Kimi K3 checkpoint as published, kimi_k3.py: its names, dtypes, MXFP4 routed experts
 (or bf16 ones, experts="bf16"), its files (one per layer, then the rest) and its config.json
 (kimi_k3_config.py); our resolved config goes beside it in moe_pretrain.json, and what our model has that the
@@ -95,7 +95,7 @@ class SameTensor:
 
 
 def model_card(config: dict[str, Any]) -> dict[str, Any]:
-    """Our resolved config's model section, under MODEL.md's names."""
+    """Our resolved config's model section, under docs/model.md's names."""
     m = config["model"]
     return {
         "architecture": "hybrid KDA + gated MLA, AttnRes, Stable LatentMoE (moe-pretrain)",

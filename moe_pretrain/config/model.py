@@ -1,6 +1,6 @@
 """Model configuration: one small dataclass per component (STYLE.md rule 7), each validating itself.
 
-Defaults are the full-size values of MODEL.md; configs/smoke.yaml shrinks them. Cross-field checks
+Defaults are the full-size values of docs/model.md; configs/smoke.yaml shrinks them. Cross-field checks
 that span components live in ModelConfig.__post_init__ and name every key involved.
 """
 
@@ -12,7 +12,7 @@ from moe_pretrain.config.errors import require, require_positive
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention layers (MODEL.md, "KDA")."""
+    """Kimi Delta Attention layers (docs/model.md, "KDA")."""
 
     num_heads: int = 96
     """Heads; each keeps a head_dim x head_dim state."""
@@ -35,7 +35,7 @@ class KDAConfig:
 
 @dataclass
 class MLAConfig:
-    """Gated Multi-head Latent Attention layers (MODEL.md, "Gated MLA")."""
+    """Gated Multi-head Latent Attention layers (docs/model.md, "Gated MLA")."""
 
     num_heads: int = 96
     """Attention heads (split over tensor-parallel ranks)."""
@@ -67,7 +67,7 @@ class MLAConfig:
 
 @dataclass
 class MoEConfig:
-    """Stable LatentMoE with SiTU-GLU experts and its balancing (MODEL.md)."""
+    """Stable LatentMoE with SiTU-GLU experts and its balancing (docs/model.md)."""
 
     num_experts: int = 896
     """Routed experts per MoE layer (split over parallel.ep ranks)."""
@@ -118,7 +118,7 @@ class MoEConfig:
 
 @dataclass
 class AttnResConfig:
-    """Attention Residuals, block variant (MODEL.md, "AttnRes")."""
+    """Attention Residuals, block variant (docs/model.md, "AttnRes")."""
 
     block_size: int = 12
     """Layers per block: each completed block becomes one bank entry."""
@@ -208,7 +208,7 @@ class MTPConfig:
         require(self.loss_weight >= 0, f"model.mtp.loss_weight={self.loss_weight} must be >= 0")
 
 
-# The full-size stack: MLA at 1-based positions 4, 8, ..., 92 and 93 (MODEL.md).
+# The full-size stack: MLA at 1-based positions 4, 8, ..., 92 and 93 (docs/model.md).
 FULL_LAYER_PATTERN = "KKKM" * 23 + "M"
 
 

@@ -1,4 +1,4 @@
-"""The staged context-extension schedule (MODEL.md, "Training schedule"): one config for the whole run.
+"""The staged context-extension schedule (docs/model.md, "Training schedule"): one config for the whole run.
 
 Each stage trains `tokens` tokens at `seq_len`, with a global batch of `batch_tokens` tokens split into
 `micro_batches`, under its own learning-rate segment. The stage in force is a pure function of the

@@ -1,4 +1,4 @@
-"""One AttnRes mix: a learned pseudo-query and RMSNorm weight over the bank (MODEL.md, "AttnRes").
+"""One AttnRes mix: a learned pseudo-query and RMSNorm weight over the bank (docs/model.md, "AttnRes").
 
 The pseudo-query starts at zero, so at initialisation a mix is the plain average of the bank.
 """

@@ -1,4 +1,4 @@
-"""Expert-load balancing strategies (MODEL.md): quantile balancing (default), aux-free, aux loss.
+"""Expert-load balancing strategies (docs/model.md): quantile balancing (default), aux-free, aux loss.
 
 A balancer watches every routing of a training step (all micro-batches), then proposes the next
 bias once the optimizer has stepped: statistics of one batch steer the routing of the next.

@@ -1,4 +1,4 @@
-"""One decoder layer of the backbone (MODEL.md): AttnRes mix, norm and sequence mixer (KDA or gated MLA by the
+"""One decoder layer of the backbone (docs/model.md): AttnRes mix, norm and sequence mixer (KDA or gated MLA by the
 layer's kind), AttnRes mix, norm and MLP (LatentMoE, or the dense SiTU-GLU MLP in the first dense_layers).
 
 The layer reads the AttnRes state (the bank of block sums and the running partial sum of the current block,

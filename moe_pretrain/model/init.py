@@ -54,7 +54,7 @@ class LogUniform:
 
 @dataclass(frozen=True)
 class InverseSoftplusLogUniform:
-    """softplus^-1(dt) with dt log-uniform in [low, high] (KDA's dt_bias, MODEL.md)."""
+    """softplus^-1(dt) with dt log-uniform in [low, high] (KDA's dt_bias, docs/model.md)."""
 
     low: float
     high: float

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (MODEL.md, "KDA"), over ops.kda.
+"""Kimi Delta Attention layer (docs/model.md, "KDA"), over ops.kda.
 
 Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
 q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
@@ -59,7 +59,7 @@ class KimiDeltaAttention(nn.Module):
         self.v_conv = ShortConvolution(inner, cfg.conv_size)
         self.f_a_proj = make_linear(dim, K, init_std=init_std)
         self.f_b_proj = make_linear(K, inner, init_std=init_std)
-        # fla's initialisation (MODEL.md): neither takes weight decay.
+        # fla's initialisation (docs/model.md): neither takes weight decay.
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(inner))
         self.b_proj = make_linear(dim, H, init_std=init_std)

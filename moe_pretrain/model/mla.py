@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention (MODEL.md, "Gated MLA").
+"""Gated Multi-head Latent Attention (docs/model.md, "Gated MLA").
 
 Shape legend: B batch, T positions, D hidden, H heads, Dn nope dims, Dr rope dims, Dv value dims.
 c_Q = RMSNorm(W_DQ x); q = W_UQ c_Q -> [q_nope | q_rope]; [c_KV | k_rope] = W_DKV x;

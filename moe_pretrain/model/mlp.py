@@ -1,4 +1,4 @@
-"""Dense SiTU-GLU MLP: layer 0's MLP and the LatentMoE's shared experts (MODEL.md).
+"""Dense SiTU-GLU MLP: layer 0's MLP and the LatentMoE's shared experts (docs/model.md).
 
 y = W_down SiTU-GLU(W_gate x, W_up x). Several shared experts summed equal one MLP whose intermediate
 is their concatenation, so the shared experts are built as one MLP of num_shared * intermediate

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (MODEL.md): route in d, compute routed experts in the latent l, return to d.
+"""Stable LatentMoE (docs/model.md): route in d, compute routed experts in the latent l, return to d.
 
 x -> router (top-k of sigmoid scores + bias) ; z = W_down x (d -> l) ; routed experts on z ;
 weighted sum -> RMSNorm(l) -> W_up (l -> d) ; + shared SiTU-GLU experts on x (full d).

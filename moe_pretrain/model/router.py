@@ -1,4 +1,4 @@
-"""The LatentMoE router: sigmoid scores in full d, top-k by score + bias (MODEL.md).
+"""The LatentMoE router: sigmoid scores in full d, top-k by score + bias (docs/model.md).
 
 The router always runs in >= fp32, outside any autocast, so routing never depends on the training
 dtype. expert_bias is a persistent buffer (saved with the model, no gradient).

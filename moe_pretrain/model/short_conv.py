@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution (kernel 4, no bias) on KDA's q, k and v (MODEL.md).
+"""Depthwise causal short convolution (kernel 4, no bias) on KDA's q, k and v (docs/model.md).
 
 Written as a sum over the few taps rather than conv1d so that a tap never reaches back across a
 document boundary of a packed sequence: tap j contributes only where position_in_doc >= j. A piece of a

@@ -3,7 +3,7 @@ AttnRes -> head.
 
 Shape legend: B batch, T positions, D hidden, V vocab.
 
-AttnRes bookkeeping (MODEL.md): the bank holds b_0 = the embedding output and one summed entry per
+AttnRes bookkeeping (docs/model.md): the bank holds b_0 = the embedding output and one summed entry per
 completed block of `block_size` layers; `partial` is the running sum of sublayer outputs inside the
 current block (None right after a block closes). Each sublayer reads a mix of bank + partial instead
 of the residual stream; a final mix feeds the last norm. Layers live in a ModuleDict keyed by global

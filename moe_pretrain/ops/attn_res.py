@@ -1,4 +1,4 @@
-"""Attention Residuals mix (MODEL.md, "AttnRes"): a learned softmax over a bank of block summaries.
+"""Attention Residuals mix (docs/model.md, "AttnRes"): a learned softmax over a bank of block summaries.
 
 h = sum_i softmax_i( w . RMSNorm(V_i) ) V_i. The scores use the normalised vectors (so a large block
 does not win by magnitude alone) but the mix uses the raw vectors; scores are fp32 and, unlike

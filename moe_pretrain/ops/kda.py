@@ -1,4 +1,4 @@
-"""Kimi Delta Attention, the delta rule with channel-wise decay (MODEL.md, "KDA").
+"""Kimi Delta Attention, the delta rule with channel-wise decay (docs/model.md, "KDA").
 
 Shapes (fla's chunk_kda conventions): q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay,
 <= 0); beta [B, T, H]; states [B, H, K, V] (or [N, H, K, V], one per document, with cu_seqlens).

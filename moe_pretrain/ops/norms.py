@@ -1,4 +1,4 @@
-"""Normalisations used across the model (MODEL.md: RMSNorm eps 1e-5, 1e-6 inside MLA, L2 eps 1e-6).
+"""Normalisations used across the model (docs/model.md: RMSNorm eps 1e-5, 1e-6 inside MLA, L2 eps 1e-6).
 
 Computed in at least fp32 whatever the activation dtype, then cast back, so bf16 training keeps
 the same statistics as the fp32 reference.

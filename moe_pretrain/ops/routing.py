@@ -1,4 +1,4 @@
-"""Router math and expert-load balancing rules of the Stable LatentMoE (MODEL.md).
+"""Router math and expert-load balancing rules of the Stable LatentMoE (docs/model.md).
 
 Shapes: m tokens, n experts, k experts per token. scores [m, n] are sigmoid router scores in fp32 (or
 fp64); bias [n] is the balancing bias, which steers selection but never the combine weights.
@@ -58,7 +58,7 @@ def quantile_balance_margins(scores: torch.Tensor, bias: torch.Tensor, k: int) -
 def quantile_balance_update(
     scores: torch.Tensor, bias: torch.Tensor, k: int, rate: float = 1.0
 ) -> torch.Tensor:
-    """Quantile Balancing: one bias update from one batch's scores [m, n] (MODEL.md).
+    """Quantile Balancing: one bias update from one batch's scores [m, n] (docs/model.md).
 
     alpha_i = (k+1)-th largest biased score of token i; margin M_ij = s_ij + b_j - alpha_i;
     q = floor(m * k / n); c_j = (q+1)-th largest margin of column j; b_j <- b_j - rate * c_j.

@@ -1,4 +1,4 @@
-"""SiTU-GLU, the bounded gated activation of the Stable LatentMoE experts (MODEL.md).
+"""SiTU-GLU, the bounded gated activation of the Stable LatentMoE experts (docs/model.md).
 
 SiTU_b(g) = b * tanh(g / b) * sigmoid(g); u' = b_lin * tanh(u / b_lin); h = SiTU_b(g) * u'.
 Both factors are bounded (|SiTU_b| < b, |u'| < b_lin), so |h| <= b * b_lin = 100 at the default

@@ -2,7 +2,7 @@
 with `--layout tp=8,pp=16,ep=128,dp=32`, also each pipeline stage's per-rank state bytes (rank_state.py).
 
 Counts mirror the modules in moe_pretrain/model one for one (tests check total == sum(p.numel()) on
-instantiated models), so the full-size figures (MODEL.md: ~2.8T total, ~104B active) come from the
+instantiated models), so the full-size figures (docs/model.md: ~2.8T total, ~104B active) come from the
 same definitions the code trains.
 
 active_params: parameters touched per token = total minus the routed experts a token does not visit

@@ -1,7 +1,7 @@
 """The optimizer (ZeRO-1 sharded AdamW, or Per-Head Muon for the matrices) and the learning-rate schedules.
 
 Vectors (norm weights, biases, A_log, dt_bias, AttnRes norm weights) take no weight decay: decaying
-them pulls gains and decay rates toward 0, which MODEL.md rules out for A_log and dt_bias.
+them pulls gains and decay rates toward 0, which docs/model.md rules out for A_log and dt_bias.
 The vision tower and projector learn at optim.vision_lr_scale times the rate, ramped over
 optim.vision_warmup_steps.
 Reduction groups come from the sharding plan (parallel/plan.py): expert shards over expert-data

@@ -1,4 +1,4 @@
-"""fla's chunk_kda on the GPU against our PyTorch chunk form on the CPU, fp32 (MODEL.md's KDA).
+"""fla's chunk_kda on the GPU against our PyTorch chunk form on the CPU, fp32 (docs/model.md's KDA).
 
 Packed documents (cu_seqlens), initial and final states, the bounded gate through fla's safe-gate path.
 Tolerance: 2e-3 relative RMS on the output, final state and every gradient (fla computes in fp32 with
