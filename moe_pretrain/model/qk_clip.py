@@ -15,11 +15,10 @@ maximum for free.
 """
 
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
-
-from parallel.collectives import all_reduce_max
 
 
 @torch.no_grad()
@@ -61,14 +60,16 @@ def start_recording(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def clip_heads(model: nn.Module, threshold: float, group) -> torch.Tensor | None:
-    """Scale the weights of every head whose step maximum (reduced over `group`, data x context parallel)
-    exceeded `threshold`; returns the reduced maxima [MLA layers here, heads here] (None: no MLA layer recorded)."""
+def clip_heads(model: nn.Module, threshold: float,
+               reduce: Callable[[torch.Tensor], torch.Tensor] = lambda maxima: maxima) -> torch.Tensor | None:
+    """Scale the weights of every head whose step maximum exceeded `threshold`; `reduce` takes this rank's
+    maxima [MLA layers here, heads here] to the step's (the trainer's: a max over the data x context parallel
+    ranks, training/step_hooks.py). Returns the reduced maxima (None: no MLA layer recorded)."""
     layers = [layer for layer in _mla_layers(model)
               if layer.max_logits is not None and layer.max_logits.value is not None]
     if not layers:
         return None
-    maxima = all_reduce_max(torch.stack([layer.max_logits.value for layer in layers]), group)
+    maxima = reduce(torch.stack([layer.max_logits.value for layer in layers]))
     gamma = torch.where(maxima > threshold, threshold / maxima, torch.ones_like(maxima))
     for layer, g in zip(layers, gamma):
         cfg, heads = layer.cfg, g.shape[0]

@@ -28,9 +28,7 @@ from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
-from moe_pretrain.fp8 import advance_amax_histories
 from moe_pretrain.model.mla import GatedMLA
-from moe_pretrain.model.qk_clip import clip_heads, start_recording
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
 from moe_pretrain.planning.sizing import count
@@ -44,6 +42,7 @@ from moe_pretrain.training.peak_flops import peak_flops
 from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.state import TrainingState
+from moe_pretrain.training.step_hooks import QKClip, step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
@@ -119,13 +118,13 @@ class Trainer:
             writes = new_host_group(timeout) if cfg.checkpoint.async_save else None
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group, writes) if cfg.checkpoint.async_save \
             else None
+        self.hooks = step_hooks(self)
+        """What each step runs around its update besides it (training/step_hooks.py)."""
         self._recompute = ("none", "device")
         """The recomputation and saved-input policy the model's layers are set to (modules start with none)."""
         self.saved_inputs: SavedInputs | None = None
         """The store of the layers' saved inputs under full recomputation (its ledger: model/saved_inputs.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
-        self.max_logits: torch.Tensor | None = None
-        """QK-clip's maxima of the last step, this rank's MLA layers x heads (optim.qk_clip_threshold)."""
         self.last_checkpoint: Path | None = None
         self.peak_flops = peak_flops(cfg.logging.peak_tflops, self.device, self.dtype) * self.ctx.layout.world_size
         self._flops_per_token: dict[int, float] = {}
@@ -247,8 +246,8 @@ class Trainer:
         lr = plan.lr
         self.optimizer.set_lr(lr, self.step)
         self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
-        if cfg.optim.qk_clip_threshold:
-            start_recording(self.model)
+        for hook in self.hooks:
+            hook.before_step()
         sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead)
         if self.pipeline is None:
             sums = all_reduce_sum(sums, ctx.dp_group)
@@ -260,20 +259,16 @@ class Trainer:
         norm = self.optimizer.reduce_gradients()
         loss_value, grad_norm, *mtp_losses = scalar_list(torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]))
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
-        if self.async_saver is not None:
-            self.async_saver.before_update()  # a background save's copy of the state must be complete
+        for hook in self.hooks:
+            hook.before_update()
         if not skipped:
             self.optimizer.update(cfg.optim.grad_clip, grad_norm)
-            if cfg.optim.qk_clip_threshold:
-                self.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
-                self.max_logits = clip_heads(self.model, cfg.optim.qk_clip_threshold, ctx.dp_group)
-        advance_amax_histories(self.model, self.ctx.edp_group if self.ctx.distributed else None, discard=skipped)
+        for hook in self.hooks:
+            hook.after_update(skipped)
         if skipped:
-            self.model.discard_balancing()
             self._count_skip(loss_value, grad_norm)
         else:
             self.skipped_in_a_row = 0
-            self.model.update_balancing()
         self.step += 1
         step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
@@ -324,9 +319,10 @@ class Trainer:
     def _max_logit(self) -> dict[str, float]:
         """With QK-clip on, the step's largest MLA attention logit over every layer and head (before the clip):
         a maximum over all ranks (a stage without MLA layers gives -inf)."""
-        if not self.cfg.optim.qk_clip_threshold:
+        clip = next((hook for hook in self.hooks if isinstance(hook, QKClip)), None)
+        if clip is None:
             return {}
-        local = self.max_logits.max() if self.max_logits is not None else torch.tensor(float("-inf"))
+        local = clip.max_logits.max() if clip.max_logits is not None else torch.tensor(float("-inf"))
         group = dist.group.WORLD if self.ctx.distributed else None
         return {"max_logit": all_reduce_max(local.reshape(1).to(self.device, torch.float64), group).item()}
 

@@ -1,0 +1,98 @@
+"""The step's extras: what a training step runs around the optimizer update besides the update itself.
+
+Trainer.train_step calls every active hook at three points, in the order step_hooks lists them:
+before_step (before the forward-backward), before_update (gradients reduced, the update not yet applied)
+and after_update (after the update, or after the skip of a step whose loss or gradient norm is not finite).
+A new per-step update is a StepHook here and one line in step_hooks; the step itself does not change.
+(torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip decision.)
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from moe_pretrain.fp8 import advance_amax_histories
+from moe_pretrain.model.qk_clip import clip_heads, start_recording
+from parallel.collectives import all_reduce_max
+
+
+class StepHook:
+    """Does nothing at every point; a hook overrides the points it acts at."""
+
+    def before_step(self) -> None:
+        pass
+
+    def before_update(self) -> None:
+        pass
+
+    def after_update(self, skipped: bool) -> None:
+        pass
+
+
+class QKClip(StepHook):
+    """optim.qk_clip_threshold (model/qk_clip.py): the MLA layers record their heads' largest logits during
+    the step; after the update the heads over the threshold are scaled, on the maxima reduced over the data x
+    context parallel ranks (each saw its own rows and positions)."""
+
+    def __init__(self, trainer, threshold: float):
+        self.trainer, self.threshold = trainer, threshold
+        self.max_logits: torch.Tensor | None = None
+        """The last step's maxima, this rank's MLA layers x heads (None: no MLA layer here)."""
+
+    def before_step(self) -> None:
+        start_recording(self.trainer.model)
+
+    def after_update(self, skipped: bool) -> None:
+        if skipped:
+            return
+        self.trainer.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
+        group = self.trainer.ctx.dp_group
+        self.max_logits = clip_heads(self.trainer.model, self.threshold, lambda m: all_reduce_max(m, group))
+
+
+class AmaxHistories(StepHook):
+    """FP8 delayed scaling: close the step for every amax history, reduced over the expert-data-parallel ranks
+    (which hold the same experts); a skipped step records nothing, so no inf reaches a scale."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def after_update(self, skipped: bool) -> None:
+        ctx = self.trainer.ctx
+        advance_amax_histories(self.trainer.model, ctx.edp_group if ctx.distributed else None, discard=skipped)
+
+
+class Balancing(StepHook):
+    """The routers' biases move by their balancers after each update; a skipped step's statistics are dropped."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def after_update(self, skipped: bool) -> None:
+        if skipped:
+            self.trainer.model.discard_balancing()
+        else:
+            self.trainer.model.update_balancing()
+
+
+class SaveFence(StepHook):
+    """checkpoint.async_save: a background save's copy of the state must be complete before the update
+    changes the state."""
+
+    def __init__(self, saver):
+        self.saver = saver
+
+    def before_update(self) -> None:
+        self.saver.before_update()
+
+
+def step_hooks(trainer) -> list[StepHook]:
+    """The hooks the trainer's config turns on, in the order they run at each point."""
+    cfg = trainer.cfg
+    hooks: list[tuple[bool, Callable[[], StepHook]]] = [
+        (trainer.async_saver is not None, lambda: SaveFence(trainer.async_saver)),
+        (bool(cfg.optim.qk_clip_threshold), lambda: QKClip(trainer, cfg.optim.qk_clip_threshold)),
+        (True, lambda: AmaxHistories(trainer)),
+        (True, lambda: Balancing(trainer)),
+    ]
+    return [make() for active, make in hooks if active]
