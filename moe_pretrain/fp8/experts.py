@@ -8,7 +8,7 @@ has its own scales (as Transformer Engine's grouped linear gives each GEMM its o
 weights are made once per optimizer step and reused by every micro-batch and by backward (step_reuse.py;
 the weights do not change within a step, so this is exact); where the recipe's weight blocks are symmetric
 (tensorwise, delayed, blockwise's 128x128) the backward's dx = dy W takes them transposed instead of a
-second quantization. The loop reads the counts on the host, as TE's grouped linear does with its m_splits.
+second quantization. The GEMM itself runs in one of three engines (grouped_mm.py).
 
 Delayed scaling keeps, per expert and per operand (x, w, dy of each of the three expert GEMMs), the largest
 amax of each of its last amax_history optimizer steps in the experts module's `fp8_amax_history` buffer
@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_pretrain.fp8.quantize import Quantized, quantize, scaled_matmul
+from moe_pretrain.fp8.quantize import Quantized, quantize
 from moe_pretrain.fp8.settings import Fp8Settings
-from moe_pretrain.ops.host_values import expert_rows
 from moe_pretrain.step_reuse import reused
 from parallel.collectives import all_reduce_max
 
@@ -77,71 +76,6 @@ class Fp8Experts:
                 return self.weight(w_EOI, name, expert).transposed()
             return self.quantize(w_EOI[expert].T if transposed else w_EOI[expert], f"{name}.w", expert, weight=True)
         return reused(("fp8-weight", self.owner, name, expert, transposed, w_EOI.dtype), make)
-
-
-class _Fp8GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RI, w_EOI, counts, fp8, name):
-        out = x_RI.new_empty(x_RI.shape[0], w_EOI.shape[1])
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                out[rows] = scaled_matmul(fp8.quantize(x_RI[rows], f"{name}.x", e), fp8.weight(w_EOI, name, e),
-                                          x_RI.dtype)
-            start += n
-        ctx.save_for_backward(x_RI, w_EOI)
-        ctx.counts, ctx.fp8, ctx.name = counts, fp8, name
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_RO):
-        x_RI, w_EOI = ctx.saved_tensors
-        grad_x, grad_w = fp8_backward_loop(ctx.fp8, ctx.name, x_RI, w_EOI, grad_RO, ctx.counts)
-        return grad_x, grad_w, None, None, None
-
-
-def fp8_backward_loop(fp8: Fp8Experts, name: str, x_RI: torch.Tensor, w_EOI: torch.Tensor, grad_RO: torch.Tensor,
-                      counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dW) of the FP8 grouped GEMM, one expert at a time: dx = dy W contracted over O, dW = dy^T x over
-    the expert's rows (an expert with no rows gets a zero gradient)."""
-    grad_x, grad_w = torch.zeros_like(x_RI), torch.zeros_like(w_EOI)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            rows = slice(start, start + n)
-            dy = grad_RO[rows]
-            grad_x[rows] = scaled_matmul(fp8.quantize(dy, f"{name}.dy", e, grad=True),
-                                         fp8.weight(w_EOI, name, e, transposed=True), x_RI.dtype)
-            grad_w[e] = scaled_matmul(fp8.quantize(dy.T, f"{name}.dy", e, grad=True),
-                                      fp8.quantize(x_RI[rows].T, f"{name}.x", e), w_EOI.dtype)
-        start += n
-    return grad_x, grad_w
-
-
-def fp8_grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, fp8: Fp8Experts,
-                   name: str) -> torch.Tensor:
-    """ops.grouped_mm's contract with FP8 GEMMs: [R, I] rows grouped by expert -> [R, O] in x's dtype.
-    name keys this GEMM's delayed-scaling histories (gate, up, down); the engine is fp8.settings'."""
-    if x_RI.dtype != w_EOI.dtype:
-        raise ValueError(f"fp8_grouped_mm: rows are {x_RI.dtype} but weights are {w_EOI.dtype}")
-    if counts.shape != (w_EOI.shape[0],):
-        raise ValueError(f"fp8_grouped_mm: counts {tuple(counts.shape)} must give one count per expert "
-                         f"({w_EOI.shape[0]})")
-    with torch.autocast(x_RI.device.type, enabled=False):
-        engine = fp8.settings.engine
-        if engine == "scaled_grouped_mm":
-            from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm
-
-            return scaled_grouped_mm(x_RI, w_EOI, counts, fp8, name)
-        if engine == "transformer_engine":
-            from moe_pretrain.fp8.transformer_engine import te_grouped_mm
-
-            return te_grouped_mm(x_RI, w_EOI, counts, fp8, name)
-        split = expert_rows(counts, x_RI.shape[0])
-        if sum(split) != x_RI.shape[0]:
-            raise ValueError(f"fp8_grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
-        return _Fp8GroupedMM.apply(x_RI, w_EOI, split, fp8, name)
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ expert's rows share one scale, given to the kernel as a row-wise scale [R] (each
 its weight's scale as a column-wise one [E, O]; each group is padded with zero rows to a multiple of 16
 (torch's alignment) and the padded offsets stay on the device, so the forward reads nothing on the host.
 torch's kernel takes e4m3 operands only, so the backward, whose gradients are e5m2 in these recipes, runs
-the per-expert loop of fp8/experts.py (reading the counts there, once). The bf16 output is the kernel's
+the per-expert loop of fp8/torch_engine.py (reading the counts there, once). The bf16 output is the kernel's
 (it writes bf16 only), cast to the rows' dtype.
 
 The kernel itself has no CPU implementation: on CPU the operands this module builds are checked against
@@ -17,9 +17,10 @@ it has run on a GPU is in docs/gpu.md.
 import torch
 
 from moe_pretrain.fp8.expert_rows import expert_amax, expert_of_rows, padded_groups, scatter_rows
-from moe_pretrain.fp8.experts import Fp8Experts, fp8_backward_loop
+from moe_pretrain.fp8.experts import Fp8Experts
 from moe_pretrain.fp8.quantize import quantize
 from moe_pretrain.fp8.recipes import Recipe
+from moe_pretrain.fp8.torch_engine import fp8_backward_loop
 from moe_pretrain.step_reuse import reused
 
 CAPABILITIES = ((9, 0), (10, 0))

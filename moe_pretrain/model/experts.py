@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from gpu_kernels.choice import REFERENCES, Kernels
-from moe_pretrain.fp8.experts import FP8_HISTORY, Fp8Experts, amax_buffers, fp8_grouped_mm
+from moe_pretrain.fp8.experts import FP8_HISTORY, Fp8Experts, amax_buffers
+from moe_pretrain.fp8.grouped_mm import fp8_grouped_mm
 from moe_pretrain.model.init import Normal
 from moe_pretrain.ops import grouped_mm, situ_glu
 from moe_pretrain.step_reuse import autocast_weight
