@@ -1,6 +1,10 @@
-"""Tiny model configs for tests (every component present, seconds on a CPU)."""
+"""Tiny models for tests (every component present, seconds on a CPU): configs, a staged schedule, one MLA layer."""
 
-from moe_pretrain.config import load_config
+import torch
+
+from moe_pretrain.config import MLAConfig, load_config
+from moe_pretrain.model.init import initialize
+from moe_pretrain.model.mla import GatedMLA
 
 EVAL_OFF = ("eval.tokens=0", "eval.every=0")
 """configs/smoke.yaml evaluates every 50 steps and at the end; runs that measure something else need not."""
@@ -25,3 +29,25 @@ and 1 tokens); no evaluation (tests that evaluate turn it on)."""
 def tiny_config(*overrides: str):
     """The TINY model as a config, with more overrides on top."""
     return load_config("configs/smoke.yaml", [*TINY, *overrides])
+
+
+STAGES = ("stages=[{name: s96, tokens: 1536, seq_len: 96, batch_tokens: 768, lr_peak: 0.003, lr_end: 0.003, "
+          "warmup_tokens: 768, decay: constant}, {name: s192, tokens: 1536, seq_len: 192, batch_tokens: 768, "
+          "lr_peak: 0.003, lr_end: 0.001}, {name: s384, tokens: 1536, seq_len: 384, batch_tokens: 768, "
+          "lr_peak: 0.001, lr_end: 0.0001, decay: linear}]")
+
+
+MXFP4_TINY = ("model.moe.expert_intermediate=32", "model.moe.latent_size=32", "model.moe.shared_intermediate=32")
+"""The tiny model with expert widths in whole MXFP4 groups of 32 (and the shared experts as wide: the release's
+config gives both one width)."""
+
+
+F64 = torch.float64
+
+
+def make_layer(position="nope"):
+    """A small gated MLA layer (3 heads, width 16) in float64, seeded, and its config."""
+    torch.manual_seed(0)
+    cfg = MLAConfig(num_heads=3, q_lora_rank=12, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                    v_head_dim=5, position=position)
+    return initialize(GatedMLA(16, cfg, init_std=0.3, out_std=0.3).to(F64), seed=0), cfg

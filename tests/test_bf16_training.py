@@ -13,31 +13,8 @@ import torch
 
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.training import Trainer
-from parallel.state import ParallelContext
 from tests.models import tiny_config
-
-BF16_LOSS_GAP = 0.012
-"""Largest |bf16 - float32| step loss over the first 20 steps of the tiny model, nats: about twice the largest
-measured over four seeds (0.0056, train.seed 0, from step 17 on; 0.0005-0.0020 for seeds 1-3)."""
-
-
-def bf16_trainer(tmp_path, steps: int, dtype: str = "bfloat16", ctx: ParallelContext | None = None,
-                 *overrides: str) -> Trainer:
-    cfg = tiny_config(f"train.steps={steps}", f"train.dtype={dtype}", f"train.run_dir={tmp_path / dtype}",
-                      "logging.progress=false", *overrides)
-    return Trainer(cfg, ctx)
-
-
-def bf16_and_float32_losses(tmp_path, ctx: ParallelContext | None = None, *overrides: str) -> dict[str, list[float]]:
-    """20 steps of the tiny model in each dtype: {dtype: step losses}."""
-    return {dtype: [h["loss"] for h in bf16_trainer(tmp_path, 20, dtype, ctx, *overrides).run()]
-            for dtype in ("float32", "bfloat16")}
-
-
-def assert_bf16_tracks_float32(losses: dict[str, list[float]]) -> None:
-    gaps = [abs(a - b) for a, b in zip(losses["float32"], losses["bfloat16"])]
-    assert losses["float32"][-1] < losses["float32"][0] - 1.0, losses  # it trained
-    assert max(gaps) <= BF16_LOSS_GAP, f"largest gap {max(gaps):.4f} at step {gaps.index(max(gaps)) + 1}: {gaps}"
+from tests.training_cases import assert_bf16_tracks_float32, bf16_and_float32_losses, bf16_trainer
 
 
 def test_expert_compute_copies_are_fresh_casts_of_the_masters_at_every_step(tmp_path):

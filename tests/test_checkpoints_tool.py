@@ -1,36 +1,15 @@
 """python -m checkpoints_tool inspect | verify | prune on real checkpoints."""
 
-import contextlib
-import io
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 
 from moe_pretrain.checkpoint import committed_checkpoints
 from moe_pretrain.planning.sizing import count
 from moe_pretrain.training import Trainer
+from tests.checkpoints_cli import tool
 from tests.models import tiny_config
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def tool(*args) -> Done:
-    """python -m checkpoints_tool's main in this process (an interpreter start per command cost the suite
-    about 10 s each); its exit code and what it printed. test_verify_exit_codes_name_bad_files runs the
-    module itself once, for the process's exit code."""
-    from checkpoints_tool.__main__ import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
-    return Done(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

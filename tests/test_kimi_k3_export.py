@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -26,13 +25,13 @@ from moe_pretrain.checkpoint.kimi_k3 import (
     release_files,
 )
 from moe_pretrain.checkpoint.kimi_k3_config import release_config
-from moe_pretrain.config import config_to_dict, load_config
+from moe_pretrain.config import load_config
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.parallelize import meta_model
 from parallel.image_split import placed_images
-from tests.models import tiny_config
-from tests.test_checkpoints_tool import tool
+from tests.checkpoints_cli import config_file_of, tool
+from tests.models import MXFP4_TINY, tiny_config
 
 # Published tensor tables of the release (layer 1: KDA mixer, routed MoE), and the other names it uses.
 RELEASED_LAYER_1 = {
@@ -139,11 +138,6 @@ def released_rounding(model: torch.nn.Module, cfg) -> None:
                 state[t.ours].copy_(state[t.ours].to(torch.bfloat16))
 
 
-MXFP4_TINY = ("model.moe.expert_intermediate=32", "model.moe.latent_size=32", "model.moe.shared_intermediate=32")
-"""The tiny model with expert widths in whole MXFP4 groups of 32 (and the shared experts as wide: the release's
-config gives both one width)."""
-
-
 @pytest.mark.timeout(300)
 def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     cfg = tiny_config(*MXFP4_TINY, "train.steps=2", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
@@ -234,13 +228,6 @@ def write_release_fixture(directory: Path, cfg) -> dict[str, torch.Tensor]:
         weight_map.update({name: file for name in names[k::4]})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return tensors
-
-
-def config_file_of(cfg, tmp_path: Path) -> Path:
-    """The run's config as a file, for the tool's --config."""
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config_to_dict(cfg)))
-    return path
 
 
 def release_fixture(tmp_path: Path) -> tuple:

@@ -80,7 +80,7 @@ def test_valid_folded_layouts():
 
 
 def test_staged_runs_are_validated_on_their_stage_shapes():
-    from tests.test_stages import STAGES
+    from tests.models import STAGES
 
     # data.batch_size is unused under a schedule: it must not be what decides the layout.
     layout = resolve_layout(tiny_config(STAGES, "train.steps=6", "data.batch_size=3"), 2)

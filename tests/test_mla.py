@@ -6,14 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_pretrain.config import MLAConfig
-from moe_pretrain.model.init import initialize
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA, rotate
 from moe_pretrain.planning.measured import LiveTensorBytes
 from tests.helpers import rel_rms
-
-F64 = torch.float64
+from tests.models import F64, make_layer
 
 
 def reference_mla(layer: GatedMLA, x: torch.Tensor, doc_ids: torch.Tensor, positions=None) -> torch.Tensor:
@@ -46,13 +43,6 @@ def reference_mla(layer: GatedMLA, x: torch.Tensor, doc_ids: torch.Tensor, posit
                 weights = torch.softmax(scores, 0)
                 out[b, t, h] = sum(w * v[b, s, h] for w, s in zip(weights, keys)) * gate[b, t, h]
     return out.reshape(B, T, H * Dv) @ layer.o_proj.weight.T
-
-
-def make_layer(position="nope"):
-    torch.manual_seed(0)
-    cfg = MLAConfig(num_heads=3, q_lora_rank=12, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4,
-                    v_head_dim=5, position=position)
-    return initialize(GatedMLA(16, cfg, init_std=0.3, out_std=0.3).to(F64), seed=0), cfg
 
 
 @pytest.mark.parametrize("position", ["nope", "rope"])

@@ -14,9 +14,8 @@ from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.training import Trainer
 from parallel.image_split import placed_images
-from tests.models import tiny_config
-from tests.test_checkpoints_tool import tool
-from tests.test_kimi_k3_export import MXFP4_TINY, config_file_of
+from tests.checkpoints_cli import config_file_of, tool
+from tests.models import MXFP4_TINY, tiny_config
 
 
 def config(tmp_path, *overrides):

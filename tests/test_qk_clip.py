@@ -10,7 +10,7 @@ from torch import nn
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.qk_clip import clip_heads, document_max_logits, start_recording
 from moe_pretrain.ops.latent_attention import latent_causal_attention
-from tests.test_mla import F64, make_layer
+from tests.models import F64, make_layer
 
 
 def explicit_max_logits(q: torch.Tensor, k: torch.Tensor, doc_ids: list[int], scale: float) -> torch.Tensor:

@@ -12,9 +12,8 @@ from moe_pretrain.model.init import initialize
 from moe_pretrain.model.saved_inputs import FP8_BLOCK, saved_input_bytes
 from moe_pretrain.model.transformer import MoETransformer
 from moe_pretrain.planning.step_activations import activation_bytes, layer_activations
-from moe_pretrain.training import Trainer
-from parallel.state import ParallelContext
 from tests.models import tiny_config
+from tests.training_cases import saved_inputs_training
 
 FP8_LOSS_GAP = 0.005
 """Largest |fp8 - device| step loss over 4 bf16 steps of the tiny model with the layers' inputs stored in
@@ -71,19 +70,10 @@ def test_host_keeps_the_numbers_and_fp8_stays_close_in_a_forward_and_backward():
     assert 0 < gap <= 0.2 * grads.abs().max(), gap
 
 
-def _training(tmp_path, policy: str, ctx: ParallelContext | None = None
-              ) -> tuple[list[tuple[float, float]], dict, Trainer]:
-    cfg = tiny_config("train.steps=4", "train.dtype=bfloat16", "train.recompute=full",
-                      f"train.saved_inputs={policy}", f"train.run_dir={tmp_path / policy}", "logging.progress=false")
-    trainer = Trainer(cfg, ctx)
-    history = [(h["loss"], h["grad_norm"]) for h in trainer.run()]
-    return history, trainer.model.state_dict(), trainer
-
-
 def test_training_with_inputs_on_the_host_is_bitwise_and_in_fp8_within_tolerance(tmp_path):
     """Four bf16 steps of the tiny model through the trainer: host offload gives bitwise the losses, gradient
     norms and weights of keeping the inputs on the device; FP8 storage tracks them within FP8_LOSS_GAP."""
-    runs = {policy: _training(tmp_path, policy) for policy in ("device", "host", "fp8")}
+    runs = {policy: saved_inputs_training(tmp_path, policy) for policy in ("device", "host", "fp8")}
     history, weights, _ = runs["device"]
     host_history, host_weights, host_trainer = runs["host"]
     assert host_history == history

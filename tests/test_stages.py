@@ -11,13 +11,9 @@ from moe_pretrain.config import ConfigError, StageConfig, load_config
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from parallel.state import destroy_parallel, init_parallel
-from tests.models import tiny_config
+from tests.models import STAGES, tiny_config
 
 # Three stages over the tiny model: 96 -> 192 -> 384 tokens of context, 768-token batches, 2 steps each.
-STAGES = ("stages=[{name: s96, tokens: 1536, seq_len: 96, batch_tokens: 768, lr_peak: 0.003, lr_end: 0.003, "
-          "warmup_tokens: 768, decay: constant}, {name: s192, tokens: 1536, seq_len: 192, batch_tokens: 768, "
-          "lr_peak: 0.003, lr_end: 0.001}, {name: s384, tokens: 1536, seq_len: 384, batch_tokens: 768, "
-          "lr_peak: 0.001, lr_end: 0.0001, decay: linear}]")
 
 
 def staged(run_dir, *overrides):

@@ -18,7 +18,7 @@ from moe_pretrain.config import CheckpointConfig, ConfigError
 from moe_pretrain.training.outcome import INTERRUPTED, REQUEUE
 from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from tests.helpers import steps_done
-from tests.test_operations import TRAIN, signal_long_run, torchrun, wait_for_step
+from tests.processes import TRAIN, signal_long_run, torchrun, wait_for_step
 
 
 def status(run_dir: Path) -> dict:

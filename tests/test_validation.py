@@ -19,8 +19,7 @@ from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.training import Trainer
 from parallel.image_split import placed_images
 from parallel.state import destroy_parallel, init_parallel
-from tests.models import tiny_config
-from tests.test_stages import STAGES
+from tests.models import STAGES, tiny_config
 
 EVAL = ("eval.tokens=400", "eval.holdout=0.05")
 

@@ -4,7 +4,7 @@ routed experts' compute copies follow the masters there too (cuBLAS bf16 GEMMs, 
 import pytest
 
 from parallel.state import ParallelContext
-from tests.test_bf16_training import assert_bf16_tracks_float32, bf16_and_float32_losses
+from tests.training_cases import assert_bf16_tracks_float32, bf16_and_float32_losses
 
 
 @pytest.mark.timeout(600)

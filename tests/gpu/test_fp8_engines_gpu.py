@@ -13,7 +13,7 @@ import torch
 from moe_pretrain.fp8 import RECIPES, Fp8Experts, fp8_grouped_mm
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
 from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
-from tests.test_fp8 import COUNTS, FORWARD_BOUND, GRAD_BOUND, experts_module, relative_error
+from tests.fp8_cases import COUNTS, FORWARD_BOUND, GRAD_BOUND, experts_module, relative_error
 
 CUDA = torch.device("cuda")
 TO_EMULATION = 0.03

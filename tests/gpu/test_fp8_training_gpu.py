@@ -8,7 +8,7 @@ import torch
 from moe_pretrain.fp8 import RECIPES
 from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
 from parallel.state import ParallelContext
-from tests.test_fp8 import LOSS_GAP, loss_gaps, losses_with_fp8
+from tests.fp8_cases import LOSS_GAP, loss_gaps, losses_with_fp8
 
 CUDA = torch.device("cuda")
 

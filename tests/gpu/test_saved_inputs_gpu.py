@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from parallel.state import ParallelContext
-from tests.test_saved_inputs import _training
+from tests.training_cases import saved_inputs_training
 
 
 @pytest.mark.timeout(600)
 def test_host_offload_on_the_gpu_is_bitwise(tmp_path):
     ctx = ParallelContext.single("cuda")
-    history, weights, _ = _training(tmp_path, "device", ctx)
-    host_history, host_weights, trainer = _training(tmp_path, "host", ctx)
+    history, weights, _ = saved_inputs_training(tmp_path, "device", ctx)
+    host_history, host_weights, trainer = saved_inputs_training(tmp_path, "host", ctx)
     assert host_history == history
     assert all(torch.equal(host_weights[k], v) for k, v in weights.items())
     assert trainer.saved_inputs.device_bytes == 0 and trainer.saved_inputs.host_bytes > 0
