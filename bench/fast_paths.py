@@ -23,9 +23,9 @@ from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_rea
 from moe_pretrain.fp8.settings import Engine, Fp8Settings
 from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
 from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from moe_pretrain.ops import grouped_mm, situ_glu
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
-from parallel.dispatch import LocalTokenDispatcher
 
 
 def synchronize(device: torch.device) -> None:

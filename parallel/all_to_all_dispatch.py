@@ -14,10 +14,10 @@ exchanges overlap each other's experts (chunk_pipeline.py).
 import torch
 import torch.distributed as dist
 
+from moe_pretrain.model.token_dispatch import DispatchMetadata, Experts, LocalTokenDispatcher, inverse_order
 from moe_pretrain.ops.host_values import split_sizes
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, finish_rows, start_rows
-from parallel.dispatch import DispatchMetadata, Experts, LocalTokenDispatcher, inverse_order
 from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 

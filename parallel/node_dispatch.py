@@ -20,12 +20,12 @@ gradient flows back through the rail exchange. Every exchange's split sizes come
 import torch
 import torch.distributed as dist
 
+from moe_pretrain.model.token_dispatch import Experts, LocalTokenDispatcher, inverse_order
 from moe_pretrain.ops.host_values import node_split_sizes
 from moe_pretrain.ops.routing import expert_load
 from parallel.all_to_all_dispatch import block_regroup
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, all_to_all_rows, finish_rows, group_size, start_rows
-from parallel.dispatch import Experts, LocalTokenDispatcher, inverse_order
 from parallel.fp8_dispatch import FP8_ROWS, row_bytes
 
 

@@ -1,17 +1,18 @@
 """Statistics over the global batch for the balancers, without gathering per-token data.
 
-LocalStatistics is the single-process reference. GroupStatistics reduces over a process group (the
-data-parallel group, which holds every token of the global batch). Its per-column k-th largest value
-is found by bisection on the order-preserving integer image of the floats: each of 64 (or 32) rounds, the
-key's width, all-reduces one count per column, and the result is exactly the value a sort of all tokens
-would give, because every step compares the same floats the sort would. The rounds are a fixed count and
-k may be a device tensor, so the host reads nothing: no sync per round on a GPU, and a dry run (fake
+LocalStatistics (moe_pretrain/ops/statistics.py) is the single-process reference. GroupStatistics reduces over
+a process group (the data-parallel group, which holds every token of the global batch). Its per-column k-th
+largest value is found by bisection on the order-preserving integer image of the floats: each of 64 (or 32)
+rounds, the key's width, all-reduces one count per column, and the result is exactly the value a sort of all
+tokens would give, because every step compares the same floats the sort would. The rounds are a fixed count
+and k may be a device tensor, so the host reads nothing: no sync per round on a GPU, and a dry run (fake
 tensors, no values) issues the same collectives a run does.
 """
 
 import torch
 import torch.distributed as dist
 
+from moe_pretrain.ops.statistics import LocalStatistics
 from parallel.collectives import all_reduce_max, all_reduce_sum
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32}
@@ -28,17 +29,6 @@ def keys_to_floats(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     magnitude = torch.where(keys >= 0, keys, -(keys + 1))
     bits = torch.where(keys >= 0, keys, magnitude | torch.iinfo(keys.dtype).min)
     return bits.view(dtype)
-
-
-class LocalStatistics:
-    """Everything is already here: sums are identities, quantiles are sorts."""
-
-    def total(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def column_kth_largest(self, values: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
-        """The kth largest (kth: a 0-d integer tensor, 1-based) of each column of values [m, n] -> [n]."""
-        return values.sort(dim=0, descending=True).values[kth - 1]
 
 
 class GroupStatistics(LocalStatistics):

@@ -6,10 +6,10 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import ConfigError
+from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from moe_pretrain.ops import quantile_balance_update
 from moe_pretrain.planning.host_reads import HostReads
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
-from parallel.dispatch import LocalTokenDispatcher
 from parallel.fp8_dispatch import row_bytes
 from parallel.node_dispatch import NodeTokenDispatcher
 from parallel.node_groups import check_node_hosts, expert_node_groups, node_blocks

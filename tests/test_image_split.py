@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from moe_pretrain.data.patches import PlacedImage
 from parallel.context_parallel import ContextParallel, NoContextParallel
-from parallel.image_split import ImageSplit, PlacedImage, deal
+from parallel.image_split import ImageSplit, deal
 from parallel.sequence import NoSequenceParallel, SequenceParallel
 
 

@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 
 import gpu_kernels
 from gpu_kernels.triton_support import triton_unavailable_reason
+from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from moe_pretrain.ops import situ_glu
 from moe_pretrain.ops.permute import permute, unpermute
-from parallel.dispatch import LocalTokenDispatcher
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(triton_unavailable_reason(DEVICE) is not None,

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from moe_pretrain.data.patches import PlacedImage, placed_images
 from moe_pretrain.model import DocumentLayout, MoETransformer
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.ops import rms_norm
-from parallel.image_split import PlacedImage, placed_images
 from tests.helpers import rel_rms
 from tests.models import tiny_config
 

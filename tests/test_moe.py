@@ -6,11 +6,11 @@ import torch
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from moe_pretrain.ops import situ_glu
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.moe_stats import combine_moe_stats
-from parallel.dispatch import LocalTokenDispatcher
 from tests.helpers import rel_rms
 
 F64 = torch.float64

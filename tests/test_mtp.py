@@ -11,9 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
+from moe_pretrain.data.patches import placed_images
 from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.training import Trainer
-from parallel.image_split import placed_images
 from tests.checkpoints_cli import config_file_of, tool
 from tests.models import MXFP4_TINY, tiny_config
 

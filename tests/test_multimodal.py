@@ -12,11 +12,10 @@ import torch
 from moe_pretrain.config import load_config
 from moe_pretrain.data import tokenizer as tok
 from moe_pretrain.data.embedded import to_pixels
-from moe_pretrain.data.patches import expand_images
+from moe_pretrain.data.patches import PlacedImage, expand_images
 from moe_pretrain.data.synthetic_images import COLOURS, make_image
 from moe_pretrain.data.vocabulary import BYTES
 from moe_pretrain.training import Trainer
-from parallel.image_split import PlacedImage
 from tests.models import EVAL_OFF
 
 HELD_OUT_SEED = 999  # training uses data.seed (1234): these images were never seen

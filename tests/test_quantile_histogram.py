@@ -10,8 +10,8 @@ from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.balancing import HistogramQuantileBalancer, QuantileBalancer, reduce_pending
 from moe_pretrain.model.init import initialize
 from moe_pretrain.ops.margin_histogram import MarginBins
+from moe_pretrain.ops.statistics import LocalStatistics
 from moe_pretrain.planning.host_reads import HostReads
-from parallel.statistics import LocalStatistics
 
 CORPUS = Path(__file__).parent / "assets" / "golden_corpus.jsonl"
 

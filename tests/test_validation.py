@@ -15,9 +15,9 @@ from launch.local import run_distributed
 from moe_pretrain.config import config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data.long_context_eval import long_document_rows, position_edges, probe_batches, probe_tokenizer
+from moe_pretrain.data.patches import placed_images
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.training import Trainer
-from parallel.image_split import placed_images
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import STAGES, tiny_config
 

@@ -6,12 +6,39 @@ merge factor; its grid (t, h, w) = (t, H/p, W/p) patches, flattened frame-major 
 model/vision_tower.py reads); it becomes (h/m)(w/m) language-model tokens.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from moe_pretrain.data.vocabulary import Vocabulary
 
 Grid = tuple[int, int, int]
 """(frames t, patch rows h, patch columns w) of one image or clip."""
+
+
+@dataclass(frozen=True)
+class PlacedImage:
+    """One image of a micro-batch and where its tokens go: (h/m)(w/m) positions from `start` in row `row`."""
+
+    row: int
+    start: int
+    grid: Grid
+
+    def tokens(self, merge: int) -> int:
+        _, h, w = self.grid
+        return (h // merge) * (w // merge)
+
+    @property
+    def patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+
+def placed_images(grids: list[list[Grid]], starts: list[list[int]]) -> list[PlacedImage]:
+    """Rows' image grids and first token positions (data.Batch's) -> the images in row-major order."""
+    return [PlacedImage(row, start, tuple(grid))
+            for row, (row_grids, row_starts) in enumerate(zip(grids, starts, strict=True))
+            for grid, start in zip(row_grids, row_starts, strict=True)]
 
 
 def as_clip(image: np.ndarray) -> np.ndarray:

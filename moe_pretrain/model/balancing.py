@@ -16,7 +16,7 @@ import torch
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.ops import aux_free_update, expert_load, load_balancing_loss, quantile_balance_margins
 from moe_pretrain.ops.margin_histogram import MarginBins
-from parallel.statistics import LocalStatistics
+from moe_pretrain.ops.statistics import LocalStatistics
 
 
 class Balancer:

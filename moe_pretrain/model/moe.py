@@ -16,7 +16,7 @@ from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.router import Router
-from parallel.dispatch import LocalTokenDispatcher
+from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 
 
 class LatentMoE(nn.Module):

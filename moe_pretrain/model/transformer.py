@@ -15,6 +15,7 @@ from torch import nn
 
 from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
+from moe_pretrain.data.patches import PlacedImage
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
 from moe_pretrain.model.decoder_layer import DecoderLayer
@@ -29,7 +30,7 @@ from moe_pretrain.model.router import Router
 from moe_pretrain.model.saved_inputs import SavedInputs, SavedInputsPolicy
 from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
 from parallel.context_parallel import NoContextParallel
-from parallel.image_split import ImageSplit, PlacedImage
+from parallel.image_split import ImageSplit
 from parallel.sequence import NoSequenceParallel
 
 

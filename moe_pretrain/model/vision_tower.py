@@ -28,13 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_pretrain.config.model import VisionEncoderConfig
+from moe_pretrain.data.patches import Grid
 from moe_pretrain.model.init import Normal
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.vision_positions import apply_rope, resized_table, rope_angles, time_embedding
 from moe_pretrain.ops.document_attention import document_causal_attention
-from parallel.image_split import Grid
 
 
 class PatchEmbed(nn.Module):

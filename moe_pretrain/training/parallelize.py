@@ -24,11 +24,11 @@ from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
+from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
 from parallel.context_parallel import ContextParallel, mla_exchange
 from parallel.context_parallel_mixers import apply_context_parallel
-from parallel.dispatch import LocalTokenDispatcher
 from parallel.node_dispatch import NodeTokenDispatcher
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.sequence import SequenceParallel

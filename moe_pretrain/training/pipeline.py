@@ -43,10 +43,10 @@ from torch.distributed.pipelining import (
 
 from moe_pretrain.config import Config
 from moe_pretrain.data import Batch
+from moe_pretrain.data.patches import PlacedImage, placed_images
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.declared_stage import DeclaredStage
 from moe_pretrain.training.parallelize import DTYPES
-from parallel.image_split import PlacedImage, placed_images
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 

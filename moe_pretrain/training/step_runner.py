@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moe_pretrain.config import Config
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
+from moe_pretrain.data.patches import placed_images
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.ops.host_values import data_values
@@ -24,7 +25,6 @@ from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.pipeline import Pipeline, StepShape
-from parallel.image_split import placed_images
 from parallel.state import ParallelContext
 from parallel.torch_compat import without_outputs
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
