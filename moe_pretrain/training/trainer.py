@@ -28,7 +28,6 @@ from moe_pretrain.config import Config, ConfigError, config_to_dict
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
-from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
 from moe_pretrain.planning.sizing import count
@@ -41,14 +40,14 @@ from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.peak_flops import peak_flops
 from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
+from moe_pretrain.training.stage_switch import StageModules, StageSwitch
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.step_hooks import QKClip, step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
-from parallel.context_parallel import ContextParallel, NoContextParallel, mla_exchange
-from parallel.context_parallel_mixers import apply_context_parallel
+from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
 from parallel.state import ParallelContext, new_host_group, resolve_layout
 
@@ -107,6 +106,8 @@ class Trainer:
         self.state.token_ids = self.data.vocabulary.special_ids()
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
+        self.stage_switch = StageSwitch(self.state.model, self.pipeline.chunk_models() if self.pipeline else [],
+                                        self.ctx, cfg.train.recompute_exchanges)
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
         writes = None
         if self.ctx.distributed:
@@ -120,10 +121,6 @@ class Trainer:
             else None
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""
-        self._recompute = ("none", "device")
-        """The recomputation and saved-input policy the model's layers are set to (modules start with none)."""
-        self.saved_inputs: SavedInputs | None = None
-        """The store of the layers' saved inputs under full recomputation (its ledger: model/saved_inputs.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
         self.last_checkpoint: Path | None = None
         self.peak_flops = peak_flops(cfg.logging.peak_tflops, self.device, self.dtype) * self.ctx.layout.world_size
@@ -141,6 +138,11 @@ class Trainer:
     def model(self) -> torch.nn.Module:
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
         return self.state.model
+
+    @property
+    def saved_inputs(self) -> SavedInputs | None:
+        """The store of the layers' saved inputs under full recomputation (its ledger: model/saved_inputs.py)."""
+        return self.stage_switch.saved_inputs
 
     @property
     def optimizer(self) -> ShardedOptimizer:
@@ -185,29 +187,6 @@ class Trainer:
     def _mla_exchange(self, method: str, cp: int) -> str:
         return mla_exchange(method, cp, self.cfg.model.mla.num_heads // self.cfg.parallel.tp)
 
-    def _apply_stage_layout(self, plan: StepPlan) -> None:
-        """The step's context-parallel split and recomputation, on every module that runs it. The groups of
-        every cp size were built at start-up (ParallelContext.context_groups), so a stage boundary that
-        changes cp switches in place: tp, pp, ep and the data x context group (gradients, ZeRO-1 shards)
-        stay the same; only which positions and which slice of the batch this rank takes change."""
-        context = self.model.context
-        if context.size != plan.cp or (plan.cp > 1 and context.mla != plan.cp_mla):
-            group = self.ctx.context(plan.cp).group
-            context = ContextParallel(group, plan.cp_mla) if plan.cp > 1 else NoContextParallel()
-            for model in [self.model, *(self.pipeline.chunk_models() if self.pipeline else [])]:
-                apply_context_parallel(model, context)
-        if (plan.recompute, plan.saved_inputs) != self._recompute:
-            self.saved_inputs = self.model.set_recompute(plan.recompute, plan.saved_inputs,
-                                                         self.cfg.train.recompute_exchanges)
-            self._recompute = (plan.recompute, plan.saved_inputs)
-
-    def _apply_positional_settings(self, plan: StepPlan) -> None:
-        """The stage's RoPE base on every MLA layer (stage rope_theta 0: model.mla.rope_theta)."""
-        theta = plan.rope_theta or self.cfg.model.mla.rope_theta
-        for module in self.model.modules():
-            if isinstance(module, GatedMLA):
-                module.rope_theta = theta
-
     def _batch_request(self, plan: StepPlan) -> BatchRequest:
         """This rank's rows of the plan's batches; only ranks that embed images read their pixels."""
         data_parallel = self.ctx.context(plan.cp)
@@ -230,8 +209,8 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         plan = self.step_plan()
-        self._apply_positional_settings(plan)
-        self._apply_stage_layout(plan)
+        self.stage_switch.apply(StageModules(plan.cp, plan.cp_mla, plan.recompute, plan.saved_inputs,
+                                             plan.rope_theta or cfg.model.mla.rope_theta))
         batches = self._next_micro_batches(plan)
         # Scalars stay on the device until the step's one host read below. Under context parallelism each
         # rank counts (and later scores) only its own positions.
