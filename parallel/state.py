@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.config.stage_settings import stage_settings
 from parallel.collectives import gather_objects
 from parallel.node_groups import check_node_hosts, expert_node_groups
 
@@ -81,10 +82,8 @@ def batch_shapes(cfg: Config) -> list[BatchShape]:
                            "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp,
                            "parallel.cp_mla", cfg.parallel.cp_mla)]
     return [BatchShape(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
-                       f"stages[{i}].micro_batches", st.micro_batches,
-                       f"stages[{i}].cp" if st.cp else "parallel.cp", st.cp or cfg.parallel.cp,
-                       f"stages[{i}].cp_mla" if st.cp_mla else "parallel.cp_mla", st.cp_mla or cfg.parallel.cp_mla)
-            for i, st in enumerate(cfg.stages)]
+                       f"stages[{i}].micro_batches", st.micro_batches, s.cp_key, s.cp, s.cp_mla_key, s.cp_mla)
+            for i, (st, s) in enumerate(zip(cfg.stages, stage_settings(cfg), strict=True))]
 
 
 def derive_micro_batches(cfg: Config) -> tuple[tuple[int, ...], list[str]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from moe_pretrain.config.errors import ConfigError
+from moe_pretrain.config.stage_settings import stage_settings
 
 if TYPE_CHECKING:
     from moe_pretrain.config.run import Config
@@ -105,11 +106,11 @@ def _context_parallel_methods(config: "Config") -> list[str]:
     """cp_mla chooses how MLA attends across context-parallel ranks: it acts only where cp > 1."""
     p, problems = config.parallel, []
     how = "MLA exchanges nothing without context parallelism"
-    sizes = [stage.cp or p.cp for stage in config.stages] or [p.cp]
-    if p.cp_mla != "auto" and max(sizes) == 1:
+    settings = stage_settings(config)
+    if p.cp_mla != "auto" and max(s.cp for s in settings) == 1:
         problems.append(f"parallel.cp_mla={p.cp_mla} does nothing: {how} (parallel.cp=1 and no stage sets cp > 1)")
-    for i, stage in enumerate(config.stages):
-        if stage.cp_mla and (stage.cp or p.cp) == 1:
+    for i, (stage, resolved) in enumerate(zip(config.stages, settings)):
+        if stage.cp_mla and resolved.cp == 1:
             problems.append(f"stages[{i}].cp_mla={stage.cp_mla} does nothing: {how} in this stage (its cp is 1)")
     return problems
 
@@ -117,9 +118,8 @@ def _context_parallel_methods(config: "Config") -> list[str]:
 def _exchanges_kept(config: "Config") -> list[str]:
     """recompute_exchanges=false keeps what full recomputation would fetch again over expert parallelism: it
     acts only where full recomputation runs with ep > 1."""
-    train = config.train
-    modes = [stage.recompute or train.recompute for stage in config.stages] or [train.recompute]
-    if train.recompute_exchanges or ("full" in modes and config.parallel.ep > 1):
+    modes = [s.recompute for s in stage_settings(config)]
+    if config.train.recompute_exchanges or ("full" in modes and config.parallel.ep > 1):
         return []
     return ["train.recompute_exchanges=false does nothing: only full recomputation (train.recompute=full or a "
             "stage's) with parallel.ep > 1 repeats the expert exchanges"]
@@ -130,10 +130,10 @@ def _saved_input_policies(config: "Config") -> list[str]:
     recomputation in force is full."""
     train, problems = config.train, []
     how = "only train.recompute=full keeps just the layers' inputs (set recompute=full"
-    modes = [stage.recompute or train.recompute for stage in config.stages] or [train.recompute]
-    if train.saved_inputs != "device" and "full" not in modes:
+    settings = stage_settings(config)
+    if train.saved_inputs != "device" and "full" not in [s.recompute for s in settings]:
         problems.append(f"train.saved_inputs={train.saved_inputs} does nothing: {how})")
-    for i, stage in enumerate(config.stages):
-        if stage.saved_inputs and (stage.recompute or train.recompute) != "full":
+    for i, (stage, resolved) in enumerate(zip(config.stages, settings)):
+        if stage.saved_inputs and resolved.recompute != "full":
             problems.append(f"stages[{i}].saved_inputs={stage.saved_inputs} does nothing: {how} in this stage)")
     return problems

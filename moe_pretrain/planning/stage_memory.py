@@ -22,6 +22,7 @@ import copy
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
+from moe_pretrain.config.stage_settings import stage_settings
 from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
 from moe_pretrain.planning.expert_traffic import exchange_buffer_rows, expert_exchange_bytes
@@ -366,11 +367,9 @@ def stage_layouts_of(cfg: Config) -> list[StageLayout]:
     micro_batches, _ = derive_micro_batches(cfg)
     heads = cfg.model.mla.num_heads // cfg.parallel.tp
     layouts = []
-    for stage, micro in zip(cfg.stages, micro_batches, strict=True):
-        cp = stage.cp or cfg.parallel.cp
-        mla = mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp, heads)
-        layouts.append(StageLayout(cp, stage.recompute or cfg.train.recompute, micro, mla,
-                                   stage.saved_inputs or cfg.train.saved_inputs))
+    for settings, micro in zip(stage_settings(cfg), micro_batches, strict=True):
+        layouts.append(StageLayout(settings.cp, settings.recompute, micro,
+                                   mla_exchange(settings.cp_mla, settings.cp, heads), settings.saved_inputs))
     return layouts
 
 

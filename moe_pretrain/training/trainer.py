@@ -25,6 +25,7 @@ from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain import checkpoint
 from moe_pretrain.config import Config, ConfigError, config_to_dict
+from moe_pretrain.config.stage_settings import stage_settings
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
@@ -170,19 +171,16 @@ class Trainer:
         step = self.step if step is None else step
         tokens_seen = self.tokens_seen if tokens_seen is None else tokens_seen
         if not cfg.stages:
+            s = stage_settings(cfg)[0]
             return StepPlan(cfg.data.seq_len, cfg.data.batch_size, self.layout.micro_batches[0],
-                            learning_rate(step, cfg.train.steps, cfg.optim), "main", None,
-                            cp=cfg.parallel.cp, recompute=cfg.train.recompute,
-                            cp_mla=self._mla_exchange(cfg.parallel.cp_mla, cfg.parallel.cp),
-                            saved_inputs=cfg.train.saved_inputs)
+                            learning_rate(step, cfg.train.steps, cfg.optim), "main", None, cp=s.cp,
+                            recompute=s.recompute, cp_mla=self._mla_exchange(s.cp_mla, s.cp),
+                            saved_inputs=s.saved_inputs)
         point = stage_at(cfg.stages, tokens_seen)
-        stage = point.stage
-        cp = stage.cp or cfg.parallel.cp
+        stage, s = point.stage, stage_settings(cfg)[point.index]
         return StepPlan(stage.seq_len, stage.rows, self.layout.micro_batches[point.index],
                         stage_learning_rate(point), stage.name, point.end_tokens, point.index, stage.rope_theta,
-                        cp, stage.recompute or cfg.train.recompute,
-                        self._mla_exchange(stage.cp_mla or cfg.parallel.cp_mla, cp),
-                        stage.saved_inputs or cfg.train.saved_inputs)
+                        s.cp, s.recompute, self._mla_exchange(s.cp_mla, s.cp), s.saved_inputs)
 
     def _mla_exchange(self, method: str, cp: int) -> str:
         return mla_exchange(method, cp, self.cfg.model.mla.num_heads // self.cfg.parallel.tp)
