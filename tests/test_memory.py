@@ -85,6 +85,12 @@ def test_sizing_layout_cli_names_the_worst_rank():
     # 2.8T parameters over 4096 ranks, fp32 state: ~2.1e9 parameters and ~23 GB on the fullest stage (the first:
     # its share of the embedding plus the whole vision tower and projector, 0.45e9, replicated over tp).
     assert 1.5e9 < worst["params"] < 2.7e9 and worst["total_bytes"] < 35e9
+    # Counted two ways: unsharded (tp = ep = 1), the pipeline stages' parameters from the meta model's shapes add
+    # up to sizing's analytic count of the whole model, exactly.
+    whole = json.loads(subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml",
+                                       "--json", "--layout", "tp=1,pp=16,ep=1,dp=256"], capture_output=True,
+                                      text=True, check=True).stdout)
+    assert sum(stage["params"] for stage in whole["per_rank"]["stages"]) == whole["total_params"]
     bad = subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml", "--layout",
                           "tp=8,pp=16,ep=100,dp=32"], capture_output=True, text=True)
     assert bad.returncode != 0 and "parallel.ep=100" in bad.stderr
