@@ -13,7 +13,7 @@ NPROC ?= 2
 TP ?= 2
 EP ?= 2
 
-.PHONY: smoke test lint clean
+.PHONY: smoke test test-fast lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ smoke: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
+
+# The suite without the tests marked slow (pytest -m "not slow"): a quicker check while editing; CI runs make test.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -66,6 +66,7 @@ def planned_ranks(cfg: Config) -> list[dict]:
                                        stage_layouts_of(staged)[0])["ranks"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
@@ -192,6 +193,7 @@ def test_a_layout_the_world_cannot_hold_is_refused_in_one_line_before_any_rank_r
     assert "dry_run.expert_load has 2 factors for model.moe.num_experts=16" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_pipeline_ranks_memory_does_not_grow_with_the_steps_micro_batches(tmp_path):
     """bench/dry_run.py traces a stage's first pp micro-batches for a step of 64: right only if nothing a

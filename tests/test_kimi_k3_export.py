@@ -266,6 +266,7 @@ def assert_exports_back(imported: Path, tensors: dict[str, torch.Tensor], out: P
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
     cfg, tensors, config_file = release_fixture(tmp_path)

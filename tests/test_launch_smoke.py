@@ -9,6 +9,7 @@ import pytest
 from tests.models import TINY
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smoke_command_passes_every_check(tmp_path):
     """With the TINY model (the overrides every run takes): the launches, checks and table are the same, each

@@ -73,6 +73,7 @@ def test_sizing_per_rank_matches_what_the_layout_allocates(optimizer):
         assert 0.6 <= exchanged / stage["muon_exchange_bytes"] <= 1.2 and stage["muon_flops"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sizing_layout_cli_names_the_worst_rank():
     out = subprocess.run([sys.executable, "-m", "moe_pretrain.planning.sizing", "configs/full.yaml", "--json",

@@ -54,6 +54,7 @@ def colour_accuracy(model, cfg, wrong_images: bool, n: int = 140) -> float:
     return float((logits[rows, colour_at - 1].argmax(-1) == tokens[rows, colour_at]).float().mean())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # ~2 min on an idle 2-core machine; a CI machine shared with other jobs is far slower
 def test_caption_colour_is_predicted_from_the_image(tmp_path):
     assert len({name[0] for name in COLOURS}) == len(COLOURS)  # first letters identify the colour

@@ -74,6 +74,7 @@ def test_no_verifiable_checkpoint_is_a_permanent_failure(tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_torchrun_restart_after_a_killed_worker_finishes_at_the_same_loss(tmp_path):
     common = ["-m", "launch.train", *TRAIN[3:], "train.steps=14", "checkpoint.every=4"]

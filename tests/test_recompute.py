@@ -90,6 +90,7 @@ def kept_exchanges_worker(rank, world_size, run_dir, exchanges, overrides):
         destroy_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("world_size", "overrides"), [
     (2, ["parallel.ep=2"]),

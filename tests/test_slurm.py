@@ -68,6 +68,7 @@ def test_header_values_that_sbatch_would_misread_are_refused(field, value):
         render(job, cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hostile_values_reach_the_training_command_intact(tmp_path):
     """Run the rendered script with stand-ins for srun and scontrol: the hostile strings arrive as single
@@ -87,6 +88,7 @@ def test_hostile_values_reach_the_training_command_intact(tmp_path):
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in argv and "--rdzv-id=7" in argv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_flight_recorder_records_and_dumps_beside_the_watchdog(tmp_path):
     """NCCL's flight recorder records nothing unless its buffer is > 0; its dumps land in run_dir/hang/."""
@@ -265,6 +267,7 @@ esac
 """srun running the job's training step as one process (the arguments after torchrun's -m launch.train)."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_damaged_newest_checkpoint_is_passed_by_the_requeued_job(tmp_path):
     """Item 1 of the faults a run must survive, end to end under the job script: step 3 (the newest) is truncated;
@@ -358,6 +361,7 @@ def finished_job(cluster, tmp_path_factory):
     return job_id, info, run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_job_runs_to_the_end_and_checkpoints(finished_job):
     job_id, info, run_dir = finished_job
@@ -372,6 +376,7 @@ def test_a_job_runs_to_the_end_and_checkpoints(finished_job):
             "(launch.signal_lead_s=60)") in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_preempted_job_checkpoints_requeues_and_resumes(cluster, finished_job, tmp_path):
     """USR2 (the time limit's --signal=B:USR2) to the batch script: the script survives it and forwards USR2,
@@ -444,6 +449,7 @@ def test_a_hung_run_excludes_the_node_that_fails_the_check_and_requeues(cluster,
         subprocess.run(["scancel", job_id], env=cluster.env, check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_failed_runs_requeue_at_most_max_requeues_times(cluster, tmp_path):
     """The real node check (launch/node_check.py) passes on this node: the hung run requeues without excluding

@@ -46,6 +46,7 @@ def test_relaunching_a_finished_run_says_so_and_exits_0(tmp_path):
     assert steps_done(run_dir) == 3  # nothing appended
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_relaunching_a_finished_pipeline_run_under_torchrun(tmp_path):
     """parallel.pp=2 alone (no data.micro_batches): the count is derived and said at start-up."""

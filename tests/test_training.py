@@ -26,6 +26,7 @@ def run(cfg, tmp_path, name="run"):
     return trainer, trainer.run()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_smoke_config_loss_drops_in_30_steps(tmp_path):
     cfg = load_config("configs/smoke.yaml", ["train.steps=30", *EVAL_OFF])
