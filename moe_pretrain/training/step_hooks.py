@@ -1,8 +1,9 @@
 """The step's extras: what a training step runs around the optimizer update besides the update itself.
 
-Trainer.train_step calls every active hook at three points, in the order step_hooks lists them:
-before_step (before the forward-backward), before_update (gradients reduced, the update not yet applied)
-and after_update (after the update, or after the skip of a step whose loss or gradient norm is not finite).
+Trainer.train_step calls every active hook at three points (and Trainer.metrics asks each for its figures), in
+the order step_hooks lists them: before_step (before the forward-backward), before_update (gradients reduced,
+the update not yet applied) and after_update (after the update, or after the skip of a step whose loss or
+gradient norm is not finite).
 A new per-step update is a StepHook here and one line in step_hooks; the step itself does not change.
 (torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip decision.)
 """
@@ -10,6 +11,7 @@ A new per-step update is a StepHook here and one line in step_hooks; the step it
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from moe_pretrain.fp8 import advance_amax_histories
 from moe_pretrain.model.qk_clip import clip_heads, start_recording
@@ -27,6 +29,10 @@ class StepHook:
 
     def after_update(self, skipped: bool) -> None:
         pass
+
+    def metrics(self) -> dict[str, float]:
+        """What the hook adds to the step's record (collective where it reduces: every rank calls it)."""
+        return {}
 
 
 class QKClip(StepHook):
@@ -48,6 +54,14 @@ class QKClip(StepHook):
         self.trainer.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
         group = self.trainer.ctx.dp_group
         self.max_logits = clip_heads(self.trainer.model, self.threshold, lambda m: all_reduce_max(m, group))
+
+    def metrics(self) -> dict[str, float]:
+        """The step's largest MLA attention logit over every layer and head (before the clip): a maximum over all
+        ranks (a stage without MLA layers gives -inf)."""
+        local = self.max_logits.max() if self.max_logits is not None else torch.tensor(float("-inf"))
+        ctx = self.trainer.ctx
+        group = dist.group.WORLD if ctx.distributed else None
+        return {"max_logit": all_reduce_max(local.reshape(1).to(self.trainer.device, torch.float64), group).item()}
 
 
 class AmaxHistories(StepHook):

@@ -31,9 +31,9 @@ from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
-from moe_pretrain.planning.sizing import count
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
+from moe_pretrain.training.mfu import StepMFU
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
@@ -43,7 +43,7 @@ from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.stage_switch import StageModules, StageSwitch
 from moe_pretrain.training.state import TrainingState
-from moe_pretrain.training.step_hooks import QKClip, step_hooks
+from moe_pretrain.training.step_hooks import step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
 from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.training.watchdog import StepWatchdog
@@ -124,8 +124,9 @@ class Trainer:
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
         self.last_checkpoint: Path | None = None
-        self.peak_flops = peak_flops(cfg.logging.peak_tflops, self.device, self.dtype) * self.ctx.layout.world_size
-        self._flops_per_token: dict[int, float] = {}
+        self.mfu = StepMFU(cfg.model, peak_flops(cfg.logging.peak_tflops, self.device, self.dtype)
+                           * self.ctx.layout.world_size)
+        """A step's model FLOPs utilisation: mfu(tokens, seconds, seq_len)."""
 
     def _checkpoint_timeout(self) -> timedelta:
         largest = all_reduce_max(torch.tensor([self.state.state_bytes()], dtype=torch.float64, device=self.device),
@@ -265,12 +266,6 @@ class Trainer:
                 f"(train.max_skipped_steps={self.cfg.train.max_skipped_steps}); last good checkpoint: "
                 f"{self.last_checkpoint or 'none'}")
 
-    def mfu(self, result: StepResult) -> float:
-        """Model FLOPs utilisation of a step: sizing's training FLOPs over the peak of all processes."""
-        if result.seq_len not in self._flops_per_token:
-            self._flops_per_token[result.seq_len] = count(self.cfg.model, result.seq_len)["flops_per_token"]
-        return self._flops_per_token[result.seq_len] * result.tokens / (result.seconds * self.peak_flops)
-
     def metrics(self, result: StepResult) -> dict:
         """The step's record; collective (global expert loads), so every rank calls it."""
         return {
@@ -283,25 +278,15 @@ class Trainer:
             "seq_len": result.seq_len,
             "cp": result.cp,
             "tokens_per_s": result.tokens / result.seconds,
-            "mfu": self.mfu(result),
+            "mfu": self.mfu(result.tokens, result.seconds, result.seq_len),
             "skipped": result.skipped,
             "skipped_total": self.skipped_total,
             "step_time_s": result.seconds,
             "data_wait_s": result.data_wait_s,
             "moe": self._moe_stats(),
             **({"mtp_loss": list(result.mtp_losses)} if result.mtp_losses else {}),
-            **self._max_logit(),
+            **{key: value for hook in self.hooks for key, value in hook.metrics().items()},
         }
-
-    def _max_logit(self) -> dict[str, float]:
-        """With QK-clip on, the step's largest MLA attention logit over every layer and head (before the clip):
-        a maximum over all ranks (a stage without MLA layers gives -inf)."""
-        clip = next((hook for hook in self.hooks if isinstance(hook, QKClip)), None)
-        if clip is None:
-            return {}
-        local = clip.max_logits.max() if clip.max_logits is not None else torch.tensor(float("-inf"))
-        group = dist.group.WORLD if self.ctx.distributed else None
-        return {"max_logit": all_reduce_max(local.reshape(1).to(self.device, torch.float64), group).item()}
 
     def _records_loads(self) -> bool:
         every = self.cfg.logging.expert_load_every
