@@ -8,12 +8,10 @@ A new per-step update is a StepHook here and one line in step_hooks; the step it
 (torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip decision.)
 """
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
-from moe_pretrain.fp8 import advance_amax_histories
+from moe_pretrain.fp8 import RECIPES, advance_amax_histories
 from moe_pretrain.model.qk_clip import clip_heads, start_recording
 from parallel.collectives import all_reduce_max
 
@@ -65,7 +63,7 @@ class QKClip(StepHook):
 
 
 class AmaxHistories(StepHook):
-    """FP8 delayed scaling: close the step for every amax history, reduced over the expert-data-parallel ranks
+    """precision.fp8=delayed: close the step for every amax history, reduced over the expert-data-parallel ranks
     (which hold the same experts); a skipped step records nothing, so no inf reaches a scale."""
 
     def __init__(self, trainer):
@@ -102,11 +100,11 @@ class SaveFence(StepHook):
 
 def step_hooks(trainer) -> list[StepHook]:
     """The hooks the trainer's config turns on, in the order they run at each point."""
-    cfg = trainer.cfg
-    hooks: list[tuple[bool, Callable[[], StepHook]]] = [
-        (trainer.async_saver is not None, lambda: SaveFence(trainer.async_saver)),
-        (bool(cfg.optim.qk_clip_threshold), lambda: QKClip(trainer, cfg.optim.qk_clip_threshold)),
-        (True, lambda: AmaxHistories(trainer)),
-        (True, lambda: Balancing(trainer)),
-    ]
-    return [make() for active, make in hooks if active]
+    cfg, hooks = trainer.cfg, []
+    if trainer.async_saver is not None:
+        hooks.append(SaveFence(trainer.async_saver))
+    if cfg.optim.qk_clip_threshold:
+        hooks.append(QKClip(trainer, cfg.optim.qk_clip_threshold))
+    if cfg.precision.fp8 != "off" and RECIPES[cfg.precision.fp8].delayed:  # only delayed scaling keeps histories
+        hooks.append(AmaxHistories(trainer))
+    return [*hooks, Balancing(trainer)]

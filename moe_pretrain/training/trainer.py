@@ -120,6 +120,8 @@ class Trainer:
             writes = new_host_group(timeout) if cfg.checkpoint.async_save else None
         self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group, writes) if cfg.checkpoint.async_save \
             else None
+        self.stage_settings = stage_settings(cfg)
+        """Each stage's cp, cp_mla, recompute and saved_inputs with the run's defaults (config/stage_settings.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
@@ -172,13 +174,13 @@ class Trainer:
         step = self.step if step is None else step
         tokens_seen = self.tokens_seen if tokens_seen is None else tokens_seen
         if not cfg.stages:
-            s = stage_settings(cfg)[0]
+            s = self.stage_settings[0]
             return StepPlan(cfg.data.seq_len, cfg.data.batch_size, self.layout.micro_batches[0],
                             learning_rate(step, cfg.train.steps, cfg.optim), "main", None, cp=s.cp,
                             recompute=s.recompute, cp_mla=self._mla_exchange(s.cp_mla, s.cp),
                             saved_inputs=s.saved_inputs)
         point = stage_at(cfg.stages, tokens_seen)
-        stage, s = point.stage, stage_settings(cfg)[point.index]
+        stage, s = point.stage, self.stage_settings[point.index]
         return StepPlan(stage.seq_len, stage.rows, self.layout.micro_batches[point.index],
                         stage_learning_rate(point), stage.name, point.end_tokens, point.index, stage.rope_theta,
                         s.cp, s.recompute, self._mla_exchange(s.cp_mla, s.cp), s.saved_inputs)
