@@ -54,7 +54,7 @@ def probe(recompute: str, T: int, process: ProcessMemory | None = None) -> dict:
     expert-parallel ones save)."""
     from moe_pretrain.planning.measured import LiveTensorBytes
     from moe_pretrain.planning.step_activations import activation_bytes
-    from moe_pretrain.training.parallelize import build_model
+    from parallel.parallelize import build_model
     from tests.models import tiny_config
 
     cfg = tiny_config(*CONFIG)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from launch.local import run_distributed
 from moe_pretrain.config import MoEConfig
 from moe_pretrain.model.moe import LatentMoE
-from moe_pretrain.training.parallelize import describe_parameters, materialize, shard_parameters
 from parallel.collectives import all_reduce_sum
 from parallel.node_groups import expert_node_groups
+from parallel.parallelize import describe_parameters, materialize, shard_parameters
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext, ParallelLayout
 

@@ -39,9 +39,9 @@ from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors
 from moe_pretrain.checkpoint.kimi_k3_config import model_section, special_ids_of_release
 from moe_pretrain.checkpoint.store import save
 from moe_pretrain.config import Config, config_to_dict, load_config
-from moe_pretrain.training.parallelize import meta_model, parameter_dtype
 from parallel.collectives import all_reduce_sum
 from parallel.flat_shards import BoxedSavePlanner, BoxedTensor
+from parallel.parallelize import meta_model, parameter_dtype
 
 PIECE_BYTES = 1 << 30
 """Largest piece of a stacked expert weight written (and held) at once."""

@@ -3,7 +3,7 @@
 resolve() turns the kernels and precision sections into a Kernels value (gpu_kernels/choice.py) for the run's
 device and compute dtype: auto picks the fast path where it runs, and a forced fast path or an FP8 recipe
 this machine cannot run is a ConfigError naming its key (never a silent fallback). The model is built with
-it (training/parallelize.build_model), and fast_paths() reads the choices back from the built modules, so
+it (parallel/parallelize.build_model), and fast_paths() reads the choices back from the built modules, so
 a job log says what the expensive parts actually run on: fla / Triton / grouped-GEMM / FP8 kernels or the
 PyTorch references.
 """

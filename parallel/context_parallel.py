@@ -77,6 +77,17 @@ def local_positions(rows: int, seq_len: int, cp: int, rank: int) -> list[int]:
     return [row * seq_len + j * F + t for row in range(rows) for j in (rank, 2 * cp - 1 - rank) for t in range(F)]
 
 
+def held_positions(x_BT_: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """[B, T, ...] (every position) -> [B, T / cp, ...]: cp rank `rank`'s two fragments (no communication)."""
+    if cp == 1:
+        return x_BT_
+    T = x_BT_.shape[1]
+    if T % (2 * cp):
+        raise ValueError(f"sequence length {T} is not divisible by 2 x parallel.cp = {2 * cp}")
+    fragments = x_BT_.unflatten(1, (2 * cp, T // (2 * cp)))
+    return fragments[:, [rank, 2 * cp - 1 - rank]].flatten(1, 2)
+
+
 class ContextParallel(NoContextParallel):
     def __init__(self, group: dist.ProcessGroup, mla: str = "ulysses"):
         """mla: the resolved exchange (mla_exchange): latent or ulysses."""
@@ -94,11 +105,7 @@ class ContextParallel(NoContextParallel):
 
     def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] (every position) -> [B, T / cp, ...] (this rank's two fragments)."""
-        T = x_BT_.shape[1]
-        if T % (2 * self.size):
-            raise ValueError(f"sequence length {T} is not divisible by 2 x parallel.cp = {2 * self.size}")
-        fragments = x_BT_.unflatten(1, (2 * self.size, T // (2 * self.size)))
-        return fragments[:, list(self.fragments)].flatten(1, 2)
+        return held_positions(x_BT_, self.size, self.rank)
 
     def place(self, positions, seq_len):
         F = seq_len // (2 * self.size)

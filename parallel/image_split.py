@@ -15,13 +15,19 @@ backward returns the gradients the same way. Every rank's tower then has the gra
 the tensor x data (x context) reduce of replicated parameters (parallel/plan.py) sums them.
 """
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from moe_pretrain.data.patches import PlacedImage
+from moe_pretrain.model.image_merge import ImageMerge
 from parallel.collectives import all_to_all_rows
+from parallel.context_parallel import NoContextParallel
+from parallel.sequence import NoSequenceParallel
 
 
 def deal(sizes: list[int], ranks: int) -> np.ndarray:
@@ -51,15 +57,38 @@ class _Route:
     """None: the rows as they come (a block of one rank)."""
 
 
-class ImageSplit:
-    """The block's deal of images and the token exchange (module docstring). `context` and `sequence` are the
-    model's context- and sequence-parallel splits (sizes 1 included): each tells which of its ranks holds a
-    position and where it sits in that rank's shard (`place`)."""
+class ImageSplit(ImageMerge):
+    """The image merge of a rank in a block of several: the block's deal of images and the token exchange
+    (module docstring). `context` and `sequence` are the rows' context- and sequence-parallel splits (sizes 1
+    included): each tells which of its ranks holds a position and where it sits in that rank's shard (`place`)."""
 
-    def __init__(self, context, sequence):
+    context: NoContextParallel
+    sequence: NoSequenceParallel
+
+    def __init__(self, context: NoContextParallel, sequence: NoSequenceParallel):
+        super().__init__()
         self.context, self.sequence = context, sequence
-        self.cp, self.tp = context.size, sequence.size
-        self.slot = context.rank * self.tp + sequence.rank
+
+    @property
+    def cp(self) -> int:
+        return self.context.size
+
+    @property
+    def tp(self) -> int:
+        return self.sequence.size
+
+    @property
+    def slot(self) -> int:
+        """This rank's place in the block."""
+        return self.context.rank * self.tp + self.sequence.rank
+
+    def _deal(self, images: list[PlacedImage], merge: int, seq_len: int
+              ) -> tuple[list[int], Callable[[torch.Tensor], torch.Tensor]]:
+        route = self.route(images, merge, seq_len)
+        return route.encoded, functools.partial(self.exchange, route=route)
+
+    def _held(self, x_BT: torch.Tensor) -> torch.Tensor:
+        return self.sequence.local(self.context.local(x_BT))
 
     def route(self, images: list[PlacedImage], merge: int, seq_len: int) -> _Route:
         """The exchange for these images (the same on every rank of the block: each computes every rank's
@@ -115,3 +144,14 @@ def _take(x: torch.Tensor, order: np.ndarray | None) -> torch.Tensor:
     if order is None or np.array_equal(order, np.arange(len(order))):
         return x
     return x.index_select(0, torch.as_tensor(order, device=x.device))
+
+
+def place_image_merge(module: nn.Module, sequence: NoSequenceParallel, context: NoContextParallel) -> None:
+    """The model's image merge as the splits ask: ImageSplit in a block of several ranks, else the plain merge."""
+    if context.size * sequence.size > 1:
+        module.__class__ = ImageSplit
+        module.context, module.sequence = context, sequence
+    else:
+        module.__class__ = ImageMerge
+        for name in ("context", "sequence"):
+            module.__dict__.pop(name, None)

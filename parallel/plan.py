@@ -142,7 +142,7 @@ def backbone_path(path: str) -> str:
     return MTP_LAYER.sub(lambda m: f"layers.mtp{m.group(1)}.", path)
 
 
-def _compile(pattern: str) -> re.Pattern:
+def compile_pattern(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
 
 
@@ -160,8 +160,8 @@ def _contains(regex: re.Pattern, name: str) -> bool:
 class ShardingPlan:
     def __init__(self, rules: tuple[tuple[str, Style], ...] = MODEL_PLAN, replicated: tuple[str, ...] = REPLICATED):
         self.rules, self.replicated = rules, replicated
-        self._patterns = [(_compile(pattern), style) for pattern, style in rules]
-        self._replicated = [_compile(pattern) for pattern in replicated]
+        self._patterns = [(compile_pattern(pattern), style) for pattern, style in rules]
+        self._replicated = [compile_pattern(pattern) for pattern in replicated]
         self._placements: dict[str, ParamPlacement] = {}
 
     def style(self, path: str) -> Style | None:

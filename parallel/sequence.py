@@ -1,9 +1,9 @@
-"""Sequence parallelism as an object the model carries (the model itself never calls torch.distributed).
+"""Sequence parallelism: between the tensor-parallel regions, activations [B, T, D] are split along T.
 
-Between the tensor-parallel regions, activations [B, T, D] are split along T over the tensor-parallel
-ranks. The model asks this object to scatter the embedded sequence, to gather a tensor it needs whole
-(MLA's shared rotary key), and where a position lives (its shard of a mask; which rank holds an image
-token). NoSequenceParallel is the single-process identity.
+The activation plan (parallel/activation_plan.py) uses this split to scatter the embedded sequence, MLA's
+sequence-parallel variants to gather a tensor they need whole (the shared rotary key), and the image split to
+find where a position lives (its shard of a mask; which rank holds an image token). NoSequenceParallel is
+the one-rank identity.
 """
 
 import numpy as np

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.config.stage_settings import stage_settings
 from parallel.collectives import gather_objects
+from parallel.context_parallel import held_positions
 from parallel.node_groups import check_node_hosts, expert_node_groups
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,10 @@ class ContextGroup:
     dp_rank: int
     """Which slice of the global batch this rank reads at this size."""
     dp_size: int
+
+    def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """This rank's positions [B, T / size, ...] of a tensor over every position (the labels)."""
+        return held_positions(x_BT_, self.size, self.rank)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import CheckpointError, committed_checkpoints, verify
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.parallelize import gather_full_state
+from parallel.parallelize import gather_full_state
 from parallel.state import destroy_parallel, init_parallel
 from tests.helpers import rel_rms
 from tests.models import tiny_config

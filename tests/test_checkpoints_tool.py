@@ -81,7 +81,7 @@ def test_prune_keeps_the_newest_checkpoint_that_verifies(checkpoints):
 
 
 def tp_ep_worker(rank, world_size, run_dir):
-    from moe_pretrain.training.parallelize import gather_full_state
+    from parallel.parallelize import gather_full_state
     from parallel.state import destroy_parallel, init_parallel
 
     cfg = tiny_config("train.steps=2", "parallel.tp=2", "parallel.ep=2", f"train.run_dir={run_dir}",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from launch.local import run_distributed
-from moe_pretrain.training.parallelize import build_model
+from parallel.parallelize import build_model
 from parallel.state import destroy_parallel, init_parallel
 from tests.helpers import rel_rms
 from tests.models import tiny_config
@@ -40,9 +40,10 @@ def inputs(vocab: int):
     return tokens, doc_ids, weight
 
 
-def forward_backward(model, tokens, doc_ids, weight):
+def forward_backward(model, tokens, doc_ids, weight, local=lambda x: x):
+    """local: what keeps this rank's positions of a tensor over every position."""
     logits, balance = model(tokens, doc_ids)
-    (logits * model.context.local(weight)).sum().add(balance).backward()
+    (logits * local(weight)).sum().add(balance).backward()
     return logits.detach()
 
 
@@ -51,14 +52,15 @@ def cp_worker(rank, world_size, overrides):
     ctx = init_parallel(cfg)
     try:
         model = build_model(cfg, ctx)
-        logits = forward_backward(model, *inputs(cfg.model.vocab_size))
+        context = ctx.context(world_size)
+        logits = forward_backward(model, *inputs(cfg.model.vocab_size), local=context.local)
         grads = {}
         for name, p in model.named_parameters():
             if p.grad is not None:  # (the patch embedding sees no images here)
                 # Each rank's gradient covers its own positions only.
                 dist.all_reduce(p.grad, group=ctx.context(world_size).group)
                 grads[name] = p.grad
-        return logits, model.context.fragments, grads
+        return logits, (context.rank, 2 * world_size - 1 - context.rank), grads
     finally:
         destroy_parallel()
 

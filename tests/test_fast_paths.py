@@ -19,7 +19,7 @@ from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
-from moe_pretrain.training.parallelize import build_model
+from parallel.parallelize import build_model
 from tests.models import tiny_config
 
 CPU = torch.device("cpu")

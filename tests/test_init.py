@@ -9,7 +9,7 @@ from launch.local import run_distributed
 from moe_pretrain.config import load_config
 from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, Normal, Uniform, draw
 from moe_pretrain.planning.sizing import count
-from moe_pretrain.training.parallelize import build_model, gather_full_state, meta_model
+from parallel.parallelize import build_model, gather_full_state, meta_model
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
 

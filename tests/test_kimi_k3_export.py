@@ -29,7 +29,7 @@ from moe_pretrain.config import load_config
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.data.patches import placed_images
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.parallelize import meta_model
+from parallel.parallelize import meta_model
 from tests.checkpoints_cli import config_file_of, tool
 from tests.models import MXFP4_TINY, tiny_config
 

@@ -90,7 +90,8 @@ def saved_bytes_worker(rank, world_size, overrides):
     from moe_pretrain.model.layout import DocumentLayout
     from moe_pretrain.model.mla import GatedMLA
     from parallel.context_parallel import ContextParallel, NoContextParallel
-    from parallel.context_parallel_mixers import apply_context_parallel
+    from parallel.context_parallel_mixers import place_mixer
+    from parallel.sequence import NoSequenceParallel
 
     dist.init_process_group("gloo")
     try:
@@ -103,7 +104,7 @@ def saved_bytes_worker(rank, world_size, overrides):
         out = {}
         contexts = {"document": NoContextParallel(), "latent": ContextParallel(dist.group.WORLD, "latent")}
         for name, context in contexts.items():
-            apply_context_parallel(layer, context)
+            place_mixer(layer, NoSequenceParallel(), context)
             seen = set()
 
             def pack(t, seen=seen):
@@ -112,7 +113,7 @@ def saved_bytes_worker(rank, world_size, overrides):
                     seen.add((storage.data_ptr(), storage.nbytes()))
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                layer(x, DocumentLayout.from_doc_ids(doc_ids, context=context))
+                layer(x, DocumentLayout.from_doc_ids(doc_ids))
             out[name] = sum(n for _, n in seen) / (B * T)
         return out
     finally:

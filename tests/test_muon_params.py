@@ -8,7 +8,7 @@ import torch
 from moe_pretrain.config import load_config
 from moe_pretrain.ops.newton_schulz import muon_update
 from moe_pretrain.training.muon_params import MuonRule, as_matrices, muon_rule
-from moe_pretrain.training.parallelize import meta_model
+from parallel.parallelize import meta_model
 
 
 def test_full_size_rules():

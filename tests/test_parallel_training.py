@@ -13,8 +13,8 @@ import torch.distributed as dist
 from launch.local import run_distributed
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.parallelize import gather_full_state, meta_model
 from moe_pretrain.training.pipeline import StepShape, stage_boundaries
+from parallel.parallelize import gather_full_state, meta_model
 from parallel.plan import pipeline_chunks
 from parallel.state import ParallelContext, ParallelLayout, destroy_parallel, init_parallel
 from tests.helpers import rel_rms

@@ -4,7 +4,7 @@ placed by a rule or declared replicated, and a renamed module is caught (not sil
 import pytest
 
 from moe_pretrain.config import load_config
-from moe_pretrain.training.parallelize import build_model, meta_model
+from parallel.parallelize import build_model, meta_model
 from parallel.plan import MODEL_PLAN, REPLICATED, ShardingPlan
 from tests.models import tiny_config
 

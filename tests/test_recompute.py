@@ -9,8 +9,8 @@ from launch.local import run_distributed
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.parallelize import build_model, gather_full_state
 from parallel.collectives import gather_objects
+from parallel.parallelize import build_model, gather_full_state
 from parallel.state import destroy_parallel, init_parallel
 from tests.helpers import rel_rms
 from tests.models import tiny_config

@@ -1,4 +1,5 @@
-"""The model: modules over the functional core in moe_pretrain.ops (no torch.distributed here)."""
+"""The model: modules over the functional core in moe_pretrain.ops. It communicates nothing and knows no layout
+(parallel/activation_plan.py places its activations)."""
 
 from moe_pretrain.model.decoder_layer import DecoderLayer
 from moe_pretrain.model.layout import DocumentLayout

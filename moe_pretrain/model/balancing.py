@@ -130,7 +130,7 @@ class HistogramQuantileBalancer(Balancer):
 
 def reduce_pending(balancers: list[Balancer]) -> None:
     """Sum the step's statistics of these balancers that let it (histogram quantile balancing: its counts) over
-    their group in one collective (a pipeline stage's balancers share one group: training/parallelize.py), so
+    their group in one collective (a pipeline stage's balancers share one group: parallel/parallelize.py), so
     next_bias needs none."""
     pending = [(b, counts) for b in balancers if (counts := b.unreduced_counts()) is not None]
     if not pending:

@@ -129,7 +129,7 @@ def parameter_inits(model: nn.Module) -> dict[str, Init]:
 @torch.no_grad()
 def initialize(model: nn.Module, seed: int) -> nn.Module:
     """Fill every parameter of a whole (unsharded, materialised) model from its declared distribution;
-    buffers are left as built. The sharded path (training/parallelize.py) draws the same values."""
+    buffers are left as built. The sharded path (parallel/parallelize.py) draws the same values."""
     for name, init in parameter_inits(model).items():
         param = model.get_parameter(name)
         param.copy_(draw(init, seed, name, tuple(param.shape)))

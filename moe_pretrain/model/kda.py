@@ -81,8 +81,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         K = self.cfg.head_dim
-        B, T = layout.position_in_doc.shape  # this rank's positions, whatever tensor-parallel shard x holds
-        pos = self._rows(layout.position_in_doc, layout)
+        positions = self._positions(layout)
+        B, T = positions.shape  # this rank's positions, whatever tensor-parallel shard x holds
+        pos = self._rows(positions, layout)
 
         def heads(t):
             return t.reshape(*t.shape[:2], -1, K)
@@ -96,6 +97,10 @@ class KimiDeltaAttention(nn.Module):
         o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps).to(x.dtype)
         gate = torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj((gate * o).flatten(2))
+
+    def _positions(self, layout: DocumentLayout) -> torch.Tensor:
+        """[B, T] the offsets in their documents of the positions this layer runs over: every one."""
+        return layout.position_in_doc
 
     def _rows(self, x_BT_: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The rows the recurrence and the convolutions run over: the batch's own."""

@@ -2,11 +2,13 @@
 
 Shape legend: B sequences, T positions. Packed sequences hold several documents; KDA resets its
 state, the short convolutions stop, and MLA masks attention at every document boundary.
-Under context parallelism the per-position fields hold this rank's positions (parallel/context_parallel.py)
-while cu_seqlens and document_bounds describe the whole sequence, which MLA attends over.
+Every field describes the whole sequence. A context-parallel rank holds only some positions of it: its mixers
+(parallel/context_parallel_mixers.py) ask for those positions' offsets with positions_held_by, and MLA still
+attends over the whole sequence that cu_seqlens and document_bounds describe.
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +16,6 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from gpu_kernels.flex_attention import document_block_mask
 from moe_pretrain.ops.host_values import data_values
-from parallel.context_parallel import NoContextParallel
-from parallel.sequence import NoSequenceParallel
 
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -30,42 +30,37 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DocumentLayout:
-    doc_ids: torch.Tensor
-    """[B, T] document number of each position (non-decreasing along T); [B, T / cp] of this rank's."""
     position_in_doc: torch.Tensor
-    """[B, T] offset of each position from its document's start (RoPE positions, conv validity); [B, T / cp]."""
+    """[B, T] offset of each position from its document's start (RoPE positions, conv validity)."""
     cu_seqlens: torch.Tensor
     """[N + 1] int64 offsets of the N documents in the flattened [1, B*T] sequence (fla convention)."""
-    sequence: NoSequenceParallel = field(default_factory=NoSequenceParallel)
-    """How activations are split along T between tensor-parallel regions (identity on one rank).
-    The other fields describe every position of this context-parallel rank."""
-    context: NoContextParallel = field(default_factory=NoContextParallel)
-    """How the sequence is split over context-parallel ranks (identity without cp)."""
+    _held: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: torch.Tensor, sequence: NoSequenceParallel | None = None,
-                     context: NoContextParallel | None = None) -> "DocumentLayout":
-        """doc_ids [B, T] of every position (also under context parallelism)."""
+    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocumentLayout":
+        """doc_ids [B, T]: the document number of each position (non-decreasing along T)."""
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         B, T = doc_ids.shape
-        context = context or NoContextParallel()
         with data_values():  # the data decides these: real values in a dry run as well
             cu_seqlens = document_starts(doc_ids)
             flat_starts = cu_seqlens[:-1]
             positions = torch.arange(B * T, device=doc_ids.device)
             start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
-            position_in_doc = (positions - start_of).reshape(B, T)
-            return cls(context.local(doc_ids), context.local(position_in_doc), cu_seqlens,
-                       sequence or NoSequenceParallel(), context)
+            return cls((positions - start_of).reshape(B, T), cu_seqlens)
 
     @classmethod
-    def single_documents(cls, batch: int, seq_len: int, device: torch.device,
-                         sequence: NoSequenceParallel | None = None,
-                         context: NoContextParallel | None = None) -> "DocumentLayout":
+    def single_documents(cls, batch: int, seq_len: int, device: torch.device) -> "DocumentLayout":
         """Every row one document (no packing)."""
-        doc_ids = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len)
-        return cls.from_doc_ids(doc_ids, sequence, context)
+        return cls.from_doc_ids(torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len))
+
+    def positions_held_by(self, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """position_in_doc of the positions `keep` selects from a [B, T] tensor (a context-parallel rank's:
+        its `local`), computed once per forward for every layer that asks with the same `keep`."""
+        if keep not in self._held:
+            with data_values():
+                self._held[keep] = keep(self.position_in_doc)
+        return self._held[keep]
 
     @functools.cached_property
     def document_bounds(self) -> list[int]:

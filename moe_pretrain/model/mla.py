@@ -8,10 +8,10 @@ out = W_o [SDPA(q, k, v) * sigmoid(W_g x)], causal within each packed document
 layer, gpu_kernels/flex_attention.py, with the block mask built once per forward).
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
-down-projections see this rank's sequence shard: the shared k_rope is gathered along T to match. The layer
-knows nothing of context parallelism: the parallel set-up swaps in a variant from
-parallel/context_parallel_mixers.py that trades heads for positions around _core (Ulysses) or replaces
-_attend by the latent exchange (parallel.cp_mla).
+down-projections see this rank's sequence shard: the shared k_rope must be gathered along T to match. The
+layer knows nothing of either split: the parallel set-up swaps in a variant from
+parallel/context_parallel_mixers.py that gathers k_rope (_whole_sequence), trades heads for positions
+around _core (Ulysses) or replaces _attend by the latent exchange (parallel.cp_mla).
 """
 
 import torch
@@ -67,15 +67,25 @@ class GatedMLA(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         cfg = self.cfg
-        B, T = layout.position_in_doc.shape  # the whole sequence, whatever shard of it x holds
+        positions = self._positions(layout)
+        B, T = positions.shape  # the positions this rank attends from, whatever shard of them x holds
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q = self.q_up(self.q_norm(self.q_down(x))).reshape(B, T, -1, Dn + Dr)
         H = q.shape[2]  # heads on this rank
         if cfg.position == "rope" and Dr > 0:
-            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], layout.position_in_doc, self.rope_theta)], dim=-1)
+            q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], positions, self.rope_theta)], dim=-1)
         attn = self._attend(q, self.kv_down(x), layout)
         gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
         return self.o_proj((attn * gate).reshape(B, T, -1))
+
+    def _positions(self, layout: DocumentLayout) -> torch.Tensor:
+        """[B, T] the offsets in their documents of the positions this layer attends from: every one."""
+        return layout.position_in_doc
+
+    def _whole_sequence(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        """A tensor of the positions between the layers made whole along T for the up projections: as it is
+        (the sequence-parallel variant gathers its shards: parallel/context_parallel_mixers.py)."""
+        return x_BT_
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """Every position's keys and values expanded at once from this rank's latent [c_KV | k_rope]."""
@@ -83,10 +93,10 @@ class GatedMLA(nn.Module):
         B, T, H = q.shape[:3]
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         c_kv, k_rope = latent.split([cfg.kv_lora_rank, Dr], dim=-1)
-        k_rope = layout.sequence.gather(k_rope)
+        k_rope = self._whole_sequence(k_rope)
         k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
         if cfg.position == "rope" and Dr > 0:
-            k_rope = rotate(k_rope, layout.position_in_doc, self.rope_theta)
+            k_rope = rotate(k_rope, self._positions(layout), self.rope_theta)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
         return maybe_recompute(self.recompute_core, self._core, q, k, v, layout)
 

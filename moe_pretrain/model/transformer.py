@@ -19,6 +19,7 @@ from moe_pretrain.data.patches import PlacedImage
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
 from moe_pretrain.model.decoder_layer import DecoderLayer
+from moe_pretrain.model.image_merge import ImageMerge
 from moe_pretrain.model.init import Normal
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
@@ -29,9 +30,6 @@ from moe_pretrain.model.recompute import Recompute
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.saved_inputs import SavedInputs, SavedInputsPolicy
 from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
-from parallel.context_parallel import NoContextParallel
-from parallel.image_split import ImageSplit
-from parallel.sequence import NoSequenceParallel
 
 
 class MoETransformer(nn.Module):
@@ -47,16 +45,13 @@ class MoETransformer(nn.Module):
         vision = cfg.vision
         self.vision_tower = VisionTower(vision.encoder, vision.patch_size, vision.channels, cfg.init_std)
         self.mm_projector = VisionProjector(vision.encoder.merged_size, d, cfg.norm_eps, cfg.init_std)
+        self.image_merge = ImageMerge()
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers)})
         self.final_mix = AttnResMix(d, cfg.norm_eps)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
         self.mtp = nn.ModuleDict({str(k): MTPBlock(cfg, k + 1, kernels) for k in range(cfg.mtp.layers)})
         """The multi-token-prediction blocks (model/mtp.py), after the head on the last pipeline stage."""
-        self.sequence = NoSequenceParallel()
-        """Set by the parallel set-up: activations between layers hold this rank's shard of T."""
-        self.context = NoContextParallel()
-        """Set by the parallel set-up: this rank's positions of every sequence (context parallel)."""
 
     def forward(
         self,
@@ -86,36 +81,30 @@ class MoETransformer(nn.Module):
                  ) -> tuple[DocumentLayout, list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
         """Embeddings and every layer: (layout, AttnRes bank, partial block sum, summed balancing loss)."""
         layout = self.layout(tokens, doc_ids)
-        x = self.embed(tokens, layout, patches, image_mask, images)
+        x = self.embed(tokens, patches, image_mask, images)
         return layout, *self.run_layers([x], None, layout)
 
     def layout(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None) -> DocumentLayout:
+        """The documents of tokens [B, T]: doc_ids [B, T], or one per row."""
         B, T = tokens.shape
         if doc_ids is None:
-            return DocumentLayout.single_documents(B, T, tokens.device, self.sequence, self.context)
-        return DocumentLayout.from_doc_ids(doc_ids, self.sequence, self.context)
+            return DocumentLayout.single_documents(B, T, tokens.device)
+        return DocumentLayout.from_doc_ids(doc_ids)
 
-    def embed(self, tokens: torch.Tensor, layout: DocumentLayout, patches: torch.Tensor | None = None,
-              image_mask: torch.Tensor | None = None, images: list[PlacedImage] | None = None) -> torch.Tensor:
-        """Token embeddings with image tokens in place: b_0, the first bank entry (this rank's T shard).
-        tokens, image_mask [B, T], patches and images cover every position, also under context parallelism:
-        the ranks that share the rows deal the images among them, each encodes its own whole (attention spans
-        an image) and sends each token to the rank holding its position (parallel/image_split.py)."""
-        x = self.sequence.scatter(self.embedding(self.context.local(tokens)))
+    def embed(self, tokens: torch.Tensor, patches: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+              images: list[PlacedImage] | None = None) -> torch.Tensor:
+        """Token embeddings with image tokens in place: b_0, the first bank entry. tokens, image_mask [B, T],
+        patches and images cover every position; the result holds the positions this rank holds (the
+        parallel set-up places the embedding's input and output and swaps the image merge:
+        parallel/activation_plan.py)."""
+        x = self.embedding(tokens)
         if patches is None or not patches.shape[0]:  # a batch without images may pass [0, patch_dim]
             return x
         if image_mask is None or not images:
             raise ValueError("forward: patches need their images' placements and an image_mask marking their tokens")
-        merge = self.cfg.vision.encoder.merge
-        split = ImageSplit(self.context, self.sequence)
-        route = split.route(images, merge, tokens.shape[1])
-        local_mask = self.sequence.local(self.context.local(image_mask))
-        tokens_N = sum(image.tokens(merge) for image in images)
-        # Checked on the device (a CUDA run raises at its next sync), not by reading the count on the host.
-        torch._assert_async(image_mask.sum() == tokens_N, "forward: image_mask must mark exactly the images' tokens")
-        # Every rank of the block sends in one dtype: the embeddings' (the projector's may be autocast's).
-        encoded = self.encode_images(patches, images, route.encoded, x.dtype)
-        return x.masked_scatter(local_mask.unsqueeze(-1), split.exchange(encoded, route))
+        # Every rank that shares the rows sends in one dtype: the embeddings' (the projector's may be autocast's).
+        return self.image_merge(x, image_mask, images, self.cfg.vision.encoder.merge,
+                                lambda which: self.encode_images(patches, images, which, x.dtype))
 
     def encode_images(self, patches: torch.Tensor, images: list[PlacedImage], which: list[int],
                       dtype: torch.dtype) -> torch.Tensor:
@@ -150,8 +139,7 @@ class MoETransformer(nn.Module):
     def embed_ahead(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """The embeddings the multi-token-prediction blocks read, e_{t+k} for block k: [B, T, D] each (this
         rank's positions), from the tokens [B, T] of every position."""
-        return [self.sequence.scatter(self.embedding(self.context.local(tokens_ahead(tokens, k))))
-                for k in range(1, self.cfg.mtp.layers + 1)]
+        return [self.embedding(tokens_ahead(tokens, k)) for k in range(1, self.cfg.mtp.layers + 1)]
 
     def logits_with_mtp(self, bank: list[torch.Tensor], partial: torch.Tensor | None, ahead: list[torch.Tensor],
                         layout: DocumentLayout) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -175,10 +163,8 @@ class MoETransformer(nn.Module):
         stage = cls.__new__(cls)
         nn.Module.__init__(stage)
         stage.cfg, stage.kernels = full.cfg, full.kernels
-        stage.sequence = full.sequence
-        stage.context = full.context
         stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
-        for name in ("embedding", "vision_tower", "mm_projector") if first else ():
+        for name in ("embedding", "vision_tower", "mm_projector", "image_merge") if first else ():
             setattr(stage, name, getattr(full, name))
         for name in ("final_mix", "final_norm", "head", "mtp") if last else ():
             setattr(stage, name, getattr(full, name))

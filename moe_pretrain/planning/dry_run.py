@@ -39,8 +39,8 @@ from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.step_time import GPUS, GpuSpec
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.parallelize import DTYPES
 from parallel.collectives import watching_waits
+from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ class _Sums:
             for i, batches in enumerate(sets.values()):
                 for batch in batches:
                     batch = batch.to(device)
-                    sums[i, 1] += (runner.model.context.local(batch.labels) != IGNORE_INDEX).sum()
+                    sums[i, 1] += (runner.ctx.context(self.plan.cp).local(batch.labels) != IGNORE_INDEX).sum()
                     sums[i, 0] += runner.score(self.plan, batch, rows, scorer)
         group = dist.group.WORLD if runner.pipeline is not None else runner.ctx.dp_group
         totals = all_reduce_sum(sums[:, 0].contiguous(), group)

@@ -31,7 +31,7 @@ def _stage_rows(routers: dict[int, Router], with_loads: bool) -> tuple[list[int]
     """(layers, their table rows) for this stage's routers, from sums over the global batch (one collective)."""
     layers = sorted(routers)
     num_experts = routers[layers[0]].expert_bias.numel()
-    # Every router of a stage reduces over the same group (training/parallelize.py sets their statistics).
+    # Every router of a stage reduces over the same group (parallel/parallelize.py sets their statistics).
     sums = routers[layers[0]].balancer.stats.total(torch.stack([routers[i].take_health() for i in layers]))
     load, entropy, tokens, processed = (sums[:, :num_experts], sums[:, num_experts], sums[:, num_experts + 1],
                                         sums[:, num_experts + 2])

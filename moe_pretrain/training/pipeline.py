@@ -46,7 +46,7 @@ from moe_pretrain.data import Batch
 from moe_pretrain.data.patches import PlacedImage, placed_images
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.declared_stage import DeclaredStage
-from moe_pretrain.training.parallelize import DTYPES
+from parallel.parallelize import DTYPES
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 
@@ -103,7 +103,7 @@ class StageForward(nn.Module):
                 raise RuntimeError("pipeline: the first stage ran a micro-batch it was given no images for")
             images, patches = self.images.popleft()
             layout = chunk.layout(tokens, doc_ids)
-            bank, partial = [chunk.embed(tokens, layout, patches if images else None, image_mask if images else None,
+            bank, partial = [chunk.embed(tokens, patches if images else None, image_mask if images else None,
                                          images)], None
             ahead = chunk.embed_ahead(tokens)
         else:
@@ -174,7 +174,7 @@ class Pipeline:
 
     def __init__(self, model: MoETransformer, cfg: Config, ctx: ParallelContext,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        """model: this rank's chunks' modules under their global names (training/parallelize.py)."""
+        """model: this rank's chunks' modules under their global names (parallel/parallelize.py)."""
         self.cfg, self.ctx, self.loss_fn = cfg, ctx, loss_fn
         self.layers = pipeline_chunks(cfg)
         pp, vpp = ctx.layout.pp, ctx.layout.vpp
@@ -202,10 +202,6 @@ class Pipeline:
         first = self.forwards[0]
         first.images.clear()
         first.images.extend((placed_images(batch.grids, batch.starts), batch.patches) for batch in micro_batches)
-
-    def chunk_models(self) -> list[MoETransformer]:
-        """The stage views of this rank's chunks (each carries the model's sequence and context splits)."""
-        return [forward.chunk for forward in self.forwards.values()]
 
     def schedule(self, shape: StepShape):
         if shape not in self._schedules:

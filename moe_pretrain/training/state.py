@@ -30,8 +30,8 @@ from moe_pretrain.checkpoint.fit import (
 from moe_pretrain.config import Config, config_to_dict
 from moe_pretrain.fp8.experts import FP8_HISTORY
 from moe_pretrain.training.optim import build_optimizer
-from moe_pretrain.training.parallelize import build_model
 from parallel.collectives import all_reduce_sum, gather_objects
+from parallel.parallelize import build_model
 from parallel.plan import ShardingPlan
 from parallel.state import ParallelContext
 

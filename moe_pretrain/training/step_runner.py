@@ -23,8 +23,8 @@ from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
-from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.pipeline import Pipeline, StepShape
+from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext
 from parallel.torch_compat import without_outputs
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -70,9 +70,10 @@ class StepRunner:
         self.cfg, self.ctx, self.model, self.data = cfg, ctx, model, data
         self.dtype = DTYPES[cfg.train.dtype]
         self.pipeline = Pipeline(model, cfg, ctx, self._pipeline_loss) if ctx.layout.pp > 1 else None
-        self._pipeline_score = None
-        """What the pipeline's loss function returns during the pass under way (set by this runner only):
-        score(logits, labels, [(block logits, block labels)])."""
+        self._pipeline_pass: tuple[Callable, Callable] | None = None
+        """During the pass under way (set by this runner only): what the pipeline's loss function returns,
+        score(logits, labels, [(block logits, block labels)]), and what keeps this rank's positions of the
+        labels (context parallel)."""
 
     def autocast(self):
         if self.dtype == torch.bfloat16:
@@ -120,7 +121,7 @@ class StepRunner:
             if not parts or not self.pipeline.holds_last or self.ctx.tp_rank != 0:
                 return torch.zeros(1 + depth, dtype=torch.float64, device=self.ctx.device)
             return torch.stack(parts).sum(0)
-        local = self.model.context.local
+        local = self.ctx.context(plan.cp).local
         with reused_in_step():  # the parameters do not change before the optimizer step
             for index, batch in enumerate(batches):
                 inputs = (batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
@@ -146,7 +147,7 @@ class StepRunner:
         with self.autocast():
             logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
                                    placed_images(batch.grids, batch.starts))
-        return scorer(logits, self.model.context.local(batch.labels)).to(torch.float64)
+        return scorer(logits, self.ctx.context(plan.cp).local(batch.labels)).to(torch.float64)
 
     def _run_pipeline(self, plan: StepPlan, micro_batches: list[Batch], rows: int, score, train: bool,
                       ahead: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,7 +169,7 @@ class StepRunner:
             if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
         schedule = pipeline.schedule(shape)
-        self._pipeline_score = score
+        self._pipeline_pass = score, self.ctx.context(plan.cp).local
         try:
             with self.autocast(), reused_in_step():
                 if train:
@@ -176,7 +177,7 @@ class StepRunner:
                 else:
                     schedule.eval(*args, target=target, losses=losses)
         finally:
-            self._pipeline_score = None
+            self._pipeline_pass = None
         if not pipeline.holds_last or self.ctx.tp_rank != 0:
             return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         return torch.stack([loss.detach() for loss in losses]).sum().to(torch.float64)
@@ -184,9 +185,9 @@ class StepRunner:
     def _pipeline_loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the last stage's output (the logits, or with multi-token prediction
         the logits and each block's) against the micro-batch's labels ([B, T], or [B, 1 + depth, T])."""
-        local = self.model.context.local
+        score, local = self._pipeline_pass
         if not self.cfg.model.mtp.layers:
-            return self._pipeline_score(output, local(target), [])
+            return score(output, local(target), [])
         logits, *predicted = output
         pairs = [(block_logits, local(target[:, 1 + k])) for k, block_logits in enumerate(predicted)]
-        return self._pipeline_score(logits, local(target[:, 0]), pairs)
+        return score(logits, local(target[:, 0]), pairs)

@@ -37,7 +37,6 @@ from moe_pretrain.training.mfu import StepMFU
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.outcome import Preempted
-from moe_pretrain.training.parallelize import DTYPES
 from moe_pretrain.training.peak_flops import peak_flops
 from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
@@ -50,6 +49,7 @@ from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
 from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
+from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext, new_host_group, resolve_layout
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,7 @@ class Trainer:
         self.state.token_ids = self.data.vocabulary.special_ids()
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
-        self.stage_switch = StageSwitch(self.state.model, self.pipeline.chunk_models() if self.pipeline else [],
-                                        self.ctx, cfg.train.recompute_exchanges)
+        self.stage_switch = StageSwitch(self.state.model, self.ctx, cfg.train.recompute_exchanges)
         self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
         writes = None
         if self.ctx.distributed:
@@ -215,12 +214,13 @@ class Trainer:
         batches = self._next_micro_batches(plan)
         # Scalars stay on the device until the step's one host read below. Under context parallelism each
         # rank counts (and later scores) only its own positions.
-        local_tokens = torch.stack([(self.model.context.local(b.labels) != IGNORE_INDEX).sum() for b in batches])
+        local = ctx.context(plan.cp).local
+        local_tokens = torch.stack([(local(b.labels) != IGNORE_INDEX).sum() for b in batches])
         loss_tokens = all_reduce_sum(local_tokens.sum(), ctx.dp_group).clamp_min(1)
         ahead = None
         if cfg.model.mtp.layers:  # each block's targets, counted as the next-token loss's are
             labels = [self.runner.ahead_labels(b) for b in batches]
-            counts = torch.stack([(self.model.context.local(a[:, k]) != IGNORE_INDEX).sum()
+            counts = torch.stack([(local(a[:, k]) != IGNORE_INDEX).sum()
                                   for a in labels for k in range(a.shape[1])]).view(len(labels), -1)
             ahead = AheadTargets(labels, all_reduce_sum(counts.sum(0), ctx.dp_group).clamp_min(1))
         lr = plan.lr

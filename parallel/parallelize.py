@@ -4,7 +4,8 @@
    parameter's global shape and declared initialisation are recorded under its global name.
 2. parallel/plan.py's placements shrink each sharded parameter to this rank's shape (still meta), and the
    modules that communicate are swapped: column / row projections, the vocab-parallel embedding, the
-   all-to-all expert dispatcher, sequence parallelism, balancing statistics over the tensor x data group.
+   all-to-all expert dispatcher, balancing statistics over the tensor x data group. The activation plan
+   (parallel/activation_plan.py) places the sequence: its split over context- and sequence-parallel ranks.
 3. A pipeline rank keeps its chunks' layers (and the embeddings / head when it holds the first / last).
 4. Only then is anything allocated: each kept parameter directly on the device in its dtype, filled with
    exactly its slice of the layout-independent initial values (moe_pretrain/model/init.py), in slabs
@@ -25,13 +26,12 @@ from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
+from parallel.activation_plan import apply_activation_plan, splits_of
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
-from parallel.context_parallel import ContextParallel, mla_exchange
-from parallel.context_parallel_mixers import apply_context_parallel
+from parallel.context_parallel import mla_exchange
 from parallel.node_dispatch import NodeTokenDispatcher
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
-from parallel.sequence import SequenceParallel
 from parallel.state import ParallelContext
 from parallel.statistics import GroupStatistics
 from parallel.tensor_parallel import ColumnParallelLinear, InputGather, RowParallelLinear, vocab_parallel_embedding
@@ -95,14 +95,15 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
         for path, module in list(model.named_modules()):
             style = plan.style(path)
             if style in (Style.COLUMN, Style.ROW) and isinstance(module, nn.Linear):
-                parent, _, leaf = path.rpartition(".")
                 parallel = ColumnParallelLinear(module, ctx.tp_group, gather) if style == Style.COLUMN \
                     else RowParallelLinear(module, ctx.tp_group)
-                setattr(model.get_submodule(parent), leaf, parallel)
-        model.embedding = vocab_parallel_embedding(model.embedding, ctx.tp_group)
-        model.sequence = SequenceParallel(ctx.tp_group)
-    if layout.cp > 1:
-        apply_context_parallel(model, ContextParallel(ctx.context(layout.cp).group, mla))
+            elif style == Style.VOCAB and isinstance(module, nn.Embedding):
+                parallel = vocab_parallel_embedding(module, ctx.tp_group)
+            else:
+                continue
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, parallel)
+    apply_activation_plan(model, splits_of(ctx, layout.cp, mla))
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
             module.dispatcher = expert_dispatcher(module.cfg.num_experts, ctx, fused=module.dispatcher.fused)
