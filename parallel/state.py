@@ -20,6 +20,7 @@ from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.config.stage_settings import stage_settings
 from parallel.collectives import gather_objects
 from parallel.context_parallel import held_positions
+from parallel.layout_rules import layout_problems
 from parallel.node_groups import check_node_hosts, expert_node_groups
 
 log = logging.getLogger(__name__)
@@ -54,39 +55,6 @@ class ParallelLayout:
         return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """One step shape the run uses (data.*, or a stage's), with the config key that sets each figure, for
-    resolve_layout's messages."""
-
-    seq_key: str
-    seq_len: int
-    rows_text: str
-    """The global batch in sequences, in words naming its keys."""
-    rows: int
-    micro_key: str
-    micro_batches: int
-    """As configured: 0 = derived."""
-    cp_key: str
-    cp: int
-    mla_key: str
-    mla: str
-    """MLA's exchange under cp as configured (auto, latent, ulysses)."""
-
-
-def batch_shapes(cfg: Config) -> list[BatchShape]:
-    """Every step shape the run will use: each stage's when a schedule is configured (data.seq_len /
-    data.batch_size are then unused), else data.*'s."""
-    if not cfg.stages:
-        d = cfg.data
-        return [BatchShape("data.seq_len", d.seq_len, f"data.batch_size={d.batch_size}", d.batch_size,
-                           "data.micro_batches", d.micro_batches, "parallel.cp", cfg.parallel.cp,
-                           "parallel.cp_mla", cfg.parallel.cp_mla)]
-    return [BatchShape(f"stages[{i}].seq_len", st.seq_len, f"stages[{i}]: {st.rows} sequences per step", st.rows,
-                       f"stages[{i}].micro_batches", st.micro_batches, s.cp_key, s.cp, s.cp_mla_key, s.cp_mla)
-            for i, (st, s) in enumerate(zip(cfg.stages, stage_settings(cfg), strict=True))]
-
-
 def derive_micro_batches(cfg: Config) -> tuple[tuple[int, ...], list[str]]:
     """(micro-batches of each step shape, what was derived in words) for counts the config leaves at 0; the
     config is not changed.
@@ -97,9 +65,9 @@ def derive_micro_batches(cfg: Config) -> tuple[tuple[int, ...], list[str]]:
     """
     pp = cfg.parallel.pp
     why = "no pipeline parallelism" if pp == 1 else f"the smallest count for parallel.pp={pp}: one round"
-    shapes = batch_shapes(cfg)
-    chosen = [f"{shape.micro_key}={pp} ({why})" for shape in shapes if not shape.micro_batches]
-    return tuple(shape.micro_batches or pp for shape in shapes), chosen
+    stages = stage_settings(cfg)
+    chosen = [f"{stage.micro_key}={pp} ({why})" for stage in stages if not stage.micro_batches]
+    return tuple(stage.micro_batches or pp for stage in stages), chosen
 
 
 def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
@@ -109,53 +77,17 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     p, m = cfg.parallel, cfg.model
     micro_batches, _ = derive_micro_batches(cfg)
     layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp, micro_batches)
+    stages = stage_settings(cfg)
     problems = []
-    model_parallel = p.tp * p.pp * p.cp
-    if world_size % model_parallel:
-        problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp "
-                        f"= {p.tp} x {p.pp} x {p.cp}")
-    for i, stage in enumerate(cfg.stages):
-        if stage.cp and world_size % (p.tp * p.pp * stage.cp):
-            problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x "
-                            f"stages[{i}].cp = {p.tp} x {p.pp} x {stage.cp}")
-    if (world_size // p.pp) % p.ep:
-        problems.append(f"parallel.ep={p.ep} must divide the {world_size // p.pp} ranks of a pipeline stage "
-                        f"(world size {world_size} / parallel.pp={p.pp})")
-    if m.moe.num_experts % p.ep:
-        problems.append(f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}")
-    tp_divisible = {"model.vocab_size": m.vocab_size, "model.dense_intermediate": m.dense_intermediate,
-                     "model.moe.num_shared_experts x model.moe.shared_intermediate":
-                         m.moe.num_shared_experts * m.moe.shared_intermediate}
-    for key, value in tp_divisible.items():
-        if value % p.tp:
-            problems.append(f"{key}={value} is not divisible by parallel.tp={p.tp}")
-    if m.kda.num_heads % p.tp:
-        problems.append(f"model.kda.num_heads={m.kda.num_heads} is not divisible by parallel.tp={p.tp}")
-    if m.mla.num_heads % p.tp:
-        problems.append(f"model.mla.num_heads={m.mla.num_heads} is not divisible by parallel.tp={p.tp}")
-    if p.pp * p.vpp > m.num_layers:
-        problems.append(f"parallel.pp x parallel.vpp = {p.pp * p.vpp} stages for model.num_layers={m.num_layers}")
-    for shape, micro in zip(batch_shapes(cfg), micro_batches, strict=True):
-        cp = shape.cp
-        if cp > 1 and (m.mla.num_heads // p.tp) % cp and shape.mla == "ulysses":
-            problems.append(f"{shape.cp_key}={cp} must divide the model.mla.num_heads={m.mla.num_heads} / "
-                            f"parallel.tp={p.tp} attention heads of a tensor-parallel rank with {shape.mla_key}="
-                            "ulysses (MLA trades heads for positions; latent or auto exchanges the latent)")
-        if shape.seq_len % (2 * cp * p.tp):
-            problems.append(f"{shape.seq_key}={shape.seq_len} is not divisible by 2 x {shape.cp_key} x parallel.tp = "
-                            f"{2 * cp * p.tp} (two fragments per context-parallel rank, each split over "
-                            "tensor parallel)" if cp > 1 else f"{shape.seq_key}={shape.seq_len} is not divisible by "
-                            f"parallel.tp={p.tp}")
-        if not problems and shape.rows % (layout.dp_at(cp) * micro):
-            problems.append(f"{shape.rows_text} must be divisible by data-parallel size {layout.dp_at(cp)} x "
-                            f"{shape.micro_key}={micro}")
-        if p.pp > 1 and micro % p.pp:
-            problems.append(f"{shape.micro_key}={micro} must be a multiple of parallel.pp={p.pp} "
-                            "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
-    stages = p.pp * p.vpp
-    if p.pipeline_layers and (len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers
+    if all(stage.cp_key != "parallel.cp" for stage in stages) and world_size % (p.tp * p.pp * p.cp):
+        # the model is built at parallel.cp even when every stage sets its own
+        problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
+                        f"{p.tp} x {p.pp} x {p.cp}")
+    problems += layout_problems(m, world_size, p.tp, p.pp, p.ep, p.vpp, stages, micro_batches)
+    chunks = p.pp * p.vpp
+    if p.pipeline_layers and (len(p.pipeline_layers) != chunks or sum(p.pipeline_layers) != m.num_layers
                               or min(p.pipeline_layers) < 1):
-        problems.append(f"parallel.pipeline_layers={p.pipeline_layers} must hold {stages} counts >= 1 "
+        problems.append(f"parallel.pipeline_layers={p.pipeline_layers} must hold {chunks} counts >= 1 "
                         f"(parallel.pp x parallel.vpp) summing to model.num_layers={m.num_layers}")
     if p.vpp > 1 and p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
         problems.append(f"parallel.vpp={p.vpp} needs parallel.pipeline_schedule=interleaved_1f1b or zero_bubble, "

@@ -22,7 +22,7 @@ import copy
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
-from moe_pretrain.config.stage_settings import stage_settings
+from moe_pretrain.config.stage_settings import StageSettings, stage_settings
 from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
 from moe_pretrain.planning.expert_traffic import exchange_buffer_rows, expert_exchange_bytes
@@ -38,8 +38,9 @@ from moe_pretrain.planning.step_activations import (
 )
 from moe_pretrain.planning.tensor_parallel_traffic import ring_share, tensor_parallel_bytes
 from parallel.context_parallel import mla_exchange
+from parallel.layout_rules import layout_problems
 from parallel.muon import BATCH_ELEMENTS
-from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks
+from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelLayout, derive_micro_batches
 
 GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
@@ -96,7 +97,6 @@ class MemoryPlanner:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.shapes = parameter_shapes(cfg)
-        self.plan = ShardingPlan()
         self._runs: dict[RunLayout, tuple[Config, list[dict]]] = {}
         self._layers: dict[tuple, LayerActivations] = {}
 
@@ -122,32 +122,12 @@ class MemoryPlanner:
         return self._layers[key]
 
     def problems(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> list[str]:
-        """Why a layout cannot run a stage (the rules of parallel/state.resolve_layout, for any world)."""
-        m, p = self.cfg.model, run
-        found = []
-        model_parallel = p.tp * p.pp * layout.cp
-        if p.gpus % model_parallel:
-            found.append(f"{p.gpus} GPUs are not divisible by tp x pp x cp = {model_parallel}")
-            return found
-        dp = p.gpus // model_parallel
-        if (p.gpus // p.pp) % p.ep or m.moe.num_experts % p.ep:
-            found.append(f"ep={p.ep} must divide the {p.gpus // p.pp} ranks of a stage and the experts")
-        if m.kda.num_heads % p.tp or m.mla.num_heads % p.tp or m.vocab_size % p.tp:
-            found.append(f"tp={p.tp} must divide the heads and the vocabulary")
-        if layout.cp > 1 and (m.mla.num_heads // p.tp) % layout.cp and layout.mla == "ulysses":
-            found.append(f"cp={layout.cp} must divide the {m.mla.num_heads // p.tp} MLA heads of a tp rank "
-                         "with the Ulysses exchange")
-        if stage.seq_len % (2 * layout.cp * p.tp):
-            found.append(f"seq_len={stage.seq_len} is not divisible by 2 x cp x tp")
-        if stage.rows % (dp * layout.micro_batches):
-            found.append(f"{stage.rows} sequences are not divisible by dp={dp} x micro_batches={layout.micro_batches}")
-        if p.pp > 1 and layout.micro_batches % p.pp:
-            found.append(f"micro_batches={layout.micro_batches} must be a multiple of pp={p.pp}")
-        if p.pp * p.vpp > m.num_layers:
-            found.append(f"pp x vpp = {p.pp * p.vpp} stages for {m.num_layers} layers")
-        if self.plan.check_divisible(self.shapes, p.tp, p.ep):
-            found.append(f"tp={p.tp} / ep={p.ep} do not divide the parameters")
-        return found
+        """Why a layout cannot run a stage (parallel/layout_rules.py: the rules the run checks at start)."""
+        settings = StageSettings(stage.seq_len, stage.rows, layout.micro_batches, layout.cp, layout.mla,
+                                 layout.recompute, layout.saved_inputs, "seq_len", f"{stage.rows} sequences per step",
+                                 "micro_batches", "cp", "cp_mla")
+        return layout_problems(self.cfg.model, run.gpus, run.tp, run.pp, run.ep, run.vpp, [settings],
+                               (layout.micro_batches,))
 
     def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout,
               documents: StageDocuments | None = None) -> dict:
