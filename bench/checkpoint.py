@@ -97,8 +97,8 @@ def single_process(args: argparse.Namespace, tmp: Path) -> None:
     size = 0
     for round_ in range(args.rounds):
         trainer.step += 1  # a new step number: checkpoints are never overwritten
-        rows["save"].append(timed(trainer.save_checkpoint))
-        path = trainer.last_checkpoint
+        rows["save"].append(timed(trainer.checkpoints.save))
+        path = trainer.checkpoints.last
         files = [p for p in path.iterdir() if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         raw = tmp / f"raw{round_}.bin"
@@ -110,15 +110,15 @@ def single_process(args: argparse.Namespace, tmp: Path) -> None:
             rows["raw_r" + cache].append(timed(raw_read, raw))
             rows["load" + cache].append(timed(verify_and_load, trainer, path))
         raw.unlink()
-        saver, trainer.async_saver = trainer.async_saver, AsyncSaver(None)
+        saver, trainer.checkpoints.async_saver = trainer.checkpoints.async_saver, AsyncSaver(None)
         rows["step"].append(timed(trainer.train_step))  # a training step with no save in flight
-        call = timed(trainer.save_checkpoint)  # returns at once: the copy runs beside the next step
+        call = timed(trainer.checkpoints.save)  # returns at once: the copy runs beside the next step
         rows["step_copying"].append(timed(trainer.train_step))
-        rows["stall"].append(call + trainer.async_saver.staging_wait_s)  # + the wait before its update
-        trainer.async_saver.wait()
-        trainer.async_saver = saver
+        rows["stall"].append(call + trainer.checkpoints.async_saver.staging_wait_s)  # + the wait before its update
+        trainer.checkpoints.async_saver.wait()
+        trainer.checkpoints.async_saver = saver
         trainer.step += 1
-        rows["sync"].append(timed(trainer.save_checkpoint))
+        rows["sync"].append(timed(trainer.checkpoints.save))
     m = {k: statistics.median(v) for k, v in rows.items()}
     params = sum(p.numel() for p in trainer.model.parameters())
     print(f"checkpoint of {size / MIB:.1f} MiB ({params:,} parameters + Adam moments), 1 process, "
@@ -157,8 +157,8 @@ def scaling_worker(rank: int, world: int, hidden: int, layers: int, experts: int
         for _ in range(rounds):
             trainer.step += 1
             barrier(group)
-            save_s = timed(trainer.save_checkpoint)
-            path = trainer.last_checkpoint
+            save_s = timed(trainer.checkpoints.save)
+            path = trainer.checkpoints.last
             own = sum(p.stat().st_size for p in path.glob(f"__{rank}_*"))
             barrier(group)
             verify_s = timed(check, path)

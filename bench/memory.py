@@ -60,7 +60,7 @@ def measure(rank: int, world_size: int, config: str, overrides: list[str],
                     trainer.train_step()
                 row.update(process_figures("step"), **{"live.step": live.peak})
                 live.restart_peak()
-                trainer.save_checkpoint()
+                trainer.checkpoints.save()
                 row.update(process_figures("save"), **{"live.save": live.peak})
             row["params"] = sum(p.numel() for p in trainer.model.parameters())
             row["pp_rank"], row["ep_rank"] = ctx.pp_rank, ctx.ep_rank

@@ -41,7 +41,7 @@ def permanent_failure(err: Exception, rank: int, run_dir: str | None, trainer: T
     log.error(f"{kind} (rank {rank}): {err}")
     if rank == 0 and run_dir:
         write_status(run_dir, code, trainer.step if trainer else 0, f"{kind}: {err}",
-                     trainer.last_checkpoint if trainer else None)
+                     trainer.checkpoints.last if trainer else None)
     return code
 
 
@@ -129,7 +129,7 @@ def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int
         if lock is not None:
             lock.release()
     if ctx.is_logging_rank:
-        write_status(cfg.train.run_dir, FINISHED, trainer.step, "finished", trainer.last_checkpoint)
+        write_status(cfg.train.run_dir, FINISHED, trainer.step, "finished", trainer.checkpoints.last)
     if not history:  # a relaunch of a finished run: Trainer.run said so
         return FINISHED
     # One batch's loss swings with its content (stdlib files differ wildly in entropy): compare the

@@ -174,7 +174,7 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     resumed = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={tmp_path / 'again'}", "logging.progress=false",
                                   f"train.resume={tmp_path / 'imported' / 'step_00000000'}",
                                   f"checkpoint.dir={tmp_path / 'imported'}", "train.steps=3"))
-    resumed.resume()
+    resumed.checkpoints.resume()
     optimizer = resumed.optimizer
     assert resumed.step == 0 and all(float(moment.abs().sum()) == 0
                                      for bucket in optimizer.buckets for moment in optimizer.moments(bucket).values())
@@ -286,7 +286,7 @@ def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
 
     resumed = Trainer(tiny_config(*MXFP4_TINY, f"train.run_dir={tmp_path / 'run'}", "logging.progress=false",
                                   f"train.resume={imported}", f"checkpoint.dir={tmp_path / 'imported'}"))
-    resumed.resume()
+    resumed.checkpoints.resume()
     direct = directly_loaded(cfg, tensors, tmp_path / "direct")
     batch = PretrainingData(cfg).next_batch(2)
     with torch.no_grad():

@@ -126,7 +126,7 @@ def test_release_export_keeps_the_blocks_aside_and_a_release_without_them_starts
     resumed = Trainer(config(tmp_path / "again", *MXFP4_TINY, "model.mtp.layers=1", "train.dtype=float32",
                              f"train.resume={tmp_path / 'imported' / 'step_00000000'}",
                              f"checkpoint.dir={tmp_path / 'imported'}"))
-    resumed.resume()
+    resumed.checkpoints.resume()
     fresh = Trainer(config(tmp_path / "fresh", *MXFP4_TINY, "model.mtp.layers=1", "train.dtype=float32"))
     ours, initial, imported = (dict(t.model.named_parameters()) for t in (resumed, fresh, trained))
     assert all(torch.equal(p, initial[name]) for name, p in ours.items() if name.startswith("mtp."))

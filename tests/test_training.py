@@ -216,7 +216,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update, biases untouched
     assert not trainer.train_step().skipped  # step 4 trains again
     poisoned.update({5, 6})
-    trainer.last_checkpoint = tmp_path / "checkpoints" / "step_00000004"
+    trainer.checkpoints.last = tmp_path / "checkpoints" / "step_00000004"
     trainer.train_step()
     with pytest.raises(NonFiniteError, match=r"2 steps in a row up to step 6.*last good checkpoint: .*step_00000004"):
         trainer.train_step()

@@ -101,8 +101,8 @@ class SaveFence(StepHook):
 def step_hooks(trainer) -> list[StepHook]:
     """The hooks the trainer's config turns on, in the order they run at each point."""
     cfg, hooks = trainer.cfg, []
-    if trainer.async_saver is not None:
-        hooks.append(SaveFence(trainer.async_saver))
+    if trainer.checkpoints.async_saver is not None:
+        hooks.append(SaveFence(trainer.checkpoints.async_saver))
     if cfg.optim.qk_clip_threshold:
         hooks.append(QKClip(trainer, cfg.optim.qk_clip_threshold))
     if cfg.precision.fp8 != "off" and RECIPES[cfg.precision.fp8].delayed:  # only delayed scaling keeps histories

@@ -5,7 +5,8 @@ data-parallel rank takes its slice of every global micro-batch; every loss is di
 global count of loss tokens, so summing gradients over ranks and micro-batches gives exactly the
 gradient of the token-mean loss of the whole global batch, whatever the layout. Then the sharded
 optimizer reduces, clips, steps and gathers, and the routers move their biases on global statistics.
-The trainer is the loop; what it advances, and what checkpoints hold, is a TrainingState (state.py).
+What the trainer advances, and what checkpoints hold, is a TrainingState (state.py); the loop around the
+steps is run_loop.py, and the run's checkpoints are run_checkpoints.py.
 """
 
 import contextlib
@@ -13,44 +14,37 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import resolve as resolve_kernels
-from moe_pretrain import checkpoint
-from moe_pretrain.config import Config, ConfigError, config_to_dict
+from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.config.stage_settings import stage_settings
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
-from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
-from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
+from moe_pretrain.training import run_loop
 from moe_pretrain.training.mfu import StepMFU
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
-from moe_pretrain.training.outcome import Preempted
 from moe_pretrain.training.peak_flops import peak_flops
-from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
+from moe_pretrain.training.run_checkpoints import RunCheckpoints
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.stage_switch import StageModules, StageSwitch
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.step_hooks import step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
-from moe_pretrain.training.wandb_run import check_wandb, open_wandb_run
-from moe_pretrain.training.watchdog import StepWatchdog
-from parallel.collectives import all_reduce_max, all_reduce_sum, barrier
+from moe_pretrain.training.wandb_run import check_wandb
+from parallel.collectives import all_reduce_sum
 from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
 from parallel.parallelize import DTYPES
-from parallel.state import ParallelContext, new_host_group, resolve_layout
+from parallel.state import ParallelContext, resolve_layout
 
 log = logging.getLogger(__name__)
 
@@ -108,34 +102,15 @@ class Trainer:
         self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
         self.pipeline = self.runner.pipeline
         self.stage_switch = StageSwitch(self.state.model, self.ctx, cfg.train.recompute_exchanges)
-        self.checkpoint_root = Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")
-        writes = None
-        if self.ctx.distributed:
-            # Checkpoint I/O gets its own gloo groups (created collectively, here, on every rank): its collectives
-            # never interleave with training's, and their timeout grows with the largest rank's state. Background
-            # writes take a second one, apart from the training thread's polls and commits (AsyncSaver).
-            timeout = self._checkpoint_timeout()
-            self.state.checkpoint_group = new_host_group(timeout)
-            writes = new_host_group(timeout) if cfg.checkpoint.async_save else None
-        self.async_saver = checkpoint.AsyncSaver(self.state.checkpoint_group, writes) if cfg.checkpoint.async_save \
-            else None
+        self.checkpoints = RunCheckpoints(cfg, self.ctx, self.state, self.batches)
         self.stage_settings = stage_settings(cfg)
         """Each stage's cp, cp_mla, recompute and saved_inputs with the run's defaults (config/stage_settings.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
-        self.last_checkpoint: Path | None = None
         self.mfu = StepMFU(cfg.model, peak_flops(cfg.logging.peak_tflops, self.device, self.dtype)
                            * self.ctx.layout.world_size)
         """A step's model FLOPs utilisation: mfu(tokens, seconds, seq_len)."""
-
-    def _checkpoint_timeout(self) -> timedelta:
-        largest = all_reduce_max(torch.tensor([self.state.state_bytes()], dtype=torch.float64, device=self.device),
-                                 dist.group.WORLD)
-        limit = checkpoint.checkpoint_timeout(self.cfg.parallel.timeout_s, int(largest.item()),
-                                              self.cfg.checkpoint.io_floor_mb_s * 1e6)
-        log.debug(f"checkpoint collectives time out after {limit.total_seconds():.0f} s")
-        return limit
 
     @property
     def model(self) -> torch.nn.Module:
@@ -266,7 +241,7 @@ class Trainer:
             raise NonFiniteError(
                 f"{self.skipped_in_a_row} steps in a row up to step {step} had a non-finite loss or gradient "
                 f"(train.max_skipped_steps={self.cfg.train.max_skipped_steps}); last good checkpoint: "
-                f"{self.last_checkpoint or 'none'}")
+                f"{self.checkpoints.last or 'none'}")
 
     def metrics(self, result: StepResult) -> dict:
         """The step's record; collective (global expert loads), so every rank calls it."""
@@ -301,156 +276,6 @@ class Trainer:
         return combine_moe_stats(self.model.routers(), m.num_layers + m.mtp.layers, m.moe.num_experts,
                                  self._records_loads(), group, self.device)
 
-    def save_checkpoint(self) -> Path | None:
-        """Save this step (synchronously, or start a background save); returns the committed directory."""
-        self.state.data_position = self.batches.position
-        if self.async_saver is None:
-            self.last_checkpoint = self.state.save(self.checkpoint_root)
-            return self.last_checkpoint
-        c = self.cfg.checkpoint
-        # The previous save, if still in flight, is committed (or its failure reported) on its own first: a
-        # failure found there must not also cost this step's save (on_async_failure=continue).
-        self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
-        # Snapshots only: an async save writes this JSON at commit time, steps later.
-        self._guard_async(self.async_saver.start, self.checkpoint_root, self.step, *self.state.snapshot(),
-                          c.keep_last, c.keep_every)
-        return None
-
-    def _guard_async(self, operation, *args):
-        """Run an async-save operation; a failed background save stops the run or, by config, is reported."""
-        try:
-            return operation(*args)
-        except checkpoint.CheckpointError as err:
-            if self.cfg.checkpoint.on_async_failure == "stop":
-                raise
-            if self.ctx.is_logging_rank:
-                log.error(f"checkpoint: background save failed, training continues: {err}")
-            return None
-
-    def resume(self) -> Path | None:
-        """Load the checkpoint train.resume asks for (every rank verifies its share of the files while the
-        load reads them; all agree)."""
-        verifier = checkpoint.verifying_load(self.state.load, self.state.checkpoint_group)
-        path, _ = checkpoint.find(self.checkpoint_root, self.cfg.train.resume, verifier,  # find() logs what it skips
-                                  check_fit=self.state.check_fit, set_aside=True)
-        if path is None:
-            return None
-        if self.state.data_position:  # a model-only checkpoint (imported weights) starts the data afresh
-            self.batches.load_state(self.state.data_position)
-        self.state.restore_rng()
-        log.info(f"checkpoint: resumed from {path} at step {self.step}")
-        self.last_checkpoint = Path(path)
-        return Path(path)
-
     def run(self) -> list[dict]:
-        """Train to train.steps (or train.exit_at_step), resuming per train.resume and saving checkpoints;
-        rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl. Returns the steps' records: empty
-        when the resumed checkpoint is already at the end (a relaunch of a finished run)."""
-        cfg, ctx = self.cfg, self.ctx
-        run_dir = Path(cfg.train.run_dir)
-        resumed = self.resume() is not None
-        config_text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-        restarted = not resumed and (run_dir / "metrics.jsonl").exists()
-        if restarted and not _same_run(run_dir, config_text, cfg.train.resume):
-            raise ConfigError(f"train.run_dir={run_dir} already holds metrics.jsonl from an earlier run and no "
-                              "checkpoint to resume; choose another train.run_dir (nothing was overwritten)")
-        stop = cfg.train.exit_at_step or cfg.train.steps
-        if self.step >= stop:
-            end = "train.steps" if stop == cfg.train.steps else "train.exit_at_step"
-            log.info(f"run already finished at step {self.step} ({end}={stop}); nothing to do")
-            return []
-        if ctx.distributed:
-            barrier(dist.group.WORLD)  # every rank has checked before rank 0 creates anything
-        writer = None
-        if ctx.is_logging_rank:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if restarted:
-                kept = _keep_aside(run_dir / "metrics.jsonl")
-                log.warning(f"no checkpoint yet in {run_dir}: this restart of the same run (its config.yaml is "
-                            f"this config) starts over; the earlier attempt's metrics are kept in {kept}")
-            (run_dir / "config.yaml").write_text(config_text)
-            writer = MetricsWriter(run_dir / "metrics.jsonl", resuming=resumed, tensorboard=cfg.logging.tensorboard,
-                                   wandb_run=open_wandb_run(cfg, run_dir))
-        bar = ProgressBar(cfg.train.steps, cfg.logging.log_every, cfg.logging.progress and ctx.is_logging_rank)
-        history = []
-        saved_at = self.step if resumed else -1
-        signals = StopSignals(stop_at_from_env())
-        save_interval_s = cfg.checkpoint.every_minutes * 60
-        last_save_time = time.monotonic()
-        t = cfg.train
-        watchdog = StepWatchdog(run_dir, ctx.rank, t.hang_multiple, t.hang_min_s, t.hang_timeout_s)
-        stage = None
-        try:
-            while self.step < stop:
-                plan = self.step_plan()
-                if plan.stage != stage:
-                    stage = plan.stage
-                    watchdog.new_stage()
-                watchdog.begin(self.step + 1)
-                result = self.train_step()
-                watchdog.end()
-                record = self.metrics(result)
-                at_boundary = plan.stage_end_tokens is not None and self.tokens_seen == plan.stage_end_tokens
-                if self._evaluation_due(at_boundary):
-                    record.update(evaluate(self.runner, self.validation, plan))
-                    if self.cfg.eval.long_context and (at_boundary or self.step == cfg.train.steps):
-                        record.update(evaluate_long_context(self.runner, self.validation, plan))
-                if writer is not None:
-                    writer.write(record)
-                history.append(record)
-                bar.update(self.step - 1, result.loss, record["tokens_per_s"], result.lr, record.get("eval_loss"))
-                if self.async_saver is not None:
-                    self.last_checkpoint = self._guard_async(self.async_saver.poll) or self.last_checkpoint
-                time_due = bool(save_interval_s) and time.monotonic() - last_save_time >= save_interval_s
-                agreed = signals.agreed(ctx.distributed, self.device, save_due=time_due,
-                                        next_step_s=result.seconds)
-                at_interval = bool(cfg.checkpoint.every) and self.step % cfg.checkpoint.every == 0
-                if at_boundary or at_interval or agreed.save_due:
-                    self.save_checkpoint()
-                    saved_at, last_save_time = self.step, time.monotonic()
-                if agreed.signal_name and self.step < stop:
-                    if saved_at != self.step:
-                        self.save_checkpoint()
-                    self._wait_for_async_save()
-                    raise Preempted(self.step, self.last_checkpoint, agreed.signal_name, agreed.interrupted)
-            if saved_at != self.step:
-                self.save_checkpoint()
-            self._wait_for_async_save()
-            checkpoint.wait_for_deletions()  # a finished run leaves no pruned checkpoint half deleted
-        finally:
-            self.optimizer.finish_parameter_gathers()  # the caller may read the parameters
-            self.batches.close()
-            watchdog.close()
-            signals.close()
-            if writer is not None:
-                writer.close()
-        return history
-
-    def _evaluation_due(self, at_stage_end: bool) -> bool:
-        """eval.every steps, and (eval.at_stage_end) after a stage's and the run's last step."""
-        evaluation = self.cfg.eval
-        if self.validation is None:
-            return False
-        every = bool(evaluation.every) and self.step % evaluation.every == 0
-        return every or (evaluation.at_stage_end and (at_stage_end or self.step == self.cfg.train.steps))
-
-    def _wait_for_async_save(self) -> None:
-        if self.async_saver is not None:
-            self.last_checkpoint = self._guard_async(self.async_saver.wait) or self.last_checkpoint
-
-
-def _same_run(run_dir: Path, config_text: str, resume: str) -> bool:
-    """Is the run directory's metrics.jsonl, with no checkpoint beside it, this very run's? A requeue or a torchrun
-    restart after a failure before the first checkpoint (train.resume=auto, and the config.yaml the first attempt
-    wrote is this config's text): that run starts over. Any other run is refused its directory."""
-    written = run_dir / "config.yaml"
-    return resume == "auto" and written.exists() and written.read_text() == config_text
-
-
-def _keep_aside(path: Path) -> Path:
-    """Rename path to the first free <stem>.attempt<N><suffix> beside it (nothing saved is lost); -> the new path."""
-    attempt = 1
-    while (kept := path.with_name(f"{path.stem}.attempt{attempt}{path.suffix}")).exists():
-        attempt += 1
-    path.rename(kept)
-    return kept
+        """Train to train.steps (or train.exit_at_step): training/run_loop.py."""
+        return run_loop.run(self)
