@@ -1,7 +1,7 @@
 # GPU image. The NGC PyTorch base brings CUDA torch, NCCL, Transformer Engine and NVIDIA apex; we add
 # megatron-core, fla (KDA Triton kernels) and the optional extras, and install this package without
 # letting pip touch the base image's torch. Not built or run by this project yet (no Docker engine and
-# no GPU machine here); it is linted with hadolint in the tests (tests/test_dockerfile.py).
+# no GPU machine here); it is linted with hadolint in the tests (tests/integration/test_dockerfile.py).
 #
 #   docker build -t moe-pretrain:latest .
 #   docker run --gpus all --ipc=host moe-pretrain:latest --config configs/smoke.yaml

@@ -5,7 +5,7 @@ Each (recompute, T) runs in a fresh process (a clean allocator): the tiny model 
 1000-token documents) in fp32 does one forward, a cross-entropy loss and a backward. Printed, in MB: the
 plan's saved activations and peak (moe_pretrain/planning/step_activations.py, the same arithmetic launch.plan
 uses per stage); the live tensor bytes after the forward and at their peak (measured.LiveTensorBytes: exact,
-what tests/test_activation_memory.py bounds, in process); the allocated bytes at the backward's peak (glibc
+what tests/unit/test_activation_memory.py bounds, in process); the allocated bytes at the backward's peak (glibc
 mallinfo2: tensors plus what malloc rounds up, what a GPU allocator reports as allocated) and the resident
 peak (which adds the allocator's retained freed memory), both of which depend on the machine. Ratios are
 measured / plan.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check of the fast paths (issue 13), one call of at most 10 minutes on one CUDA GPU:
-#   1. the Triton kernel tests natively on the GPU (tests/test_kernels.py) and tests/gpu/: fla chunk_kda
+#   1. the Triton kernel tests natively on the GPU (tests/unit/test_kernels.py) and tests/gpu/: fla chunk_kda
 #      against the CPU reference in fp32, grouped GEMM (bf16) against the loop, cuBLAS FP8 against the CPU's
 #      FP8 GEMM, the recipe rules, each FP8 engine (torch._scaled_grouped_mm; Transformer Engine's grouped
 #      GEMM for every recipe TE runs here) against the CPU emulation, forward and both gradients, a 20-step
 #      training per FP8 engine and recipe against bf16, and bf16 against float32;
-#   2. tests/test_fp8.py (each recipe's relative error against fp32, on the CPU numerics);
+#   2. tests/distributed/test_fp8.py (each recipe's relative error against fp32, on the CPU numerics);
 #   3. a 20-step smoke training (launch.train, configs/smoke.yaml, bf16) with precision.fp8=tensorwise;
 #   4. bench/step_time.py: the probe config's (configs/probe_step_time.yaml: full-width layers at one GPU's
 #      size) measured step time beside the dry run's prediction for the GPU;
@@ -54,14 +54,14 @@ step() {  # step NAME SECONDS_LIMIT COMMAND...: run with a time limit, log to $L
     results+=("$(printf '%-28s %-10s %4ss' "$name" "$([[ $rc == 0 ]] && echo pass || echo "FAIL($rc)")" $(( $(date +%s) - start )))")
 }
 
-step gpu-tests 170 "$PY" -m pytest -v --timeout 90 -p no:cacheprovider tests/test_kernels.py tests/gpu
+step gpu-tests 170 "$PY" -m pytest -v --timeout 90 -p no:cacheprovider tests/unit/test_kernels.py tests/gpu
 rm -rf runs/gpu_check/smoke-fp8  # a fresh run each time, not a resume of the last check
 step smoke-fp8-tensorwise 90 "$PY" -m launch.train --config configs/smoke.yaml train.steps=20 train.dtype=bfloat16 \
     precision.fp8=tensorwise logging.progress=false train.run_dir=runs/gpu_check/smoke-fp8 --require-loss-drop 1.0
 cp runs/gpu_check/smoke-fp8/metrics.jsonl "$LOGS/smoke-fp8-metrics.jsonl" 2>/dev/null
 step step-time 110 "$PY" bench/step_time.py --steps 6 --warmup 2 --measure-only
 step fast-path-bench 60 "$PY" bench/fast_paths.py
-step fp8-recipe-errors 30 "$PY" -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "recipe or tensorwise or outlier"
+step fp8-recipe-errors 30 "$PY" -m pytest -q -p no:cacheprovider tests/distributed/test_fp8.py -k "recipe or tensorwise or outlier"
 
 echo
 echo "== GPU check: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "torch", torch.__version__)') =="

@@ -3,13 +3,13 @@ files, with the projection for the full release; everything measured in one run.
 
 Run: .venv/bin/python bench/kimi_k3_import.py [--experts 256 --hidden 256 --workers 1 2]
 
-A release-format fixture (tests/test_kimi_k3_export.py's writer: the published config.json with a small model's
-sizes, MXFP4 routed experts with random codes) is written once. Then, in one run: the named reference, a raw read
-of every tensor of its files (safetensors, pages dropped from the page cache first); the import (decode into the
+A release-format fixture (tests/distributed/test_kimi_k3_export.py's writer: the published config.json with a small
+model's sizes, MXFP4 routed experts with random codes) is written once. Then, in one run: the named reference, a raw
+read of every tensor of its files (safetensors, pages dropped from the page cache first); the import (decode into the
 stacked expert weights, DCP files hashed as written, commit) with each --workers count; the export back to the
-release's layout (MXFP4 encode, with each --workers count) and to its bf16 variant. Throughput is release bytes
-read (import) or written (export) per second; the projection divides the release's 1.45 TB by it (one host;
-workers divide it further where the host has the cores and the disks).
+release's layout (MXFP4 encode, with each --workers count) and to its bf16 variant. Throughput is release bytes read
+(import) or written (export) per second; the projection divides the release's 1.45 TB by it (one host; workers divide
+it further where the host has the cores and the disks).
 """
 
 import argparse
@@ -29,8 +29,8 @@ from checkpoints_tool.__main__ import RELEASE_BYTES
 from checkpoints_tool.hf_import import import_in_workers, release_run_config
 from moe_pretrain.checkpoint.export import export
 from moe_pretrain.config import config_to_dict
+from tests.distributed.test_kimi_k3_export import write_release_fixture
 from tests.models import tiny_config
-from tests.test_kimi_k3_export import write_release_fixture
 
 
 def drop_cache(directory: Path) -> None:

@@ -10,7 +10,7 @@ groups, before the trainer: the interpreter, torch and megatron-core, not state)
 peak and the ratio (peak - baseline) / (16 B x parameters held): fp32 parameters, gradients and two Adam
 moments are 16 bytes a parameter, so 1.0 is a rank holding nothing but its state. Goal: <= 1.3 everywhere.
 Each phase's peak of live tensor bytes (measured.LiveTensorBytes, the main thread's ops; exact, what
-tests/test_memory.py bounds) is measured too, as the ratio live peak / (16 B x parameters held).
+tests/distributed/test_memory.py bounds) is measured too, as the ratio live peak / (16 B x parameters held).
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
 The differentiable ones are named autograd functions paired with their backward duals. With group None (a
 single process) each is the identity. Nothing else in the project calls torch.distributed's collectives
-(tests/test_collectives.py reads the sources to hold that), because each call here first checks that its
+(tests/distributed/test_collectives.py reads the sources to hold that), because each call here first checks that its
 tensors are on the device the group's backend carries: an NCCL group takes CUDA tensors only, a gloo
 group host tensors (gloo on CUDA tensors would copy through the host behind our back), and a CPU tensor
 handed to NCCL fails only at the first multi-GPU step that reaches it. The check names the call site

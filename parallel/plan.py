@@ -12,7 +12,7 @@ A style maps a module (matched by a pattern on its path) to a placement of its p
 - EXPERTS: every parameter split along dimension 0 (experts) over ep;
 - REPLICATED lists what stays whole on every rank; a parameter neither placed nor declared replicated is a
   model change the plan has not caught up with, refused when the model is built (ShardingPlan.unplanned),
-  and a rule that places nothing of the full-size model fails tests/test_plan.py.
+  and a rule that places nothing of the full-size model fails tests/unit/test_plan.py.
 Placements use DTensor's vocabulary (Shard(dim) / Replicate() per mesh dimension tp and ep). They also fix
 each gradient's reduce group: expert shards over expert-data parallel; tensor shards, complete on each
 rank for their slice, over data parallel; replicated parameters, whose gradients are partial over the

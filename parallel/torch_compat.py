@@ -3,7 +3,7 @@
 torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
 reduce_scatter_single and deprecated the old names (a FutureWarning per call); the GPU image's torch
 (NGC PyTorch 25.12: 2.10) has only the old ones. pyproject's floor (torch>=2.9) holds because every
-call goes through these two names (tests/test_version_floors.py checks that nothing else uses them).
+call goes through these two names (tests/unit/test_version_floors.py checks that nothing else uses them).
 """
 
 import inspect

@@ -1,4 +1,5 @@
-"""FP8 expert GEMM cases and bounds shared by the CPU tests (tests/test_fp8.py) and the GPU ones (tests/gpu/)."""
+"""FP8 expert GEMM cases and bounds shared by the CPU tests (tests/distributed/test_fp8.py) and the GPU ones
+(tests/gpu/)."""
 
 import math
 from pathlib import Path
@@ -39,7 +40,7 @@ def experts_module(recipe: str, num_experts: int = len(COUNTS), history: int = 4
 LOSS_GAP = 0.02
 """|mean loss of the last 5 of 20 steps, FP8 - bf16| in nats. Measured on the tiny model: tensorwise 0.0018,
 delayed 0.0007, blockwise 0.0014, mxfp8 0.0010 (bf16 4.434 from 5.6 at step 1; both sides' experts now
-train, tests/test_bf16_training.py); the test runs two of them."""
+train, tests/integration/test_bf16_training.py); the test runs two of them."""
 
 
 def losses_with_fp8(tmp_path: Path, recipes: tuple[str, ...], ctx: ParallelContext | None = None,

@@ -1,6 +1,6 @@
 """The configuration reference (docs/config_reference.md), generated from the config dataclasses: every key with
 its type, its default and the docstring written under its field, so the page cannot drift from the code
-(tests/test_config.py compares them).
+(tests/unit/test_config.py compares them).
 
 Run: python -m moe_pretrain.config.reference > docs/config_reference.md
 """

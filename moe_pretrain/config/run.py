@@ -214,12 +214,12 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     vision_lr_scale: float = 1.0
     """The vision tower's and projector's learning rate as a multiple of the schedule's (both trained from
-    scratch with the model). In tests/test_multimodal.py's setting 0.1 is read sooner (0.94 held-out accuracy at
-    200 steps against the full rate's 0.77); both reach 0.99 at 400."""
+    scratch with the model). In tests/integration/test_multimodal.py's setting 0.1 is read sooner (0.94 held-out
+accuracy at     200 steps against the full rate's 0.77); both reach 0.99 at 400."""
     vision_warmup_steps: int = 0
     """The tower's and projector's rate ramps from 0 to vision_lr_scale x the schedule's over this many
     optimizer steps, so the model first learns to read the tower's initial features, then the tower learns
-    (tests/test_multimodal.py's setting after a 200-step ramp: 0.99 at 300 steps, 0.95 without it). 0 = no
+    (tests/integration/test_multimodal.py's setting after a 200-step ramp: 0.99 at 300 steps, 0.95 without it). 0 = no
     ramp."""
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ saved-tensor hooks region of a SavedInputs store, which keeps the inputs one of 
   model class's report keeps most activations block-wise in FP8): 1 + 4 / 128 bytes per value against
   2 in bf16, and lossy: the recomputed layer starts from the dequantized input.
 A bank entry that several layers read is stored once per forward. The store's ledger counts the bytes it
-keeps on the device and on the host, tensor by tensor (deterministic: tests/test_saved_inputs.py holds
+keeps on the device and on the host, tensor by tensor (deterministic: tests/unit/test_saved_inputs.py holds
 it against the plan's formula, saved_input_bytes).
 """
 

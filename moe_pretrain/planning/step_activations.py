@@ -6,7 +6,7 @@ k top-k, L latent, F expert intermediate, S shared intermediate, n AttnRes entri
 The coefficients are elements autograd keeps per token, measured on this implementation (saved-tensor
 hooks over the tiny model while one dimension at a time was varied, at T = 1024, fp32; least-squares fits
 within 0.5% for KDA and the MLPs, 3.4% for MLA) and rounded; recomputing regions keep their inputs only.
-They are checked against the live tensor bytes of a step at several lengths (tests/test_activation_memory.py).
+They are checked against the live tensor bytes of a step at several lengths (tests/unit/test_activation_memory.py).
 What they count, by component:
 - KDA, none: the projections, short convolutions and gates (~29 H K) and the chunked op's intermediates:
   ~13 H K, the per-chunk C x C products and solves (3 H C) and the chunk chain's K x K / K x V states

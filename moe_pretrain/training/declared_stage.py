@@ -22,7 +22,7 @@ reads the result on the host (schedules._warmup_p2p). Under the dry run's fake b
 the sends are made and nothing arrives: the result is then the vote every stage here casts, static, as a
 tensor literal (which the fake-tensor mode keeps as a readable constant).
 
-tests/test_version_floors.py holds the torch names this relies on; where a torch lacks the descriptors'
+tests/unit/test_version_floors.py holds the torch names this relies on; where a torch lacks the descriptors'
 metadata (tensor_meta), its own buffers are left as they are.
 """
 

@@ -1,4 +1,4 @@
-"""bf16 training on the GPU tracks float32 (the CPU test's runs and bound, tests/test_bf16_training.py): the
+"""bf16 training on the GPU tracks float32 (the CPU test's runs and bound, tests/integration/test_bf16_training.py): the
 routed experts' compute copies follow the masters there too (cuBLAS bf16 GEMMs, CUDA autocast)."""
 
 import pytest

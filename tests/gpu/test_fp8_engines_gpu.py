@@ -2,9 +2,10 @@
 gradients: torch._scaled_grouped_mm (tensorwise, delayed; compute capability 9.0 / 10.0) and Transformer Engine's
 grouped GEMM (every recipe TE runs here).
 
-Tolerances: each engine's y, dx and dW within the CPU test's bounds of float64 (tests/test_fp8.py: 0.05 forward,
-0.08 e5m2 / 0.05 e4m3 gradients), and within 0.03 relative (Frobenius) of the CPU emulation on the same inputs: the
-same recipe, rounded by other kernels (bf16 outputs, TE's power-of-two block scales, fp32 accumulation order).
+Tolerances: each engine's y, dx and dW within the CPU test's bounds of float64 (tests/distributed/test_fp8.py: 0.05
+forward, 0.08 e5m2 / 0.05 e4m3 gradients), and within 0.03 relative (Frobenius) of the CPU emulation on the same
+inputs: the same recipe, rounded by other kernels (bf16 outputs, TE's power-of-two block scales, fp32 accumulation
+order).
 """
 
 import pytest

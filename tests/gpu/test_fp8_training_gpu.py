@@ -1,6 +1,7 @@
 """A short training on the GPU with FP8 expert GEMMs stays within a small loss gap of bf16 (the CPU test's runs and
-bound, tests/test_fp8.py), per engine: torch's (tensorwise and delayed; the forward one torch._scaled_grouped_mm on
-compute capability 9.0 / 10.0) and Transformer Engine's (every recipe TE runs on this GPU)."""
+bound, tests/distributed/test_fp8.py), per engine: torch's (tensorwise and delayed; the forward one
+torch._scaled_grouped_mm on compute capability 9.0 / 10.0) and Transformer Engine's (every recipe TE runs on this
+GPU)."""
 
 import pytest
 import torch

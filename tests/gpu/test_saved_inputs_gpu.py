@@ -1,6 +1,6 @@
 """The layers' inputs offloaded to pinned host memory and prefetched back on a side stream (CUDA): four bf16
 steps give bitwise the losses, gradient norms and weights of keeping them on the GPU, as on the CPU
-(tests/test_saved_inputs.py), and nothing of them stays on the GPU."""
+(tests/unit/test_saved_inputs.py), and nothing of them stays on the GPU."""
 
 import pytest
 import torch

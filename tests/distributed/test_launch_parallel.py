@@ -1,4 +1,5 @@
-"""Invalid layouts failing on every rank before any collective (torchrun end to end: tests/test_launch_smoke.py)."""
+"""Invalid layouts failing on every rank before any collective (torchrun end to end:
+tests/distributed/test_launch_smoke.py)."""
 
 import os
 import re

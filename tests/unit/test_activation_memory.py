@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "activation_memory.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "activation_memory.py"
 BOUNDS = {"none": (0.9, 1.1), "selective": (0.9, 1.1), "full": (0.8, 1.1), "full-kept": (0.8, 1.1)}
 """measured / plan, for the saved bytes and the peak."""
 

@@ -249,7 +249,7 @@ def test_pipeline_boundaries_carry_only_what_the_receiver_differentiates(split):
 
 FP8_DISPATCH_LOSS_GAP = 1e-3
 """Largest |FP8 - bf16 dispatch| step loss, nats, over the 8 steps below: 7x the measured 1.4e-4 (train.seed 0),
-a twelfth of bf16's own drift from float32 that tests/test_bf16_training.py allows."""
+a twelfth of bf16's own drift from float32 that tests/integration/test_bf16_training.py allows."""
 
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moe_pretrain.log import PACKAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_listed_packages_are_the_ones_pyproject_installs():

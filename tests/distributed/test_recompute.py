@@ -1,5 +1,5 @@
 """Activation recomputation (train.recompute): the same numbers as none, and every token counted once by the
-routers. Lower peak memory is measured by tests/test_activation_memory.py."""
+routers. Lower peak memory is measured by tests/unit/test_activation_memory.py."""
 
 import pytest
 import torch

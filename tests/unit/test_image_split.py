@@ -1,7 +1,7 @@
 """The deal of images over a tensor x context block and the token exchange's routes (parallel/image_split.py),
 checked by playing every rank's all-to-alls on the host: each rank must end with the tokens of exactly its own
 positions, in their order, whatever the layout. The distributed run itself is checked against one process in
-tests/test_vision_layouts.py."""
+tests/distributed/test_parallel_training.py (its images-* layouts)."""
 
 import numpy as np
 import pytest

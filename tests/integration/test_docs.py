@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("moe_pretrain", "parallel", "launch", "tests", "bench", "configs", "gpu_kernels", "checkpoints_tool", "docs",
        ".ci")

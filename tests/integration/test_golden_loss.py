@@ -4,7 +4,7 @@ The data are fixed, whatever the interpreter: text from a frozen snapshot of the
 (tests/assets/golden_corpus.jsonl, preprocessed with the byte tokenizer) blended with the procedural
 images of the embedded corpus (numpy-seeded, not the stdlib). So the curve holds across Python patch
 versions, where the embedded stdlib text would change. Float64 keeps it insensitive to CPU summation
-order and thread counts. Re-record after an intended change with: python -m tests.test_golden_loss
+order and thread counts. Re-record after an intended change with: python -m tests.integration.test_golden_loss
 """
 
 import contextlib
@@ -21,12 +21,12 @@ from moe_pretrain.data.preprocess import preprocess
 from moe_pretrain.training import Trainer
 from tests.models import EVAL_OFF
 
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-ASSETS = Path(__file__).parent / "assets"
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+ASSETS = Path(__file__).parents[1] / "assets"
 GOLDEN = ASSETS / "smoke_losses.json"
 CORPUS = ASSETS / "golden_corpus.jsonl"
 # The exact quantile balancing, the reference the curve was recorded with (the default's histograms are held
-# to it by tests/test_quantile_histogram.py).
+# to it by tests/unit/test_quantile_histogram.py).
 OVERRIDES = ["train.steps=6", "train.dtype=float64", "data.batch_size=4", "logging.progress=false",
              "model.moe.qb_quantile=exact", *EVAL_OFF]
 
@@ -52,7 +52,7 @@ def test_smoke_loss_curve_matches_golden(tmp_path):
     # by much more.
     assert losses == pytest.approx(golden["losses"], rel=1e-6), (
         f"the golden curve (recorded with torch {golden['torch']}) moved; if the change is intended, "
-        "re-record it with python -m tests.test_golden_loss and say so in the commit")
+        "re-record it with python -m tests.integration.test_golden_loss and say so in the commit")
 
 
 if __name__ == "__main__":

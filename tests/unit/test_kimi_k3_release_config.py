@@ -11,7 +11,7 @@ import pytest
 from moe_pretrain.checkpoint.kimi_k3_config import model_section, release_config
 from moe_pretrain.config import ConfigError, load_config
 
-RELEASE = json.loads((Path(__file__).parent / "assets" / "kimi_k3_release_config.json").read_text())
+RELEASE = json.loads((Path(__file__).parents[1] / "assets" / "kimi_k3_release_config.json").read_text())
 
 
 def _get(model, dotted: str):

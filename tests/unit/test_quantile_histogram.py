@@ -13,7 +13,7 @@ from moe_pretrain.ops.margin_histogram import MarginBins
 from moe_pretrain.ops.statistics import LocalStatistics
 from moe_pretrain.planning.host_reads import HostReads
 
-CORPUS = Path(__file__).parent / "assets" / "golden_corpus.jsonl"
+CORPUS = Path(__file__).parents[1] / "assets" / "golden_corpus.jsonl"
 
 
 def smoke_router_scores(micro_batches: int = 3) -> tuple[dict[int, list[torch.Tensor]], int, int]:

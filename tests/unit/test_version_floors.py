@@ -12,7 +12,7 @@ from packaging.version import Version
 
 from moe_pretrain.log import PACKAGES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = PACKAGES
 
 FIRST_TORCH = {

@@ -49,7 +49,7 @@ CRASH = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     from moe_pretrain.checkpoint import pruning
-    from tests.test_checkpoint_pruning import save_steps
+    from tests.integration.test_checkpoint_pruning import save_steps
 
     def delete_then_die(path):  # the job is killed after the first file of the delete
         next(p for p in sorted(path.iterdir()) if p.is_file()).unlink()

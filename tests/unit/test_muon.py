@@ -1,6 +1,6 @@
 """parallel/muon.py and the sharded optimizer's Muon groups on one process: the step is Muon's formula on the
 parameters themselves, and owners balance the Newton-Schulz work. (Layouts against one process:
-tests/test_parallel_training.py; momentum in checkpoints: tests/test_checkpoint.py.)"""
+tests/distributed/test_parallel_training.py; momentum in checkpoints: tests/distributed/test_checkpoint.py.)"""
 
 import torch
 from torch import nn

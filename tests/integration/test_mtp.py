@@ -1,6 +1,6 @@
 """Multi-token prediction (model/mtp.py): a step's logged block losses against a direct computation of the chain
 from the model's weights, targets written out from the tokens, the loss weight's effect, and the export
-dropping the blocks. (Layouts against one process: tests/test_parallel_training.py.)"""
+dropping the blocks. (Layouts against one process: tests/distributed/test_parallel_training.py.)"""
 
 import json
 

@@ -1,5 +1,5 @@
 """QK-clip (model/qk_clip.py): the recorded maxima against explicit logits, and a head forced above the
-threshold clipped to it with the other heads untouched. (Layouts: tests/test_parallel_training.py.)"""
+threshold clipped to it with the other heads untouched. (Layouts: tests/distributed/test_parallel_training.py.)"""
 
 import math
 

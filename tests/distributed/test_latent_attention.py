@@ -126,7 +126,7 @@ def test_the_plan_counts_what_the_latent_exchange_saves(overrides):
     """planning/step_activations: what the latent exchange saves less than document attention, per token,
     against the hooks' count at one rank: measured 1516 / 5356 / 1772 bytes (fp32) for the plan's 1504 /
     5320 / 1760, within 3%. The plan's document-attention base (_mla) is checked on the whole model by
-    tests/test_activation_memory.py; the latent figure is that base minus this drop, plus the other ranks'
+    tests/unit/test_activation_memory.py; the latent figure is that base minus this drop, plus the other ranks'
     gathered latent (cp - 1) x (kv_lora_rank + rope dims), which is arithmetic."""
     from launch.local import run_distributed
     from moe_pretrain.config import load_config

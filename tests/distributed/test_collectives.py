@@ -30,7 +30,7 @@ from parallel.collectives import (
 )
 from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 F64 = torch.float64
 
@@ -152,7 +152,7 @@ def test_collectives_refuse_tensors_their_backend_does_not_carry(backend):
             with pytest.raises(CollectiveDeviceError) as error:
                 call(refused)
             message = str(error.value)
-            assert message.startswith("tests/test_collectives.py:") and "(<lambda>)" in message, message
+            assert message.startswith("tests/distributed/test_collectives.py:") and "(<lambda>)" in message, message
             assert f"{name} of a {refused.device.type} tensor (" in message and backend in message, message
 
 

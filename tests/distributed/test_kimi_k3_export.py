@@ -194,7 +194,7 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     assert len(resumed.run()) == 3  # and it trains on from step 0 with a fresh optimizer
 
 
-RELEASE_CONFIG = json.loads((Path(__file__).parent / "assets" / "kimi_k3_release_config.json").read_text())
+RELEASE_CONFIG = json.loads((Path(__file__).parents[1] / "assets" / "kimi_k3_release_config.json").read_text())
 
 
 def write_release_fixture(directory: Path, cfg) -> dict[str, torch.Tensor]:
@@ -348,7 +348,7 @@ def test_import_under_torchrun_shares_the_work_between_its_ranks(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            f"--master-port={free_port()}", "-m", "checkpoints_tool", "import",
                            str(tmp_path / "release"), str(tmp_path / "imported"), "--config", str(config_file)],
-                          capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1])
+                          capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 reports
     assert_exports_back(tmp_path / "imported" / "step_00000000", tensors, tmp_path / "exported")
