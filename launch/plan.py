@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+from moe_pretrain.model.counts import count, total_parts
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.plan_step_time import column_links, plan_groups, planned_step, traced_stage_step
 from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines, plan_of_traced_step
-from moe_pretrain.planning.sizing import count, total_parts
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
     HEADROOM,

@@ -1,7 +1,7 @@
 """Sizing and memory of a run, before it runs and while it runs; one module per question:
 
-- sizing.py: how many parameters and FLOPs the model has (total, active per token); `python -m
-  moe_pretrain.planning.sizing CONFIG`.
+- sizing.py: `python -m moe_pretrain.planning.sizing CONFIG`, the model's parameters and FLOPs (total, active per
+  token: moe_pretrain/model/counts.py), and a pipeline stage's FLOPs under a stage's recomputation.
 - rank_state.py: what a rank holds of parameters, gradients and optimizer moments under a layout (exact, from
   the sharding plan and the meta model).
 - step_activations.py: what a training step saves for backward, per token and per layer.

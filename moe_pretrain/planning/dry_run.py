@@ -28,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import fast_paths, resolve_for_gpu
 from moe_pretrain.config import Config
+from moe_pretrain.model.counts import count
 from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
@@ -35,7 +36,6 @@ from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
 from moe_pretrain.planning.peak_sites import PeakSites
-from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.step_time import GPUS, GpuSpec
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.training import Trainer
@@ -104,7 +104,7 @@ class StepTrace:
     step_s: float = 0.0
     """The predicted step time: compute plus the collectives' time not hidden behind it (exposed_s)."""
     mfu: float = 0.0
-    """Model FLOPs per GPU (sizing.py's, without recomputation) over step_s x the GPU's peak."""
+    """Model FLOPs per GPU (model/counts.py's, without recomputation) over step_s x the GPU's peak."""
     seconds: float = 0.0
     """How long the dry run took here."""
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from megatron.core.parallel_state import RankGenerator
 
 from moe_pretrain.config import ClusterConfig, Config, StageConfig
+from moe_pretrain.model.counts import count
 from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
-from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import RunLayout, StageLayout
 from moe_pretrain.planning.step_time import (
     OVERLAPPED_GROUPS,

@@ -1,18 +1,7 @@
-"""Parameter and FLOP counter from the model's own formulas: `python -m moe_pretrain.planning.sizing CONFIG --json`;
-with `--layout tp=8,pp=16,ep=128,dp=32`, also each pipeline stage's per-rank state bytes (rank_state.py).
-
-Counts mirror the modules in moe_pretrain/model one for one (tests check total == sum(p.numel()) on
-instantiated models), so the full-size figures (docs/model.md: ~2.8T total, ~104B active) come from the
-same definitions the code trains.
-
-active_params: parameters touched per token = total minus the routed experts a token does not visit
-(num_experts - top_k per MoE layer); embedding and head are counted, as in published MoE figures.
-flops_per_token (training, forward + backward = 3 x forward): 6 per active parameter that multiplies
-activations (all but the input embedding lookup and the vision tower and projector, which act on image
-patches, not on text tokens; norm and bias vectors are counted too, which is < 0.01%), plus sequence mixing
-at the configured sequence length:
-gated MLA, causal attention over T/2 keys on average, 3 * 2 * H * (d_qk + d_v) * T/2;
-KDA, the chunked algorithm per head, 3 * (2 C K + C (K + V) + C V + 6 K V) for chunk C.
+"""The sizing command, `python -m moe_pretrain.planning.sizing CONFIG --json`: the model's parameter and FLOP
+counts (moe_pretrain/model/counts.py); with `--layout tp=8,pp=16,ep=128,dp=32`, also each pipeline stage's
+per-rank state bytes (rank_state.py). Also a pipeline stage's training FLOPs per token under a stage's
+recomputation and context-parallel exchange, for the plan's step time (stage_flops_per_token).
 """
 
 import argparse
@@ -23,111 +12,11 @@ import sys
 from moe_pretrain.config import (
     EX_CONFIG,
     ConfigError,
-    KDAConfig,
-    MLAConfig,
     ModelConfig,
-    MoEConfig,
-    VisionEncoderConfig,
     add_config_arguments,
     load_config_or_exit,
 )
-
-
-def kda_params(d: int, c: KDAConfig) -> int:
-    H, K = c.num_heads, c.head_dim
-    inner = H * K
-    return (
-        3 * d * inner            # q, k, v projections
-        + 3 * inner * c.conv_size  # short convolutions
-        + d * K + K * inner      # low-rank decay logits W_fa, W_fb
-        + H + inner              # A_log, dt_bias
-        + d * H                  # beta
-        + d * inner              # output gate
-        + K                      # per-head output RMSNorm weight (shared by heads)
-        + inner * d              # output projection
-    )
-
-
-def mla_params(d: int, c: MLAConfig) -> int:
-    H = c.num_heads
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    return (
-        d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * qk
-        + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
-        + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
-        + d * H * c.v_head_dim   # output gate
-        + H * c.v_head_dim * d   # output projection
-    )
-
-
-def vision_tower_params(c: VisionEncoderConfig, patch_size: int, channels: int) -> int:
-    """The vision tower (model/vision_tower.py): patch embedding, position table, blocks, final norm."""
-    width = c.num_heads * c.head_dim
-    block = 2 * c.hidden_size + 4 * c.hidden_size * width + 2 * c.hidden_size * c.intermediate_size
-    return (channels * patch_size * patch_size * c.hidden_size + c.pos_grid * c.pos_grid * c.hidden_size
-            + c.num_layers * block + c.hidden_size)
-
-
-def vision_projector_params(c: VisionEncoderConfig, d: int) -> int:
-    """The projector from merged vision tokens to the language model's width (Linear, Linear, RMSNorm)."""
-    return c.merged_size * c.merged_size + c.merged_size * d + d
-
-
-def situ_glu_params(d: int, intermediate: int) -> int:
-    return 3 * d * intermediate
-
-
-def routed_expert_params(c: MoEConfig) -> int:
-    """One routed expert: SiTU-GLU in the latent dim."""
-    return situ_glu_params(c.latent_size, c.expert_intermediate)
-
-
-def moe_params(d: int, c: MoEConfig) -> dict[str, int]:
-    return {
-        "router": d * c.num_experts,
-        "latent_projections": d * c.latent_size + c.latent_size + c.latent_size * d,
-        "routed_experts": c.num_experts * routed_expert_params(c),
-        "shared_experts": situ_glu_params(d, c.num_shared_experts * c.shared_intermediate),
-    }
-
-
-def mixing_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: float | None = None) -> float:
-    """Training FLOPs per token of layer `index`'s sequence mixing beyond its projections (module docstring).
-    keys: the keys a query attends to on average (attention stays inside a document: planning/documents.py
-    measures it from the data); None: seq_len / 2, one document per row (the bound)."""
-    if cfg.layer_kind(index) == "mla":
-        m = cfg.mla
-        keys = seq_len / 2 if keys is None else keys
-        return 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * keys
-    k = cfg.kda
-    C, K, V = k.chunk_size, k.head_dim, k.head_dim
-    return 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
-
-
-def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: float | None = None) -> float:
-    """Training FLOPs per token of decoder layer `index` (a multi-token-prediction block's from num_layers on):
-    6 per parameter a token multiplies (of the routed experts, its top_k), its norms and AttnRes mixes
-    included, plus its sequence mixing."""
-    d = cfg.hidden_size
-    params = 3 * 2 * d + (kda_params(d, cfg.kda) if cfg.layer_kind(index) == "kda" else mla_params(d, cfg.mla))
-    if cfg.is_moe_layer(index):
-        moe = moe_params(d, cfg.moe)
-        params += moe["router"] + moe["latent_projections"] + moe["shared_experts"]
-        params += cfg.moe.top_k * routed_expert_params(cfg.moe)
-    else:
-        params += situ_glu_params(d, cfg.dense_intermediate)
-    return 6 * params + mixing_flops_per_token(cfg, index, seq_len, keys)
-
-
-def ends_params(cfg: ModelConfig, last: bool) -> int:
-    """Parameters multiplying activations outside the decoder layers, per token, on the first pipeline stage
-    (none: the embedding is a lookup, the vision tower acts on patches) or the last: the final mix and norm,
-    the head once per head call (the backbone's and each multi-token-prediction block's) and the blocks'
-    own projections and norms."""
-    if not last:
-        return 0
-    d = cfg.hidden_size
-    return 3 * d + (1 + cfg.mtp.layers) * d * cfg.vocab_size + cfg.mtp.layers * (2 * d * d + 3 * d)
+from moe_pretrain.model.counts import count, ends_params, layer_flops_per_token, mixing_flops_per_token, total_parts
 
 
 def final_projection_params(cfg: ModelConfig, index: int) -> int:
@@ -209,72 +98,6 @@ def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_l
     if cp > 1 and mla == "latent":
         flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows, documents)
     return flops + 6 * ends_params(cfg, last)
-
-
-def count(cfg: ModelConfig, seq_len: int) -> dict:
-    d = cfg.hidden_size
-    per_layer_vectors = 3 * 2 * d  # two AttnRes mixes (query + norm weight) and two pre-norms
-    breakdown = {
-        "embedding": cfg.vocab_size * d,
-        "vision_tower": vision_tower_params(cfg.vision.encoder, cfg.vision.patch_size, cfg.vision.channels),
-        "mm_projector": vision_projector_params(cfg.vision.encoder, d),
-        "head": d * cfg.vocab_size,
-        "final_mix_and_norm": 3 * d,
-        "layer_norms_and_mixes": (cfg.num_layers + cfg.mtp.layers) * per_layer_vectors,
-        "kda": 0, "mla": 0, "dense_mlp": 0,
-        "router": 0, "latent_projections": 0, "routed_experts": 0, "shared_experts": 0,
-        # Each multi-token-prediction block: two input norms, the projection, the norm before the shared head;
-        # its decoder layer is counted with the backbone's (indices num_layers on).
-        "mtp_blocks": cfg.mtp.layers * (2 * d * d + 3 * d),
-    }
-    moe_layers = 0
-    layers = range(cfg.num_layers + cfg.mtp.layers)
-    for i in layers:
-        if cfg.layer_kind(i) == "kda":
-            breakdown["kda"] += kda_params(d, cfg.kda)
-        else:
-            breakdown["mla"] += mla_params(d, cfg.mla)
-        if cfg.is_moe_layer(i):
-            moe_layers += 1
-            for key, value in moe_params(d, cfg.moe).items():
-                breakdown[key] += value
-        else:
-            breakdown["dense_mlp"] += situ_glu_params(d, cfg.dense_intermediate)
-    total = sum(breakdown.values())
-    idle_experts = moe_layers * (cfg.moe.num_experts - cfg.moe.top_k) * routed_expert_params(cfg.moe)
-    active = total - idle_experts
-
-    layer_flops = [layer_flops_per_token(cfg, i, seq_len) for i in layers]
-    mixing = [mixing_flops_per_token(cfg, i, seq_len) for i in layers]
-    flops = sum(layer_flops) + 6 * ends_params(cfg, last=True)
-    kda = sum(f for i, f in zip(layers, mixing) if cfg.layer_kind(i) == "kda")
-    return {
-        "total_params": total,
-        "active_params": active,
-        "flops_per_token": flops,
-        "seq_len": seq_len,
-        "moe_layers": moe_layers,
-        "breakdown": breakdown,
-        "flops_breakdown": {
-            "dense_matmuls": flops - sum(mixing),
-            "mla_attention": sum(mixing) - kda,
-            "kda_mixing": kda,
-        },
-    }
-
-
-def total_parts(cfg: ModelConfig, seq_len: int) -> str:
-    """What the total counts, in words: the backbone (its layers, embedding and head), the multi-token-prediction
-    blocks (each a decoder layer and its projections) and the vision tower with its projector."""
-    result = count(cfg, seq_len)
-    vision = result["breakdown"]["vision_tower"] + result["breakdown"]["mm_projector"]
-    backbone = count(dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, layers=0)), seq_len)["total_params"]
-    backbone -= vision
-    text = f"{backbone:.4e} in the {cfg.num_layers}-layer backbone with embedding and head"
-    if cfg.mtp.layers:
-        mtp = result["total_params"] - backbone - vision
-        text += f", {mtp:.4e} in {cfg.mtp.layers} multi-token-prediction block(s)"
-    return text + f", {vision:.4e} in the vision tower and projector"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
-"""Model FLOPs utilisation of a step: the model's training FLOPs per token (planning/sizing.py, per sequence
+"""Model FLOPs utilisation of a step: the model's training FLOPs per token (model/counts.py, per sequence
 length: attention's share grows with it) times the step's tokens, over the step's time at the peak of all
 processes (training/peak_flops.py)."""
 
 from moe_pretrain.config import ModelConfig
-from moe_pretrain.planning.sizing import count
+from moe_pretrain.model.counts import count
 
 
 class StepMFU:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from moe_pretrain.checkpoint import committed_checkpoints
-from moe_pretrain.planning.sizing import count
+from moe_pretrain.model.counts import count
 from moe_pretrain.training import Trainer
 from tests.checkpoints_cli import tool
 from tests.models import tiny_config

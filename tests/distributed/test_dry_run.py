@@ -14,11 +14,11 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import Config, StageConfig, load_config
+from moe_pretrain.model.counts import count
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
 from moe_pretrain.planning.plan_step_time import column_seconds, plan_groups
-from moe_pretrain.planning.sizing import count
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
 from parallel.collectives import gather_objects
 from parallel.state import derive_micro_batches, destroy_parallel, init_parallel

@@ -7,8 +7,8 @@ import torch
 
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.model.counts import count
 from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, Normal, Uniform, draw
-from moe_pretrain.planning.sizing import count
 from parallel.parallelize import build_model, gather_full_state, meta_model
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config

@@ -10,8 +10,8 @@ import pytest
 from bench.memory import PHASES, live_ratio, run_layout
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.model.counts import count
 from moe_pretrain.planning.rank_state import per_rank_bytes
-from moe_pretrain.planning.sizing import count
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 

@@ -10,8 +10,8 @@ import torch
 
 from moe_pretrain.config import EX_CONFIG, load_config
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.model.counts import count, total_parts
 from moe_pretrain.planning.expert_traffic import distinct_nodes, expert_exchange_bytes
-from moe_pretrain.planning.sizing import count, total_parts
 from tests.models import tiny_config
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from moe_pretrain.config import VisionEncoderConfig
+from moe_pretrain.model.counts import vision_projector_params, vision_tower_params
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.vision_positions import apply_rope, resized_table, rope_angles
 from moe_pretrain.model.vision_tower import VisionProjector, VisionTower, merge_patches
-from moe_pretrain.planning.sizing import vision_projector_params, vision_tower_params
 
 TINY = VisionEncoderConfig(num_layers=2, hidden_size=32, num_heads=2, head_dim=16, intermediate_size=64, pos_grid=8)
 GRIDS = [(1, 4, 6), (2, 2, 2), (1, 6, 4)]
