@@ -10,8 +10,9 @@ neither. A rank of a tp x cp block holds some positions of its rows: its context
 - ImagesSplit: the image merge becomes ImageSplit, which deals the images over the block and sends each
   token to the rank holding its position (parallel/image_split.py).
 - MixerSplit: each sequence mixer takes its variant for the splits (parallel/context_parallel_mixers.py).
-The head's logits are split over the vocabulary by its COLUMN placement, and the loss over them is the
-vocabulary-parallel one wherever tp > 1 (parallel/vocab_parallel_loss.py, chosen by the step runner).
+The head's logits are split over the vocabulary by its COLUMN placement; the step runner reads its scores
+through parallel/vocab_parallel_loss.VocabularySplit, which combines the slices wherever tp > 1. How many
+positions each of these holds (held_positions) is what the pipeline declares its boundary shapes from.
 A stage boundary that changes cp applies the table again with the new split (training/stage_switch.py):
 every style replaces what it applied before.
 """
@@ -97,4 +98,21 @@ def apply_activation_plan(model: nn.Module, splits: Splits) -> None:
             if regex.match(path):
                 style.apply(module, splits)
                 break
+
+
+@dataclass(frozen=True)
+class HeldPositions:
+    """How many positions of a row of T a rank's activations hold where the table places them (what the
+    pipeline declares its boundary shapes from)."""
+
+    inputs: int
+    """The model's inputs (tokens, image mask, document ids): every position."""
+    between_layers: int
+    """From the embedding to the head: the sequence shard of its context-parallel positions."""
+    logits: int
+    """The head's output: its context-parallel positions (the column-parallel head gathers the sequence)."""
+
+
+def held_positions(seq_len: int, tp: int, cp: int) -> HeldPositions:
+    return HeldPositions(seq_len, seq_len // cp // tp, seq_len // cp)
 

@@ -9,7 +9,9 @@ logits to fp32: that caps float64 layout-equivalence tests at ~1e-8 relative.
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from moe_pretrain.data import IGNORE_INDEX
 from parallel.collectives import all_reduce_max, all_reduce_sum
 
 
@@ -60,3 +62,28 @@ def vocab_parallel_top1(logits: torch.Tensor, target: torch.Tensor, group: dist.
     logits_NV = logits.reshape(-1, logits.shape[-1])
     target_logit, _, _ = _target_logit(logits_NV, target.reshape(-1), group)
     return (target_logit >= _global_max(logits_NV, group)).reshape(target.shape)
+
+
+class VocabularySplit:
+    """The head's logits as the sharding plan places them (its COLUMN style): this rank's slice of the
+    vocabulary over the tensor-parallel group, or the whole of it (group None). The two scores a run reads from
+    logits, each summed over the tokens whose label is not IGNORE_INDEX."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+
+    def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token loss of logits [..., V or V/tp] (in their dtype) against labels [...]."""
+        if self.group is None:
+            return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        per_token = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.group)
+        return (per_token * (labels != IGNORE_INDEX)).sum()
+
+    def top1_count(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """How many labels are the highest logit over the whole vocabulary (float64)."""
+        if self.group is None:
+            top1 = logits.argmax(dim=-1) == labels
+        else:
+            top1 = vocab_parallel_top1(logits, labels.clamp(min=0), self.group)
+        return (top1 & (labels != IGNORE_INDEX)).sum().to(torch.float64)

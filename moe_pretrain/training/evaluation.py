@@ -27,9 +27,8 @@ from moe_pretrain.data.long_context_eval import (
 from moe_pretrain.data.packing import RowPlan
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.step_reuse import reused_in_step
-from moe_pretrain.training.step_runner import Scorer, StepPlan, StepRunner
+from moe_pretrain.training.step_runner import StepPlan, StepRunner
 from parallel.collectives import all_reduce_sum
-from parallel.vocab_parallel_loss import vocab_parallel_top1
 
 
 class _Sums:
@@ -56,7 +55,7 @@ class _Sums:
         """{name: (summed score, scored tokens)} over all ranks; score: loss (summed next-token loss) or top1."""
         runner = self.runner
         device = runner.ctx.device
-        scorer = runner.cross_entropy_sum if score == "loss" else _top1_count(runner)
+        scorer = runner.cross_entropy_sum if score == "loss" else runner.vocabulary.top1_count
         # On the device until the one host read at the end (sums and counts of every set together).
         sums = torch.zeros(max(len(sets), 1), 2, dtype=torch.float64, device=device)
         with reused_in_step():  # no weight changes while evaluating
@@ -70,17 +69,6 @@ class _Sums:
         counts = all_reduce_sum(sums[:, 1].contiguous(), runner.ctx.dp_group)
         values = torch.stack([totals, counts], dim=1).tolist()
         return {name: (values[i][0], values[i][1]) for i, name in enumerate(sets)}
-
-
-def _top1_count(runner: StepRunner) -> Scorer:
-    def count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        scored = labels != IGNORE_INDEX
-        if runner.ctx.layout.tp == 1:
-            top1 = logits.argmax(dim=-1) == labels
-        else:
-            top1 = vocab_parallel_top1(logits, labels.clamp(min=0), runner.ctx.tp_group)
-        return (top1 & scored).sum().to(torch.float64)
-    return count
 
 
 @torch.no_grad()

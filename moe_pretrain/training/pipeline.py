@@ -46,6 +46,7 @@ from moe_pretrain.data import Batch
 from moe_pretrain.data.patches import PlacedImage, placed_images
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.declared_stage import DeclaredStage
+from parallel.activation_plan import held_positions
 from parallel.parallelize import DTYPES
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
@@ -139,8 +140,8 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     `compute_dtype` (default: `dtype`)."""
     compute_dtype = compute_dtype or dtype
     rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
-    T, D = shape.seq_len, cfg.model.hidden_size
-    local = T // shape.cp  # activations hold this context-parallel rank's positions
+    D = cfg.model.hidden_size
+    held = held_positions(shape.seq_len, ctx.layout.tp, shape.cp)
     block = cfg.model.attn_res.block_size
 
     def meta(*shape, dtype=dtype):
@@ -148,7 +149,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
     def boundary(last_layer_before):
-        positions = local // ctx.layout.tp
+        positions = held.between_layers
         tensors = [meta(rows, positions, D) for _ in range(1 + cfg.model.mtp.layers)]  # embeddings, those ahead
         if blocks := (last_layer_before + 1) // block:
             tensors.append(meta(rows, blocks, positions, D, dtype=compute_dtype))
@@ -157,12 +158,12 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
         return tuple(tensors)
 
     if first:
-        inputs = (meta(rows, T, dtype=torch.int64), meta(rows, T, dtype=torch.bool))
+        inputs = (meta(rows, held.inputs, dtype=torch.int64), meta(rows, held.inputs, dtype=torch.bool))
     else:
         inputs = boundary(layers[0] - 1)
     if last:  # the logits, and each multi-token-prediction block's
-        vocab = cfg.model.vocab_size // ctx.layout.tp
-        outputs = tuple(meta(rows, local, vocab) for _ in range(1 + cfg.model.mtp.layers))
+        vocab = cfg.model.vocab_size // ctx.layout.tp  # the head's column split
+        outputs = tuple(meta(rows, held.logits, vocab) for _ in range(1 + cfg.model.mtp.layers))
     else:
         outputs = boundary(layers[-1])
     return inputs, outputs

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moe_pretrain.config import Config
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
@@ -27,7 +26,7 @@ from moe_pretrain.training.pipeline import Pipeline, StepShape
 from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext
 from parallel.torch_compat import without_outputs
-from parallel.vocab_parallel_loss import vocab_parallel_cross_entropy
+from parallel.vocab_parallel_loss import VocabularySplit
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits of this rank's positions and vocabulary slice, their labels) -> a summed score (0-dim)."""
@@ -70,6 +69,8 @@ class StepRunner:
         self.cfg, self.ctx, self.model, self.data = cfg, ctx, model, data
         self.dtype = DTYPES[cfg.train.dtype]
         self.pipeline = Pipeline(model, cfg, ctx, self._pipeline_loss) if ctx.layout.pp > 1 else None
+        self.vocabulary = VocabularySplit(ctx.tp_group if ctx.layout.tp > 1 else None)
+        """Where the head's logits lie: the scores are read through it."""
         self._pipeline_pass: tuple[Callable, Callable] | None = None
         """During the pass under way (set by this runner only): what the pipeline's loss function returns,
         score(logits, labels, [(block logits, block labels)]), and what keeps this rank's positions of the
@@ -83,13 +84,7 @@ class StepRunner:
     def cross_entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token loss in >= fp32; with tensor parallelism the logits hold this rank's
         vocabulary slice (parallel/vocab_parallel_loss.py combines them)."""
-        logits = logits.to(compute_dtype(logits.dtype))
-        if self.ctx.layout.tp == 1:
-            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        valid = labels != IGNORE_INDEX
-        per_token = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), self.ctx.tp_group)
-        return (per_token * valid).sum()
+        return self.vocabulary.cross_entropy_sum(logits.to(compute_dtype(logits.dtype)), labels)
 
     def ahead_labels(self, batch: Batch) -> torch.Tensor:
         """The multi-token-prediction blocks' targets of a batch, [B, model.mtp.layers, T] (model/mtp.py)."""
