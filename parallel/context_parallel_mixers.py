@@ -29,13 +29,19 @@ from parallel.context_parallel import ContextParallel, NoContextParallel
 from parallel.sequence import NoSequenceParallel, SequenceParallel
 
 
-class ContextParallelKDA(KimiDeltaAttention):
-    """KDA over a rank's two fragments of every row (load-balanced: fragments r and 2 cp - 1 - r)."""
+class ContextPositions:
+    """A context-parallel variant runs over the positions its rank holds, and holds its split."""
 
-    context: ContextParallel
+    context: NoContextParallel
 
     def _positions(self, layout: DocumentLayout) -> torch.Tensor:
         return layout.positions_held_by(self.context.local)
+
+
+class ContextParallelKDA(ContextPositions, KimiDeltaAttention):
+    """KDA over a rank's two fragments of every row (load-balanced: fragments r and 2 cp - 1 - r)."""
+
+    context: ContextParallel
 
     def _rows(self, x_BT_: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         return self.context.pieces(x_BT_)
@@ -51,13 +57,10 @@ class ContextParallelKDA(KimiDeltaAttention):
                                      chunk_size=self.cfg.chunk_size, lower_bound=self.gate_floor)
 
 
-class UlyssesMLA(GatedMLA):
+class UlyssesMLA(ContextPositions, GatedMLA):
     """MLA attending over every position with H / cp of its heads (heads on a tp rank divisible by cp)."""
 
     context: ContextParallel
-
-    def _positions(self, layout: DocumentLayout) -> torch.Tensor:
-        return layout.positions_held_by(self.context.local)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         cp = self.context
@@ -73,15 +76,12 @@ class UlyssesMLA(GatedMLA):
         super()._note_max_logits(placed, layout)
 
 
-class LatentExchangeMLA(GatedMLA):
+class LatentExchangeMLA(ContextPositions, GatedMLA):
     """MLA whose queries attend over every position's gathered latent, keys and values expanded a block at
     a time (ops.latent_attention): any cp, no rank holds the expanded K / V of the whole sequence."""
 
     context: NoContextParallel
     """ContextParallel, or the identity for a one-rank reference of what the exchange saves."""
-
-    def _positions(self, layout: DocumentLayout) -> torch.Tensor:
-        return layout.positions_held_by(self.context.local)
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """This rank's queries [B, T / cp, H, Dn + Dr] over every position's latent, expanded here and
