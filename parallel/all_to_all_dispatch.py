@@ -65,6 +65,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         splits = split_sizes(send, receive, [rows.shape[0] for rows, _, _ in parts], self.rank)
         row = row_bytes(x_TL.shape[1], x_TL.element_size(), self.fp8)
         self.bytes_sent += sum(sum(out) - out[self.rank] for out, _ in splits) * row
+        self.rows_received += sum(sum(received) for _, received in splits)
         outputs: list[torch.Tensor | None] = [None] * self.chunks
         run_interleaved(self._chunk(c, parts, receive[c], splits[c], experts, outputs) for c in range(self.chunks))
         return torch.cat(outputs)

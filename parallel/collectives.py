@@ -12,6 +12,7 @@ handed to NCCL fails only at the first multi-GPU step that reaches it. The check
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -63,16 +64,46 @@ def watching_waits(watcher) -> Iterator[None]:
         _WATCHERS.remove(watcher)
 
 
+_BLOCK_METERS: list = []
+"""Meters told how long this rank's host waited in each collective, by group (training/step_telemetry.py)."""
+
+
+@contextlib.contextmanager
+def metering_blocks(meter) -> Iterator[None]:
+    """Within the block, meter.blocked(group, seconds) is called after every collective call that returns
+    when the collective has completed on the host (gloo), and after every wait of a started one."""
+    _BLOCK_METERS.append(meter)
+    try:
+        yield
+    finally:
+        _BLOCK_METERS.remove(meter)
+
+
+@contextlib.contextmanager
+def _blocking(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Around a call that may wait for the group's other ranks: its host time goes to the block meters."""
+    if not _BLOCK_METERS:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        for meter in _BLOCK_METERS:
+            meter.blocked(group, elapsed)
+
+
 class Pending:
     """A started collective: wait() before reading its output (its backend's ops on completion are marked
     as the backend's: backend_ops)."""
 
-    def __init__(self, work: dist.Work):
-        self.work = work
+    def __init__(self, work: dist.Work, group: dist.ProcessGroup | None):
+        self.work, self.group = work, group
         self.watched = [(watcher, watcher.started()) for watcher in _WATCHERS]
 
     def wait(self) -> None:
-        with backend_ops():
+        with backend_ops(), _blocking(self.group):
             self.work.wait()
         for watcher, token in self.watched:
             watcher.waited(token)
@@ -160,7 +191,7 @@ def _start_all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[in
                       group: dist.ProcessGroup) -> Pending:
     with backend_ops():
         return Pending(dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group,
-                                              async_op=True))
+                                              async_op=True), group)
 
 
 class _StartRows(torch.autograd.Function):
@@ -249,7 +280,8 @@ def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
     if group_size(group) == 1:
         return counts
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    with _blocking(group):
+        dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
 
 
@@ -261,7 +293,8 @@ def all_to_all_flat(x: torch.Tensor, output_splits: list[int], input_splits: lis
     if group_size(group) == 1:
         return x
     out = x.new_empty(sum(output_splits))
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    with _blocking(group):
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
 
 
@@ -270,7 +303,8 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.Reduc
     if group_size(group) == 1:
         return x
     out = x.detach().clone()
-    dist.all_reduce(out, op=op, group=group)
+    with _blocking(group):
+        dist.all_reduce(out, op=op, group=group)
     return out
 
 
@@ -294,7 +328,7 @@ def all_gather_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.Proces
         out.copy_(x)
         return None
     with backend_ops():
-        return Pending(all_gather_single(out, x, group=group, async_op=True))
+        return Pending(all_gather_single(out, x, group=group, async_op=True), group)
 
 
 def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
@@ -307,7 +341,7 @@ def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: dist.Pr
         out.copy_(x)
         return None
     with backend_ops():
-        return Pending(reduce_scatter_single(out, x, group=group, async_op=True))
+        return Pending(reduce_scatter_single(out, x, group=group, async_op=True), group)
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:
@@ -321,14 +355,16 @@ def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list:
     if group_size(group) == 1:
         return [obj]
     objects: list = [None] * group_size(group)
-    dist.all_gather_object(objects, obj, group=group)
+    with _blocking(group):
+        dist.all_gather_object(objects, obj, group=group)
     return objects
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
     """Wait for every rank of the group (nothing without one)."""
     if group is not None:
-        dist.barrier(group=group)
+        with _blocking(group):
+            dist.barrier(group=group)
 
 
 # Sequence-parallel mappings over dimension 1 of [B, T, ...] activations (megatron-core's
@@ -339,7 +375,7 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     x_T = x.transpose(0, 1).contiguous()
     out = x_T.new_empty(x_T.shape[0] * size, *x_T.shape[1:])
-    with backend_ops():
+    with backend_ops(), _blocking(group):
         all_gather_single(out, x_T, group=group)
     return out.transpose(0, 1)
 
@@ -350,7 +386,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     if x_T.shape[0] % size:
         raise ValueError(f"sequence length {x_T.shape[0]} is not divisible by the {size} sequence-parallel ranks")
     out = x_T.new_empty(x_T.shape[0] // size, *x_T.shape[1:])
-    with backend_ops():
+    with backend_ops(), _blocking(group):
         reduce_scatter_single(out, x_T, group=group)
     return out.transpose(0, 1)
 
@@ -406,14 +442,14 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | Non
 def _gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = x.new_empty(size * x.numel())  # flat: gloo accepts the concatenated form only
-    with backend_ops():
+    with backend_ops(), _blocking(group):
         all_gather_single(out, x.reshape(-1).contiguous(), group=group)
     return out.view(size, *x.shape)
 
 
 def _reduce_scatter_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty(x[0].numel())
-    with backend_ops():
+    with backend_ops(), _blocking(group):
         reduce_scatter_single(out, x.reshape(-1).contiguous(), group=group)
     return out.view(x.shape[1:])
 

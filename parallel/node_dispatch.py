@@ -88,6 +88,7 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
                                   [idx.shape[0] for _, idx, _ in parts], k, self.num_experts, self.rank)
         row = row_bytes(x_TL.shape[1], x_TL.element_size(), self.fp8)
         self.bytes_across_nodes += sum(sum(rail_out) - rail_out[self.node] for (rail_out, _), _ in splits) * row
+        self.rows_received += sum(sum(node_in) for _, (_, node_in) in splits)
         outputs: list[torch.Tensor | None] = [None] * self.chunks
         run_interleaved(self._chunk(c, *part, *reached[c], receive_CGE[c], *splits[c], experts, outputs)
                         for c, part in enumerate(parts))

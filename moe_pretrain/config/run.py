@@ -280,6 +280,23 @@ class WandbConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """Slow ranks named (parallel/stragglers.py): each rank's compute against its pipeline stage's median."""
+
+    every: int = 50
+    """Steps per window: at its end one all-gather brings every rank's figures together; 0 = off."""
+    threshold: float = 0.2
+    """A rank is slow when its compute exceeds its stage's median by more than this fraction (and expert load
+    is reported when its experts receive more than this over their group's mean)."""
+    windows: int = 3
+    """Slow windows in a row before a rank (or a host, all of its ranks) is named."""
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, f"logging.straggler.every={self.every} must be >= 0")
+        require_positive("logging.straggler", threshold=self.threshold, windows=self.windows)
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = 1
     """Print a progress line every log_every steps (metrics.jsonl gets every step)."""
@@ -300,6 +317,7 @@ class LoggingConfig:
     """Also write the scalars as TensorBoard event files in <run_dir>/tensorboard when the `tensorboard`
     package is installed (`pip install 'moe-pretrain[tensorboard]'`)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
     def __post_init__(self) -> None:
         require_positive("logging", log_every=self.log_every)

@@ -45,6 +45,9 @@ class LocalTokenDispatcher:
         """permute / unpermute through our Triton kernels (Kernels.triton)."""
         self.num_local_experts = num_experts
         self.first_local_expert = 0
+        self.rows_received = 0
+        """Rows this rank's experts have received since it was built (host integers the dispatch knows
+        anyway; the straggler check tells expert load from slow hardware with them)."""
 
     def dispatch(
         self, x_TL: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
@@ -66,4 +69,5 @@ class LocalTokenDispatcher:
         """Each token through its k experts and back, weighted and summed -> [T, L] (the expert-parallel
         dispatchers move the rows between ranks on the way)."""
         grouped, counts, meta = self.dispatch(x_TL, topk_idx, topk_weight)
+        self.rows_received += topk_idx.numel()
         return self.combine(experts(grouped, counts), meta)

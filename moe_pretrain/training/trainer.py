@@ -39,12 +39,14 @@ from moe_pretrain.training.stage_switch import StageModules, StageSwitch
 from moe_pretrain.training.state import TrainingState
 from moe_pretrain.training.step_hooks import step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
+from moe_pretrain.training.step_telemetry import StepTelemetry
 from moe_pretrain.training.wandb_run import check_wandb
-from parallel.collectives import all_reduce_sum
+from parallel.collectives import all_reduce_sum, metering_blocks
 from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
 from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext, resolve_layout
+from parallel.stragglers import StragglerCheck
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,12 @@ class Trainer:
         self.checkpoints = RunCheckpoints(cfg, self.ctx, self.state, self.batches)
         self.stage_settings = stage_settings(cfg)
         """Each stage's cp, cp_mla, recompute and saved_inputs with the run's defaults (config/stage_settings.py)."""
+        self.telemetry = StepTelemetry(self.ctx, self.model)
+        """This rank's window of step figures (training/step_telemetry.py)."""
+        straggler = cfg.logging.straggler
+        self.straggler_check = StragglerCheck(self.ctx, straggler.threshold, straggler.windows, cfg.train.run_dir) \
+            if straggler.every and self.ctx.distributed else None
+        """Every logging.straggler.every steps, the ranks' windows judged together (parallel/stragglers.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
@@ -180,6 +188,14 @@ class Trainer:
             return [batch.to(self.device) for batch in batches]
 
     def train_step(self) -> StepResult:
+        """One optimizer step, its collectives' waits metered for the straggler check."""
+        with metering_blocks(self.telemetry):
+            result = self._train_step()
+        saver = self.checkpoints.async_saver
+        self.telemetry.add_step(result.seconds, result.data_wait_s, saver.staging_wait_s if saver else 0.0)
+        return result
+
+    def _train_step(self) -> StepResult:
         cfg, ctx = self.cfg, self.ctx
         start = time.perf_counter()
         self.model.train()

@@ -1,0 +1,68 @@
+"""What this rank's steps spent their time on over a window of steps, for the straggler check
+(parallel/stragglers.py).
+
+A rank's step time is set by the slowest rank it waits for, so it says nothing about the rank itself. What does:
+its time blocked in collectives, by group (measured where every collective passes: parallel/collectives.py's
+block meter), and what is left when that, the data wait and the checkpoint stall are taken off the step: its
+own compute. A slow rank has a long compute and short waits; the ranks that wait for it the opposite. Also its
+experts' received rows (the dispatcher counts them from the split sizes it reads anyway), so that a rank slow
+because routing sends it more tokens is told from a rank slow because of its hardware.
+
+Host clocks (time.perf_counter) at the step's edges: the step already ends in one host read (its loss and
+gradient norm), and nothing here adds one. On a GPU under NCCL a collective's wait happens on the device
+stream, not on the host: the block meter then sees only host waits, so a GPU's compute figure includes its
+stream waits. Device-side timing of the collectives (CUDA events read at the end of a window) is not built;
+this module has only run on CPU (gloo).
+"""
+
+import torch.distributed as dist
+from torch import nn
+
+from moe_pretrain.model.moe import LatentMoE
+from parallel.state import ParallelContext
+from parallel.stragglers import WindowFigures
+
+
+class StepTelemetry:
+    """Sums this rank's figures over the current window; the trainer adds each step's, the block meter each
+    collective's wait (pass it to parallel.collectives.metering_blocks)."""
+
+    def __init__(self, ctx: ParallelContext, model: nn.Module):
+        self.window = WindowFigures()
+        self._names = _group_names(ctx)
+        self._dispatchers = [module.dispatcher for module in model.modules() if isinstance(module, LatentMoE)]
+        self._rows_before = self._rows_received()
+
+    def blocked(self, group: dist.ProcessGroup | None, seconds: float) -> None:
+        self.window.blocked_s[self._names.get(group, "other")] += seconds
+
+    def add_step(self, step_s: float, data_s: float, checkpoint_s: float) -> None:
+        """A step's time, and its waits for data and for a background save's copy of the state."""
+        self.window.steps += 1
+        self.window.step_s += step_s
+        self.window.data_s += data_s
+        self.window.checkpoint_s += checkpoint_s
+
+    def take(self) -> WindowFigures:
+        """The window's figures (its expert rows counted up to now); a new window starts."""
+        rows = self._rows_received()
+        figures, self.window = self.window, WindowFigures()
+        figures.expert_rows, self._rows_before = rows - self._rows_before, rows
+        return figures
+
+    def _rows_received(self) -> int:
+        return sum(getattr(dispatcher, "rows_received", 0) for dispatcher in self._dispatchers)
+
+
+def _group_names(ctx: ParallelContext) -> dict:
+    """Process group -> its name in GROUPS (a group serving two roles takes the first)."""
+    names: dict = {}
+    roles = [("tp", ctx.tp_group), *(("cp", c.group) for c in ctx.context_groups.values()), ("dp", ctx.dp_group),
+             ("dp", ctx.tp_dp_group), ("ep", ctx.ep_group), ("ep", ctx.ep_rail_group), ("ep", ctx.ep_node_group),
+             ("edp", ctx.edp_group), ("pp", ctx.pp_group)]
+    if ctx.distributed:
+        roles.append(("world", dist.group.WORLD))
+    for name, group in roles:
+        if group is not None and group not in names:
+            names[group] = name
+    return names

@@ -1,0 +1,180 @@
+"""Slow ranks named, not guessed: every logging.straggler.every steps the ranks' window figures are brought
+together in one collective and judged.
+
+At 2048 GPUs a rank that computes 30% slower never hangs: every collective waits for it, so every rank's step
+time is the same and says nothing. A window's figures (training/step_telemetry.py) split each rank's step into
+its own compute and its time blocked in collectives. A rank is a straggler when its compute exceeds the median
+of its peers doing the same work (its pipeline stage's ranks) by more than logging.straggler.threshold for
+logging.straggler.windows windows in a row; the ranks that wait for it have long blocked times and ordinary
+compute, and are not flagged (the cause, not its victims). When every rank of a host is a straggler, the host
+is named instead (thermal, PCIe, a NIC). A rank whose experts received more than the threshold over its
+expert-parallel group's mean rows is reported as expert load, not as slow hardware, even when it is also slow:
+routing, not the machine, is the cause.
+
+Every rank sends one vector of a few floats per window (WindowFigures.vector) in one all-gather; every rank
+judges the same figures, and rank 0 logs and records them (<run_dir>/stragglers.jsonl, one line per window
+with every rank's figures and what was found).
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import all_gather_stacked, gather_objects
+from parallel.state import ParallelContext
+
+log = logging.getLogger(__name__)
+
+GROUPS = ("tp", "cp", "dp", "ep", "edp", "pp", "world", "other")
+"""The groups whose blocked time is reported, in the order the window's figures carry them."""
+
+
+@dataclass
+class WindowFigures:
+    """One rank's sums over a window of steps, in seconds (expert rows: a count)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    data_s: float = 0.0
+    checkpoint_s: float = 0.0
+    blocked_s: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(GROUPS, 0.0))
+    expert_rows: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        """The step time this rank spent neither blocked in collectives nor waiting for data or a checkpoint."""
+        return max(self.step_s - sum(self.blocked_s.values()) - self.data_s - self.checkpoint_s, 0.0)
+
+    def vector(self) -> list[float]:
+        """The figures the window's one collective carries, in a fixed order (from_vector reads them back)."""
+        return [self.steps, self.step_s, self.data_s, self.checkpoint_s, float(self.expert_rows),
+                *(self.blocked_s[g] for g in GROUPS)]
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> "WindowFigures":
+        steps, step_s, data_s, checkpoint_s, rows, *blocked = values
+        return cls(int(steps), step_s, data_s, checkpoint_s, dict(zip(GROUPS, blocked, strict=True)), int(rows))
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Where a rank runs and what it does: what a straggler line names."""
+
+    rank: int
+    host: str
+    local_gpu: int
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    ep_group: tuple[int, ...]
+    """The global ranks of its expert-parallel group (expert load is compared within it)."""
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} (host {self.host}, local GPU {self.local_gpu}; tp {self.tp} pp {self.pp} "
+                f"ep {self.ep} dp {self.dp})")
+
+
+def identity_of(ctx: ParallelContext) -> RankIdentity:
+    ep_group = tuple(dist.get_process_group_ranks(ctx.ep_group)) if ctx.ep_group is not None else (ctx.rank,)
+    return RankIdentity(ctx.rank, socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")), ctx.tp_rank,
+                        ctx.pp_rank, ctx.ep_rank, ctx.dp_rank, ep_group)
+
+
+@dataclass
+class Findings:
+    """What one window showed. ratio: each rank's compute over its stage's median; load: its experts' rows
+    over its expert-parallel group's mean."""
+
+    ratio: list[float]
+    load: list[float]
+    stragglers: list[int] = dataclasses.field(default_factory=list)
+    """Ranks slow for windows in a row (not explained by expert load; not on a slow host)."""
+    slow_hosts: list[str] = dataclasses.field(default_factory=list)
+    expert_load: list[int] = dataclasses.field(default_factory=list)
+    """Ranks whose experts received more than the threshold over their group's mean."""
+
+
+def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks: list[int], threshold: float,
+          windows: int) -> Findings:
+    """This window's findings; streaks (each rank's slow windows in a row) is updated in place."""
+    compute = [f.compute_s / max(f.steps, 1) for f in figures]
+    ratio = []
+    for me in identities:
+        peers = [compute[other.rank] for other in identities if other.pp == me.pp]
+        median = statistics.median(peers)
+        ratio.append(compute[me.rank] / median if median > 0 else 1.0)
+    load = []
+    for me in identities:
+        mean = statistics.fmean(figures[r].expert_rows for r in me.ep_group)
+        load.append(figures[me.rank].expert_rows / mean if mean > 0 else 1.0)
+    findings = Findings(ratio, load)
+    findings.expert_load = [i.rank for i in identities if load[i.rank] > 1 + threshold]
+    for i in identities:
+        slow = ratio[i.rank] > 1 + threshold and i.rank not in findings.expert_load
+        streaks[i.rank] = streaks[i.rank] + 1 if slow else 0
+    flagged = [i.rank for i in identities if streaks[i.rank] >= windows]
+    hosts: dict[str, list[int]] = {}
+    for i in identities:
+        hosts.setdefault(i.host, []).append(i.rank)
+    findings.slow_hosts = [host for host, ranks in hosts.items()
+                           if 1 < len(ranks) < len(identities) and all(r in flagged for r in ranks)]
+    on_slow_host = {r for host in findings.slow_hosts for r in hosts[host]}
+    findings.stragglers = [r for r in flagged if r not in on_slow_host]
+    return findings
+
+
+class StragglerCheck:
+    """Run by the trainer at the end of every window (collective: every rank calls check)."""
+
+    def __init__(self, ctx: ParallelContext, threshold: float, windows: int, run_dir: str | Path):
+        self.ctx, self.threshold, self.windows = ctx, threshold, windows
+        self.identities: list[RankIdentity] = gather_objects(identity_of(ctx), dist.group.WORLD
+                                                             if ctx.distributed else None)
+        self.streaks = [0] * len(self.identities)
+        self.record = Path(run_dir) / "stragglers.jsonl"
+
+    def check(self, step: int, window: WindowFigures) -> dict[str, float]:
+        """Judge the window ending at `step`: log what it found (rank 0), append its record, and return the
+        metrics it adds to the step's record."""
+        vector = torch.tensor(window.vector(), dtype=torch.float64, device=self.ctx.device)
+        group = dist.group.WORLD if self.ctx.distributed else None
+        gathered = all_gather_stacked(vector, group).tolist()  # the window's one collective and host read
+        figures = [WindowFigures.from_vector(values) for values in gathered]
+        findings = judge(figures, self.identities, self.streaks, self.threshold, self.windows)
+        if self.ctx.is_logging_rank:
+            self._report(step, figures, findings)
+        return {"straggler_ratio_max": max(findings.ratio), "expert_load_max": max(findings.load),
+                "stragglers": float(len(findings.stragglers) + len(findings.slow_hosts))}
+
+    def _report(self, step: int, figures: list[WindowFigures], findings: Findings) -> None:
+        peers = {i.rank: sum(1 for o in self.identities if o.pp == i.pp) for i in self.identities}
+        for rank in findings.stragglers:
+            log.warning(f"straggler: {self.identities[rank].describe()} computes {findings.ratio[rank]:.2f}x the "
+                        f"median of the {peers[rank]} ranks of its pipeline stage, {self.streaks[rank]} windows "
+                        f"in a row (step {step})")
+        for host in findings.slow_hosts:
+            ranks = [i.rank for i in self.identities if i.host == host]
+            slowest = max(findings.ratio[r] for r in ranks)
+            log.warning(f"straggler host {host}: all its {len(ranks)} ranks ({', '.join(map(str, ranks))}) compute "
+                        f"up to {slowest:.2f}x their stages' median, {self.windows}+ windows in a row (step {step})")
+        for rank in findings.expert_load:
+            log.warning(f"expert load: {self.identities[rank].describe()} received {findings.load[rank]:.2f}x the "
+                        f"mean rows of its expert-parallel group (step {step}): routing, not the hardware")
+        with self.record.open("a") as out:
+            out.write(json.dumps({
+                "step": step,
+                "ranks": [{"rank": i.rank, "host": i.host, "pp": i.pp, "compute_s": f.compute_s, "step_s": f.step_s,
+                           "blocked_s": f.blocked_s, "data_s": f.data_s, "checkpoint_s": f.checkpoint_s,
+                           "steps": f.steps, "expert_rows": f.expert_rows, "ratio": findings.ratio[i.rank],
+                           "load": findings.load[i.rank]} for i, f in zip(self.identities, figures, strict=True)],
+                "stragglers": findings.stragglers, "slow_hosts": findings.slow_hosts,
+                "expert_load": findings.expert_load}) + "\n")

@@ -1,0 +1,67 @@
+"""parallel/stragglers.judge on given window figures: who is named, after how many windows, and who is not."""
+
+from parallel.stragglers import GROUPS, RankIdentity, WindowFigures, judge
+
+
+def identities(hosts=("a", "a", "b", "b"), pp=(0, 0, 0, 0), ep_groups=((0, 1), (0, 1), (2, 3), (2, 3))):
+    return [RankIdentity(r, host, r % 2, 0, p, r % 2, r // 2, group)
+            for r, (host, p, group) in enumerate(zip(hosts, pp, ep_groups, strict=True))]
+
+
+def figures(compute, blocked=None, rows=None):
+    """One window of one step per rank: step time = compute + blocked (in 'ep')."""
+    blocked = blocked or [0.0] * len(compute)
+    rows = rows or [100] * len(compute)
+    result = []
+    for c, b, n in zip(compute, blocked, rows, strict=True):
+        waits = dict.fromkeys(GROUPS, 0.0)
+        waits["ep"] = b
+        result.append(WindowFigures(1, c + b, 0.0, 0.0, waits, n))
+    return result
+
+
+def test_a_slow_rank_is_named_after_its_windows_and_its_victims_are_not():
+    ranks, streaks = identities(), [0] * 4
+    # rank 2 computes 1.0 s, the others 0.5 s and then wait 0.5 s for it: every step takes 1.0 s everywhere
+    window = figures([0.5, 0.5, 1.0, 0.5], blocked=[0.5, 0.5, 0.0, 0.5])
+    assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
+    assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
+    found = judge(window, ranks, streaks, 0.2, 3)
+    assert found.stragglers == [2] and found.slow_hosts == [] and found.expert_load == []
+    assert found.ratio == [1.0, 1.0, 2.0, 1.0]
+
+
+def test_a_window_back_to_normal_resets_the_count():
+    ranks, streaks = identities(), [0] * 4
+    slow, clean = figures([0.5, 0.5, 1.0, 0.5]), figures([0.5, 0.5, 0.5, 0.5])
+    for window in (slow, slow, clean, slow, slow):
+        assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
+    assert judge(clean, ranks, streaks, 0.2, 3).stragglers == [] and streaks == [0, 0, 0, 0]
+
+
+def test_peers_are_the_ranks_of_the_same_pipeline_stage():
+    # stage 1's ranks do more work than stage 0's: all within their own stage's median, nobody is slow
+    ranks, streaks = identities(pp=(0, 0, 1, 1)), [0] * 4
+    found = judge(figures([0.5, 0.5, 1.5, 1.5]), ranks, streaks, 0.2, 1)
+    assert found.stragglers == [] and found.ratio == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_every_rank_of_a_host_slow_names_the_host():
+    ranks, streaks = identities(hosts=("a", "a", "b", "b", "c", "c"), pp=(0,) * 6,
+                                ep_groups=((0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5))), [0] * 6
+    found = judge(figures([0.5, 0.5, 1.0, 1.0, 0.5, 0.5]), ranks, streaks, 0.2, 1)
+    assert found.slow_hosts == ["b"] and found.stragglers == []
+
+
+def test_expert_load_is_reported_as_routing_not_as_a_slow_rank():
+    ranks, streaks = identities(), [0] * 4
+    # rank 0's experts receive 3x its group's other rank: it computes more, for a reason that is not its hardware
+    found = judge(figures([1.0, 0.5, 0.5, 0.5], rows=[300, 100, 100, 100]), ranks, streaks, 0.2, 1)
+    assert found.expert_load == [0] and found.stragglers == [] and found.load[0] == 1.5
+
+
+def test_a_balanced_run_names_nobody():
+    ranks, streaks = identities(), [0] * 4
+    for _ in range(5):
+        found = judge(figures([0.50, 0.52, 0.49, 0.51]), ranks, streaks, 0.2, 3)
+        assert found.stragglers == [] and found.slow_hosts == [] and found.expert_load == []
