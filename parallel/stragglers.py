@@ -6,7 +6,7 @@ time is the same and says nothing. A window's figures (training/step_telemetry.p
 its own compute and its time blocked in collectives. A rank is a straggler when its compute exceeds the median
 of its peers doing the same work (its pipeline stage's ranks) by more than logging.straggler.threshold for
 logging.straggler.windows windows in a row; the ranks that wait for it have long blocked times and ordinary
-compute, and are not flagged (the cause, not its victims). When every rank of a host is a straggler, the host
+compute, and are not flagged (the cause, not its victims). When every rank of a node is a straggler, the node
 is named instead (thermal, PCIe, a NIC). A rank whose experts received more than the threshold over its
 expert-parallel group's mean rows is reported as expert load, not as slow hardware, even when it is also slow:
 routing, not the machine, is the cause.
@@ -70,6 +70,8 @@ class RankIdentity:
 
     rank: int
     host: str
+    node: int
+    """Which node: consecutive blocks of the launcher's ranks per node (parallel/state.ranks_per_node)."""
     local_gpu: int
     tp: int
     pp: int
@@ -83,10 +85,11 @@ class RankIdentity:
                 f"ep {self.ep} dp {self.dp})")
 
 
-def identity_of(ctx: ParallelContext) -> RankIdentity:
+def identity_of(ctx: ParallelContext, ranks_per_node: int) -> RankIdentity:
     ep_group = tuple(dist.get_process_group_ranks(ctx.ep_group)) if ctx.ep_group is not None else (ctx.rank,)
-    return RankIdentity(ctx.rank, socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")), ctx.tp_rank,
-                        ctx.pp_rank, ctx.ep_rank, ctx.dp_rank, ep_group)
+    return RankIdentity(ctx.rank, socket.gethostname(), ctx.rank // ranks_per_node,
+                        int(os.environ.get("LOCAL_RANK", "0")), ctx.tp_rank, ctx.pp_rank, ctx.ep_rank, ctx.dp_rank,
+                        ep_group)
 
 
 @dataclass
@@ -97,8 +100,9 @@ class Findings:
     ratio: list[float]
     load: list[float]
     stragglers: list[int] = dataclasses.field(default_factory=list)
-    """Ranks slow for windows in a row (not explained by expert load; not on a slow host)."""
-    slow_hosts: list[str] = dataclasses.field(default_factory=list)
+    """Ranks slow for windows in a row (not explained by expert load; not on a slow node)."""
+    slow_nodes: list[int] = dataclasses.field(default_factory=list)
+    """Nodes all of whose ranks are slow for windows in a row (their ranks are not listed one by one)."""
     expert_load: list[int] = dataclasses.field(default_factory=list)
     """Ranks whose experts received more than the threshold over their group's mean."""
 
@@ -122,22 +126,23 @@ def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks:
         slow = ratio[i.rank] > 1 + threshold and i.rank not in findings.expert_load
         streaks[i.rank] = streaks[i.rank] + 1 if slow else 0
     flagged = [i.rank for i in identities if streaks[i.rank] >= windows]
-    hosts: dict[str, list[int]] = {}
+    nodes: dict[int, list[int]] = {}
     for i in identities:
-        hosts.setdefault(i.host, []).append(i.rank)
-    findings.slow_hosts = [host for host, ranks in hosts.items()
+        nodes.setdefault(i.node, []).append(i.rank)
+    findings.slow_nodes = [node for node, ranks in nodes.items()
                            if 1 < len(ranks) < len(identities) and all(r in flagged for r in ranks)]
-    on_slow_host = {r for host in findings.slow_hosts for r in hosts[host]}
-    findings.stragglers = [r for r in flagged if r not in on_slow_host]
+    on_slow_node = {r for node in findings.slow_nodes for r in nodes[node]}
+    findings.stragglers = [r for r in flagged if r not in on_slow_node]
     return findings
 
 
 class StragglerCheck:
     """Run by the trainer at the end of every window (collective: every rank calls check)."""
 
-    def __init__(self, ctx: ParallelContext, threshold: float, windows: int, run_dir: str | Path):
+    def __init__(self, ctx: ParallelContext, ranks_per_node: int, threshold: float, windows: int,
+                 run_dir: str | Path):
         self.ctx, self.threshold, self.windows = ctx, threshold, windows
-        self.identities: list[RankIdentity] = gather_objects(identity_of(ctx), dist.group.WORLD
+        self.identities: list[RankIdentity] = gather_objects(identity_of(ctx, ranks_per_node), dist.group.WORLD
                                                              if ctx.distributed else None)
         self.streaks = [0] * len(self.identities)
         self.record = Path(run_dir) / "stragglers.jsonl"
@@ -153,7 +158,7 @@ class StragglerCheck:
         if self.ctx.is_logging_rank:
             self._report(step, figures, findings)
         return {"straggler_ratio_max": max(findings.ratio), "expert_load_max": max(findings.load),
-                "stragglers": float(len(findings.stragglers) + len(findings.slow_hosts))}
+                "stragglers": float(len(findings.stragglers) + len(findings.slow_nodes))}
 
     def _report(self, step: int, figures: list[WindowFigures], findings: Findings) -> None:
         peers = {i.rank: sum(1 for o in self.identities if o.pp == i.pp) for i in self.identities}
@@ -161,20 +166,22 @@ class StragglerCheck:
             log.warning(f"straggler: {self.identities[rank].describe()} computes {findings.ratio[rank]:.2f}x the "
                         f"median of the {peers[rank]} ranks of its pipeline stage, {self.streaks[rank]} windows "
                         f"in a row (step {step})")
-        for host in findings.slow_hosts:
-            ranks = [i.rank for i in self.identities if i.host == host]
+        for node in findings.slow_nodes:
+            ranks = [i.rank for i in self.identities if i.node == node]
             slowest = max(findings.ratio[r] for r in ranks)
-            log.warning(f"straggler host {host}: all its {len(ranks)} ranks ({', '.join(map(str, ranks))}) compute "
-                        f"up to {slowest:.2f}x their stages' median, {self.windows}+ windows in a row (step {step})")
+            log.warning(f"straggler node {node} (host {self.identities[ranks[0]].host}): all its {len(ranks)} ranks "
+                        f"({', '.join(map(str, ranks))}) compute up to {slowest:.2f}x their stages' median, "
+                        f"{self.windows}+ windows in a row (step {step})")
         for rank in findings.expert_load:
             log.warning(f"expert load: {self.identities[rank].describe()} received {findings.load[rank]:.2f}x the "
                         f"mean rows of its expert-parallel group (step {step}): routing, not the hardware")
         with self.record.open("a") as out:
             out.write(json.dumps({
                 "step": step,
-                "ranks": [{"rank": i.rank, "host": i.host, "pp": i.pp, "compute_s": f.compute_s, "step_s": f.step_s,
+                "ranks": [{"rank": i.rank, "host": i.host, "node": i.node, "pp": i.pp, "compute_s": f.compute_s,
+                           "step_s": f.step_s,
                            "blocked_s": f.blocked_s, "data_s": f.data_s, "checkpoint_s": f.checkpoint_s,
                            "steps": f.steps, "expert_rows": f.expert_rows, "ratio": findings.ratio[i.rank],
                            "load": findings.load[i.rank]} for i, f in zip(self.identities, figures, strict=True)],
-                "stragglers": findings.stragglers, "slow_hosts": findings.slow_hosts,
+                "stragglers": findings.stragglers, "slow_nodes": findings.slow_nodes,
                 "expert_load": findings.expert_load}) + "\n")

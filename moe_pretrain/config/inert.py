@@ -51,8 +51,10 @@ DEPENDENTS = (
               "it is the aux-free rule's rate (model.moe.balancing=aux_free)"),
     Dependent("model.moe", ("aux_loss_coef",), lambda c: c.model.moe.balancing == "aux_loss",
               "it weighs the auxiliary loss (model.moe.balancing=aux_loss)"),
-    Dependent("parallel", ("ranks_per_node",), lambda c: c.parallel.expert_dispatch == "node",
-              "it cuts expert-parallel groups by node for parallel.expert_dispatch=node"),
+    Dependent("parallel", ("ranks_per_node",),
+              lambda c: c.parallel.expert_dispatch == "node" or c.logging.straggler.every > 0,
+              "it cuts expert-parallel groups by node for parallel.expert_dispatch=node and names slow nodes for "
+              "logging.straggler"),
     Dependent("parallel", ("vpp", "pipeline_schedule", "pipeline_layers"),
               lambda c: c.parallel.pp > 1, "there is no pipeline with parallel.pp=1"),
 )

@@ -40,8 +40,9 @@ class ParallelConfig:
     while another's experts compute, forward and backward (parallel/chunk_pipeline.py). 1: each exchange is
     waited for at once."""
     ranks_per_node: int = 0
-    """Ranks sharing a node, for expert_dispatch=node: 0 = the launcher's (torchrun's LOCAL_WORLD_SIZE; the dry
-    run's cluster.gpus_per_node). Set it to declare "nodes" of a few processes on one machine."""
+    """Ranks sharing a node, for expert_dispatch=node and the straggler check's nodes: 0 = the launcher's
+    (torchrun's LOCAL_WORLD_SIZE; the dry run's cluster.gpus_per_node). Set it to declare "nodes" of a few
+    processes on one machine."""
     cp_mla: Literal["auto", "latent", "ulysses"] = "auto"
     """How MLA attends across cp ranks: latent (all-gather the per-token latent, expand keys block by block:
     any cp), ulysses (all-to-all trading heads for positions: needs the heads of a tensor-parallel rank

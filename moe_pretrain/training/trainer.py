@@ -45,7 +45,7 @@ from parallel.collectives import all_reduce_sum, metering_blocks
 from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
 from parallel.parallelize import DTYPES
-from parallel.state import ParallelContext, resolve_layout
+from parallel.state import ParallelContext, ranks_per_node, resolve_layout
 from parallel.stragglers import StragglerCheck
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ class Trainer:
         self.telemetry = StepTelemetry(self.ctx, self.model)
         """This rank's window of step figures (training/step_telemetry.py)."""
         straggler = cfg.logging.straggler
-        self.straggler_check = StragglerCheck(self.ctx, straggler.threshold, straggler.windows, cfg.train.run_dir) \
-            if straggler.every and self.ctx.distributed else None
+        self.straggler_check = StragglerCheck(self.ctx, ranks_per_node(cfg), straggler.threshold, straggler.windows,
+                                              cfg.train.run_dir) if straggler.every and self.ctx.distributed else None
         """Every logging.straggler.every steps, the ranks' windows judged together (parallel/stragglers.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""

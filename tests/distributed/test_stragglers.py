@@ -1,5 +1,6 @@
-"""The straggler check on a real 4-process run (gloo): one rank slowed by a sleep inside its forward is named,
-and only it; the ranks that wait for it are not; a run without the sleep names nobody.
+"""The straggler check on real 4-process runs (gloo): one rank slowed by a sleep inside its forward is named,
+and only it; the ranks that wait for it are not; a run without the sleep names nobody; two ranks of one
+declared node slowed name the node; routing pushed to one expert-parallel rank's experts is named expert load.
 
 The slowed rank sleeps 0.4 s in every forward, several times the tiny model's compute on this machine, and a rank
 is named at twice its stage's median (logging.straggler.threshold=1.0) for 2 windows in a row: a margin wide
@@ -20,17 +21,38 @@ from tests.models import tiny_config
 SLOW_RANK = 2
 
 
-def straggler_worker(rank, world_size, run_dir, slow_rank):
+def straggler_worker(rank, world_size, run_dir, slow_ranks, overrides):
     cfg = tiny_config("train.steps=8", "data.batch_size=8", "parallel.ep=2", "logging.progress=false",
                       "logging.straggler.every=2", "logging.straggler.windows=2", "logging.straggler.threshold=1.0",
+                      f"train.run_dir={run_dir}", "checkpoint.every=0", *overrides)
+    ctx = init_parallel(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        if rank in slow_ranks:  # the test-only hook: a slow GPU, as a sleep inside this rank's forward
+            trainer.model.register_forward_pre_hook(lambda *_: time.sleep(0.4))
+        history = trainer.run()
+        return [record.get("stragglers") for record in history]
+    finally:
+        destroy_parallel()
+
+
+def routed_to_first_experts(rank, world_size, run_dir):
+    """Every router's bias pushed towards experts 0-3 (expert-parallel rank 0's) before every forward, on every
+    rank: the routing sends that rank most rows, whatever the balancing does between steps."""
+    cfg = tiny_config("train.steps=4", "data.batch_size=8", "parallel.ep=2", "logging.progress=false",
+                      "logging.straggler.every=2", "logging.straggler.threshold=0.5",
                       f"train.run_dir={run_dir}", "checkpoint.every=0")
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        if rank == slow_rank:  # the test-only hook: a slow GPU, as a sleep inside this rank's forward
-            trainer.model.register_forward_pre_hook(lambda *_: time.sleep(0.4))
-        history = trainer.run()
-        return [record.get("stragglers") for record in history]
+
+        def bias(*_):
+            for router in trainer.model.routers().values():
+                router.expert_bias.zero_()
+                router.expert_bias[:4] = 10.0
+        trainer.model.register_forward_pre_hook(bias)
+        trainer.run()
+        return [identity.ep for identity in trainer.straggler_check.identities]
     finally:
         destroy_parallel()
 
@@ -42,7 +64,7 @@ def records(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("slow_rank", [SLOW_RANK, None], ids=["one-slow-rank", "clean"])
 def test_the_slow_rank_is_named_and_only_it(tmp_path, slow_rank):
-    counts = run_distributed(straggler_worker, 4, str(tmp_path), slow_rank)
+    counts = run_distributed(straggler_worker, 4, str(tmp_path), [slow_rank], [])
     windows = records(tmp_path)
     assert [w["step"] for w in windows] == [2, 4, 6, 8]
     assert counts[1::2] == [float(len(w["stragglers"])) for w in windows]  # the metrics carry the count
@@ -58,4 +80,25 @@ def test_the_slow_rank_is_named_and_only_it(tmp_path, slow_rank):
         # its victims spent the time it took waiting in collectives, not computing
         slow_blocked = sum(ranks[slow_rank]["blocked_s"].values())
         assert all(sum(r["blocked_s"].values()) > slow_blocked for r in waiting)
-        assert window["slow_hosts"] == [] and window["expert_load"] == []
+        assert window["slow_nodes"] == [] and window["expert_load"] == []
+
+
+@pytest.mark.timeout(300)
+def test_a_node_whose_ranks_are_all_slow_is_named(tmp_path):
+    """Two nodes of two processes (parallel.ranks_per_node=2); both of node 1's ranks sleep. Half the stage is
+    slow, so its median lies between them: named at 1.5x (at full size a node is 8 of a stage's hundreds)."""
+    run_distributed(straggler_worker, 4, str(tmp_path), [2, 3],
+                    ["parallel.ranks_per_node=2", "logging.straggler.threshold=0.5"])
+    windows = records(tmp_path)
+    assert [w["slow_nodes"] for w in windows] == [[], [1], [1], [1]]
+    assert all(w["stragglers"] == [] for w in windows)  # named as a node, not rank by rank
+
+
+@pytest.mark.timeout(300)
+def test_expert_load_is_reported_as_routing_not_as_a_straggler(tmp_path):
+    ep_ranks = run_distributed(routed_to_first_experts, 4, str(tmp_path))
+    loaded = [rank for rank, ep in enumerate(ep_ranks) if ep == 0]
+    for window in records(tmp_path):
+        assert window["expert_load"] == loaded, window["expert_load"]
+        assert window["stragglers"] == [] and window["slow_nodes"] == []
+        assert all(window["ranks"][r]["load"] > 1.5 for r in loaded)

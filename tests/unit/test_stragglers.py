@@ -3,9 +3,9 @@
 from parallel.stragglers import GROUPS, RankIdentity, WindowFigures, judge
 
 
-def identities(hosts=("a", "a", "b", "b"), pp=(0, 0, 0, 0), ep_groups=((0, 1), (0, 1), (2, 3), (2, 3))):
-    return [RankIdentity(r, host, r % 2, 0, p, r % 2, r // 2, group)
-            for r, (host, p, group) in enumerate(zip(hosts, pp, ep_groups, strict=True))]
+def identities(nodes=(0, 0, 1, 1), pp=(0, 0, 0, 0), ep_groups=((0, 1), (0, 1), (2, 3), (2, 3))):
+    return [RankIdentity(r, f"host{node}", node, r % 2, 0, p, r % 2, r // 2, group)
+            for r, (node, p, group) in enumerate(zip(nodes, pp, ep_groups, strict=True))]
 
 
 def figures(compute, blocked=None, rows=None):
@@ -27,7 +27,7 @@ def test_a_slow_rank_is_named_after_its_windows_and_its_victims_are_not():
     assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
     assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
     found = judge(window, ranks, streaks, 0.2, 3)
-    assert found.stragglers == [2] and found.slow_hosts == [] and found.expert_load == []
+    assert found.stragglers == [2] and found.slow_nodes == [] and found.expert_load == []
     assert found.ratio == [1.0, 1.0, 2.0, 1.0]
 
 
@@ -46,11 +46,11 @@ def test_peers_are_the_ranks_of_the_same_pipeline_stage():
     assert found.stragglers == [] and found.ratio == [1.0, 1.0, 1.0, 1.0]
 
 
-def test_every_rank_of_a_host_slow_names_the_host():
-    ranks, streaks = identities(hosts=("a", "a", "b", "b", "c", "c"), pp=(0,) * 6,
+def test_every_rank_of_a_node_slow_names_the_node():
+    ranks, streaks = identities(nodes=(0, 0, 1, 1, 2, 2), pp=(0,) * 6,
                                 ep_groups=((0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5))), [0] * 6
     found = judge(figures([0.5, 0.5, 1.0, 1.0, 0.5, 0.5]), ranks, streaks, 0.2, 1)
-    assert found.slow_hosts == ["b"] and found.stragglers == []
+    assert found.slow_nodes == [1] and found.stragglers == []
 
 
 def test_expert_load_is_reported_as_routing_not_as_a_slow_rank():
@@ -64,4 +64,4 @@ def test_a_balanced_run_names_nobody():
     ranks, streaks = identities(), [0] * 4
     for _ in range(5):
         found = judge(figures([0.50, 0.52, 0.49, 0.51]), ranks, streaks, 0.2, 3)
-        assert found.stragglers == [] and found.slow_hosts == [] and found.expert_load == []
+        assert found.stragglers == [] and found.slow_nodes == [] and found.expert_load == []
