@@ -4,7 +4,10 @@ Writes into RUN_DIR/report (or --out):
 - loss_lr.png: loss and learning rate against tokens, a dashed line at every stage boundary;
 - throughput.png: tokens/s and MFU against tokens;
 - expert_load_step<N>.png: a layer x expert heatmap of load / mean load at step N, for the steps whose
-  record holds per-expert loads (logging.expert_load_every), or those --steps names.
+  record holds per-expert loads (logging.expert_load_every), or those --steps names;
+- stragglers.png, when the run wrote RUN_DIR/stragglers.jsonl (logging.straggler): two rank x window heatmaps,
+  each rank's compute over its pipeline stage's median and its experts' rows over its group's mean, the
+  ranks and nodes the check named marked with a red x.
 Needs matplotlib (`pip install 'moe-pretrain[report]'`).
 """
 
@@ -101,6 +104,38 @@ def plot_expert_load(plt, record: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def read_straggler_windows(run_dir: Path) -> list[dict]:
+    path = run_dir / "stragglers.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_stragglers(plt, windows: list[dict], path: Path) -> None:
+    """Rank x window heatmaps of relative compute and of expert load; a red x where the check named the rank
+    (or its node, or its load)."""
+    ranks = len(windows[0]["ranks"])
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 0.5 * len(windows), 1.5 + 0.3 * ranks), squeeze=False)
+    for axis, key, named, title in ((axes[0][0], "ratio", "stragglers", "compute / stage median"),
+                                    (axes[0][1], "load", "expert_load", "expert rows / group mean")):
+        grid = [[window["ranks"][r][key] for window in windows] for r in range(ranks)]
+        image = axis.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest", vmin=0)
+        for column, window in enumerate(windows):
+            marked = set(window[named])
+            if key == "ratio":
+                marked |= {r["rank"] for r in window["ranks"] if r.get("node") in window["slow_nodes"]}
+            for rank in marked:
+                axis.plot(column, rank, "x", color="red", markersize=10, markeredgewidth=2)
+        axis.set_xticks(range(len(windows)), [str(window["step"]) for window in windows], fontsize=8)
+        axis.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=8)
+        axis.set_xlabel("step (window end)")
+        axis.set_title(title, fontsize=10)
+        fig.colorbar(image, ax=axis)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def long_context_records(run_dir: Path, records: list[dict]) -> list[dict]:
     """Records with a long-context evaluation: the stage ends of metrics.jsonl, then launch.evaluate's."""
     found = [r for r in records if "probe_accuracy" in r or any(k.startswith("eval_position_loss.") for k in r)]
@@ -175,6 +210,10 @@ def write_report(run_dir: Path, out: Path, steps: list[int] | None = None) -> li
     if any("probe_accuracy" in r for r in long_context):
         written.append(out / "retrieval.png")
         plot_retrieval(plt, long_context, written[-1])
+    straggler_windows = read_straggler_windows(run_dir)
+    if straggler_windows:
+        written.append(out / "stragglers.png")
+        plot_stragglers(plt, straggler_windows, written[-1])
     for step in steps or sorted(with_loads):
         written.append(out / f"expert_load_step{step}.png")
         plot_expert_load(plt, with_loads[step], written[-1])

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from launch.local import run_distributed
+from launch.report import write_report
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
@@ -73,6 +74,7 @@ def test_the_slow_rank_is_named_and_only_it(tmp_path, slow_rank):
         assert named == [[], [], [], []]
         return
     assert named[0] == [] and all(n == [slow_rank] for n in named[1:]), named  # from its second window on
+    assert tmp_path / "report" / "stragglers.png" in write_report(tmp_path, tmp_path / "report")
     for window in windows:
         ranks = window["ranks"]
         waiting = [r for r in ranks if r["rank"] != slow_rank]
