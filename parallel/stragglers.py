@@ -33,6 +33,11 @@ from parallel.state import ParallelContext
 
 log = logging.getLogger(__name__)
 
+SLOW_HOSTS_FILE = "slow_hosts"
+"""<run_dir>/slow_hosts: hosts the check marked for exclusion (logging.straggler.action=exclude), one a line; the
+SLURM job excludes those it holds as it next requeues (launch/slurm_outcome.py). Delete a line to let a repaired
+host back."""
+
 GROUPS = ("tp", "cp", "dp", "ep", "edp", "pp", "world", "other")
 """The groups whose blocked time is reported, in the order the window's figures carry them."""
 
@@ -140,8 +145,11 @@ class StragglerCheck:
     """Run by the trainer at the end of every window (collective: every rank calls check)."""
 
     def __init__(self, ctx: ParallelContext, ranks_per_node: int, threshold: float, windows: int,
-                 run_dir: str | Path):
-        self.ctx, self.threshold, self.windows = ctx, threshold, windows
+                 run_dir: str | Path, mark: bool = False):
+        """mark: write the named ranks' and nodes' hosts to <run_dir>/slow_hosts (logging.straggler.action=
+        exclude); the run itself goes on."""
+        self.ctx, self.threshold, self.windows, self.mark = ctx, threshold, windows, mark
+        self.slow_hosts = Path(run_dir) / SLOW_HOSTS_FILE
         self.identities: list[RankIdentity] = gather_objects(identity_of(ctx, ranks_per_node), dist.group.WORLD
                                                              if ctx.distributed else None)
         self.streaks = [0] * len(self.identities)
@@ -175,6 +183,9 @@ class StragglerCheck:
         for rank in findings.expert_load:
             log.warning(f"expert load: {self.identities[rank].describe()} received {findings.load[rank]:.2f}x the "
                         f"mean rows of its expert-parallel group (step {step}): routing, not the hardware")
+        if self.mark:
+            self._mark_hosts([self.identities[r].host for r in findings.stragglers]
+                             + [i.host for i in self.identities if i.node in findings.slow_nodes])
         with self.record.open("a") as out:
             out.write(json.dumps({
                 "step": step,
@@ -185,3 +196,13 @@ class StragglerCheck:
                            "load": findings.load[i.rank]} for i, f in zip(self.identities, figures, strict=True)],
                 "stragglers": findings.stragglers, "slow_nodes": findings.slow_nodes,
                 "expert_load": findings.expert_load}) + "\n")
+
+    def _mark_hosts(self, hosts: list[str]) -> None:
+        """Add these hosts to <run_dir>/slow_hosts (those not there yet), for the next requeue to exclude."""
+        marked = set(self.slow_hosts.read_text().split()) if self.slow_hosts.is_file() else set()
+        new = [host for host in dict.fromkeys(hosts) if host not in marked]
+        if new:
+            with self.slow_hosts.open("a") as out:
+                out.writelines(f"{host}\n" for host in new)
+            log.warning(f"straggler: marked {', '.join(new)} in {self.slow_hosts}: the next requeue excludes "
+                        "it (logging.straggler.action=exclude); this run goes on")

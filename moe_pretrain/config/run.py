@@ -291,6 +291,9 @@ class StragglerConfig:
     is reported when its experts receive more than this over their group's mean)."""
     windows: int = 3
     """Slow windows in a row before a rank (or a host, all of its ranks) is named."""
+    action: Literal["warn", "exclude"] = "warn"
+    """warn: the log line, the record and the metrics. exclude: also the named hosts into <run_dir>/slow_hosts,
+    which the SLURM job excludes as it next requeues (launch/slurm_outcome.py); the run is never stopped for it."""
 
     def __post_init__(self) -> None:
         require(self.every >= 0, f"logging.straggler.every={self.every} must be >= 0")

@@ -111,7 +111,8 @@ class Trainer:
         """This rank's window of step figures (training/step_telemetry.py)."""
         straggler = cfg.logging.straggler
         self.straggler_check = StragglerCheck(self.ctx, ranks_per_node(cfg), straggler.threshold, straggler.windows,
-                                              cfg.train.run_dir) if straggler.every and self.ctx.distributed else None
+                                              cfg.train.run_dir, straggler.action == "exclude") \
+            if straggler.every and self.ctx.distributed else None
         """Every logging.straggler.every steps, the ranks' windows judged together (parallel/stragglers.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""

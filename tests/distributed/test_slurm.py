@@ -119,7 +119,7 @@ def test_a_four_by_eight_script_carries_the_multi_node_flags():
                      "export TRITON_CACHE_DIR=/tmp/moe-pretrain-triton-cache", "export OMP_NUM_THREADS=8",
                      "[ -n \"$end\" ] || end=$(( $(date +%s) + 14400 ))", "export MOE_PRETRAIN_STOP_AT=$((end - 600))",
                      "export NCCL_IB_HCA=mlx5", "export GLOO_SOCKET_IFNAME=ib0",
-                     "if [ \"$requeues\" -ge 3 ]; then", "scontrol requeuehold \"$SLURM_JOB_ID\""):
+                     "if [ \"$requeues\" -ge 3 ]; then", "  scontrol requeuehold \"$SLURM_JOB_ID\""):
         assert expected in lines, expected
     srun = next(line for line in lines if line.startswith("srun "))
     assert srun.startswith("srun --label --ntasks-per-node=1 --cpus-per-task=64 --kill-on-bad-exit=0 --wait=600 ")
@@ -221,6 +221,20 @@ esac
 argument)."""
 
 
+HOLDING_SCONTROL = """#!/bin/bash
+echo "$@" >> TMP/scontrol
+case "$*" in
+  "show hostnames node[1-3]") printf "node1\\nnode2\\nnode3\\n" ;;
+  "show hostnames"*) printf "%s\\n" ${3//,/ } ;;
+  "show job"*) echo "JobId=7 ExcNodeList=$(cat TMP/held 2>/dev/null || echo '(null)') Restarts=0" ;;
+  "update JobId=7 ExcNodeList="*) [ -e TMP/refused ] || { touch TMP/refused; exit 1; }
+                                  echo "${3#ExcNodeList=}" > TMP/held ;;
+esac
+"""
+"""scontrol for three nodes: records its arguments, holds the job's ExcNodeList, and refuses its first update as
+slurmctld does while the job still runs."""
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("fit", "excluded"), [("node2 node3", "node1"), ("", "")], ids=["one-sick", "all-failing"])
 def test_a_crashed_run_excludes_the_nodes_that_fail_the_check(tmp_path, fit, excluded):
@@ -228,17 +242,8 @@ def test_a_crashed_run_excludes_the_nodes_that_fail_the_check(tmp_path, fit, exc
     ExcNodeList, refuses its first update as slurmctld does while the job still runs): one failing node is
     excluded (requeuehold, ExcNodeList retried until read back, release); all three failing is a shared cause,
     and the job requeues as it is."""
-    scontrol = f"""#!/bin/bash
-echo "$@" >> {tmp_path}/scontrol
-case "$*" in
-  "show hostnames node[1-3]") printf "node1\\nnode2\\nnode3\\n" ;;
-  "show hostnames"*) printf "%s\\n" ${{3//,/ }} ;;
-  "show job"*) echo "JobId=7 ExcNodeList=$(cat {tmp_path}/held 2>/dev/null || echo '(null)') Restarts=0" ;;
-  "update JobId=7 ExcNodeList="*) [ -e {tmp_path}/refused ] || {{ touch {tmp_path}/refused; exit 1; }}
-                                  echo "${{3#ExcNodeList=}}" > {tmp_path}/held ;;
-esac
-"""
-    programs = {"srun": CHECKING_SRUN.replace("TMP", str(tmp_path)).replace("FIT", fit), "scontrol": scontrol}
+    programs = {"srun": CHECKING_SRUN.replace("TMP", str(tmp_path)).replace("FIT", fit),
+                "scontrol": HOLDING_SCONTROL.replace("TMP", str(tmp_path))}
     script, env = stand_in_job(tmp_path, programs, f"train.run_dir={tmp_path}/run", nodes="node[1-3]")
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -256,6 +261,27 @@ esac
         assert "every node passed" not in done.stdout
     assert (tmp_path / "run" / "slurm-7.failures").read_text() == (
         f"restart 0: state unknown, srun exit 1, excluded: {excluded or 'none'}\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_host_marked_slow_is_excluded_as_the_preempted_job_requeues(tmp_path):
+    """logging.straggler.action=exclude marked node2 (RUN_DIR/slow_hosts, node9 not this job's); the run is
+    preempted: the job requeues through the sick-node path's sequence (requeuehold, ExcNodeList retried until read
+    back, release), without a node check and without counting a failed run."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "slow_hosts").write_text("node9\nnode2\n")
+    preempted = training_step(f"echo '  \"state\": \"preempted\",' > {run_dir}/status.json; exit 75")
+    programs = {"srun": preempted, "scontrol": HOLDING_SCONTROL.replace("TMP", str(tmp_path))}
+    script, env = stand_in_job(tmp_path, programs, f"train.run_dir={run_dir}", nodes="node[1-3]")
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+    changes = [call for call in (tmp_path / "scontrol").read_text().splitlines() if not call.startswith("show")]
+    update = "update JobId=7 ExcNodeList=node2"
+    assert changes == ["requeuehold 7", update, update, "release 7"], changes
+    assert "excluding node2 (marked slow by the straggler check)" in done.stdout
+    assert "released with ExcNodeList=node2" in done.stdout
+    assert not (run_dir / "slurm-7.failures").exists()
 
 
 TRAINING_SRUN = f"""#!/bin/bash

@@ -8,6 +8,7 @@ enough that a loaded machine's noise neither hides the slow rank nor names a wai
 """
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -90,10 +91,14 @@ def test_a_node_whose_ranks_are_all_slow_is_named(tmp_path):
     """Two nodes of two processes (parallel.ranks_per_node=2); both of node 1's ranks sleep. Half the stage is
     slow, so its median lies between them: named at 1.5x (at full size a node is 8 of a stage's hundreds)."""
     run_distributed(straggler_worker, 4, str(tmp_path), [2, 3],
-                    ["parallel.ranks_per_node=2", "logging.straggler.threshold=0.5"])
+                    ["parallel.ranks_per_node=2", "logging.straggler.threshold=0.5",
+                     "logging.straggler.action=exclude"])
     windows = records(tmp_path)
     assert [w["slow_nodes"] for w in windows] == [[], [1], [1], [1]]
     assert all(w["stragglers"] == [] for w in windows)  # named as a node, not rank by rank
+    # marked once for the next requeue's exclusion (every "node" here is this machine); the run went on to its end
+    assert (tmp_path / "slow_hosts").read_text() == f"{socket.gethostname()}\n"
+    assert windows[-1]["step"] == 8
 
 
 @pytest.mark.timeout(300)
