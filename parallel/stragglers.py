@@ -40,6 +40,8 @@ host back."""
 
 GROUPS = ("tp", "cp", "dp", "ep", "edp", "pp", "world", "other")
 """The groups whose blocked time is reported, in the order the window's figures carry them."""
+PARTS = ("forward_backward", "optimizer")
+"""The step's parts timed on the device (training/step_telemetry.py), blocked time included."""
 
 
 @dataclass
@@ -52,6 +54,7 @@ class WindowFigures:
     checkpoint_s: float = 0.0
     blocked_s: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(GROUPS, 0.0))
     expert_rows: int = 0
+    parts_s: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
 
     @property
     def compute_s(self) -> float:
@@ -61,12 +64,14 @@ class WindowFigures:
     def vector(self) -> list[float]:
         """The figures the window's one collective carries, in a fixed order (from_vector reads them back)."""
         return [self.steps, self.step_s, self.data_s, self.checkpoint_s, float(self.expert_rows),
-                *(self.blocked_s[g] for g in GROUPS)]
+                *(self.blocked_s[g] for g in GROUPS), *(self.parts_s[p] for p in PARTS)]
 
     @classmethod
     def from_vector(cls, values: list[float]) -> "WindowFigures":
-        steps, step_s, data_s, checkpoint_s, rows, *blocked = values
-        return cls(int(steps), step_s, data_s, checkpoint_s, dict(zip(GROUPS, blocked, strict=True)), int(rows))
+        steps, step_s, data_s, checkpoint_s, rows, *rest = values
+        blocked, parts = rest[:len(GROUPS)], rest[len(GROUPS):]
+        return cls(int(steps), step_s, data_s, checkpoint_s, dict(zip(GROUPS, blocked, strict=True)), int(rows),
+                   dict(zip(PARTS, parts, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -191,7 +196,8 @@ class StragglerCheck:
                 "step": step,
                 "ranks": [{"rank": i.rank, "host": i.host, "node": i.node, "pp": i.pp, "compute_s": f.compute_s,
                            "step_s": f.step_s,
-                           "blocked_s": f.blocked_s, "data_s": f.data_s, "checkpoint_s": f.checkpoint_s,
+                           "blocked_s": f.blocked_s, "parts_s": f.parts_s, "data_s": f.data_s,
+                           "checkpoint_s": f.checkpoint_s,
                            "steps": f.steps, "expert_rows": f.expert_rows, "ratio": findings.ratio[i.rank],
                            "load": findings.load[i.rank]} for i, f in zip(self.identities, figures, strict=True)],
                 "stragglers": findings.stragglers, "slow_nodes": findings.slow_nodes,

@@ -8,13 +8,19 @@ own compute. A slow rank has a long compute and short waits; the ranks that wait
 experts' received rows (the dispatcher counts them from the split sizes it reads anyway), so that a rank slow
 because routing sends it more tokens is told from a rank slow because of its hardware.
 
-Host clocks (time.perf_counter) at the step's edges: the step already ends in one host read (its loss and
-gradient norm), and nothing here adds one. On a GPU under NCCL a collective's wait happens on the device
-stream, not on the host: the block meter then sees only host waits, so a GPU's compute figure includes its
-stream waits. Device-side timing of the collectives (CUDA events read at the end of a window) is not built;
-this module has only run on CPU (gloo).
+The step's edges are timed on the host (time.perf_counter): the step already ends in one host read (its loss
+and gradient norm), and nothing here adds one. Its parts (forward and backward, the optimizer) are timed on the
+device: CUDA events on the current stream, read once at the end of the window (perf_counter on CPU). On a GPU
+under NCCL a collective's wait happens on the device stream, not on the host: the block meter then sees only
+host waits, so a GPU's compute figure includes its stream waits. Device-side timing of the collectives
+themselves is not built; this module has only run on CPU (gloo).
 """
 
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -29,6 +35,9 @@ class StepTelemetry:
 
     def __init__(self, ctx: ParallelContext, model: nn.Module):
         self.window = WindowFigures()
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        """The window's device-timed parts not yet read (CUDA)."""
+        self._cuda = ctx.device.type == "cuda"
         self._names = _group_names(ctx)
         self._dispatchers = [module.dispatcher for module in model.modules() if isinstance(module, LatentMoE)]
         self._rows_before = self._rows_received()
@@ -43,8 +52,28 @@ class StepTelemetry:
         self.window.data_s += data_s
         self.window.checkpoint_s += checkpoint_s
 
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Time the block as the step's part `name` (parallel.stragglers.PARTS) on the device."""
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+            return
+        begin = time.perf_counter()
+        yield
+        self.window.parts_s[name] += time.perf_counter() - begin
+
     def take(self) -> WindowFigures:
-        """The window's figures (its expert rows counted up to now); a new window starts."""
+        """The window's figures (its expert rows counted up to now; its device-timed parts read, waiting for the
+        last); a new window starts."""
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                self.window.parts_s[name] += start.elapsed_time(end) / 1e3
+            self._events.clear()
         rows = self._rows_received()
         figures, self.window = self.window, WindowFigures()
         figures.expert_rows, self._rows_before = rows - self._rows_before, rows

@@ -220,7 +220,8 @@ class Trainer:
         self.optimizer.zero_grad(backwards=len(batches))  # the reduce-scatters start during the last backward
         for hook in self.hooks:
             hook.before_step()
-        sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead)
+        with self.telemetry.part("forward_backward"):
+            sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead)
         if self.pipeline is None:
             sums = all_reduce_sum(sums, ctx.dp_group)
             loss = sums[0] / loss_tokens
@@ -228,13 +229,15 @@ class Trainer:
             sums = all_reduce_sum(sums, dist.group.WORLD)
             loss = sums[0]
         mtp = sums[1:] / ahead.tokens if ahead is not None else sums[1:]
-        norm = self.optimizer.reduce_gradients()
+        with self.telemetry.part("optimizer"):
+            norm = self.optimizer.reduce_gradients()
         loss_value, grad_norm, *mtp_losses = scalar_list(torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]))
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         for hook in self.hooks:
             hook.before_update()
         if not skipped:
-            self.optimizer.update(cfg.optim.grad_clip, grad_norm)
+            with self.telemetry.part("optimizer"):
+                self.optimizer.update(cfg.optim.grad_clip, grad_norm)
         for hook in self.hooks:
             hook.after_update(skipped)
         if skipped:

@@ -84,6 +84,8 @@ def test_the_slow_rank_is_named_and_only_it(tmp_path, slow_rank):
         slow_blocked = sum(ranks[slow_rank]["blocked_s"].values())
         assert all(sum(r["blocked_s"].values()) > slow_blocked for r in waiting)
         assert window["slow_nodes"] == [] and window["expert_load"] == []
+        # the parts (their collectives' waits included) fill each rank's step
+        assert all(0 < sum(r["parts_s"].values()) <= r["step_s"] for r in ranks)
 
 
 @pytest.mark.timeout(300)
