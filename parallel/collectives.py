@@ -12,7 +12,6 @@ handed to NCCL fails only at the first multi-GPU step that reaches it. The check
 import contextlib
 import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -65,13 +64,14 @@ def watching_waits(watcher) -> Iterator[None]:
 
 
 _BLOCK_METERS: list = []
-"""Meters told how long this rank's host waited in each collective, by group (training/step_telemetry.py)."""
+"""Meters of how long this rank waited in each collective, by group (training/step_telemetry.py)."""
 
 
 @contextlib.contextmanager
 def metering_blocks(meter) -> Iterator[None]:
-    """Within the block, meter.blocked(group, seconds) is called after every collective call that returns
-    when the collective has completed on the host (gloo), and after every wait of a started one."""
+    """Within the block, every collective call that may wait for other ranks (a blocking one, or the wait of a
+    started one) runs inside meter.blocking(group), a context manager that times it as the meter's device
+    does (the host's clock on CPU; events on the current stream on a GPU)."""
     _BLOCK_METERS.append(meter)
     try:
         yield
@@ -81,17 +81,11 @@ def metering_blocks(meter) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _blocking(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Around a call that may wait for the group's other ranks: its host time goes to the block meters."""
-    if not _BLOCK_METERS:
-        yield
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        elapsed = time.perf_counter() - start
+    """Around a call that may wait for the group's other ranks: timed by the block meters."""
+    with contextlib.ExitStack() as meters:
         for meter in _BLOCK_METERS:
-            meter.blocked(group, elapsed)
+            meters.enter_context(meter.blocking(group))
+        yield
 
 
 class Pending:

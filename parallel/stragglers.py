@@ -87,19 +87,21 @@ class RankIdentity:
     pp: int
     ep: int
     dp: int
+    cp: int
+    """Its context-parallel rank at parallel.cp (a stage may run another cp)."""
     ep_group: tuple[int, ...]
     """The global ranks of its expert-parallel group (expert load is compared within it)."""
 
     def describe(self) -> str:
         return (f"rank {self.rank} (host {self.host}, local GPU {self.local_gpu}; tp {self.tp} pp {self.pp} "
-                f"ep {self.ep} dp {self.dp})")
+                f"ep {self.ep} dp {self.dp} cp {self.cp})")
 
 
 def identity_of(ctx: ParallelContext, ranks_per_node: int) -> RankIdentity:
     ep_group = tuple(dist.get_process_group_ranks(ctx.ep_group)) if ctx.ep_group is not None else (ctx.rank,)
     return RankIdentity(ctx.rank, socket.gethostname(), ctx.rank // ranks_per_node,
                         int(os.environ.get("LOCAL_RANK", "0")), ctx.tp_rank, ctx.pp_rank, ctx.ep_rank, ctx.dp_rank,
-                        ep_group)
+                        ctx.context(ctx.layout.cp).rank, ep_group)
 
 
 @dataclass

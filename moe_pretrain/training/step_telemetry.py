@@ -9,11 +9,11 @@ experts' received rows (the dispatcher counts them from the split sizes it reads
 because routing sends it more tokens is told from a rank slow because of its hardware.
 
 The step's edges are timed on the host (time.perf_counter): the step already ends in one host read (its loss
-and gradient norm), and nothing here adds one. Its parts (forward and backward, the optimizer) are timed on the
-device: CUDA events on the current stream, read once at the end of the window (perf_counter on CPU). On a GPU
-under NCCL a collective's wait happens on the device stream, not on the host: the block meter then sees only
-host waits, so a GPU's compute figure includes its stream waits. Device-side timing of the collectives
-themselves is not built; this module has only run on CPU (gloo).
+and gradient norm), and nothing here adds one. Its parts (forward and backward, the optimizer) and its
+collectives' waits are timed as the device runs them: on CPU (gloo) by the host's clock, since every wait is
+the host's; on a GPU by two CUDA events on the current stream around each (under NCCL a collective's wait is
+the current stream's, not the host's), all read once at the end of the window. Only the CPU path has run: the
+events path has not run on a GPU, and at full size it records two events per collective (thousands a step).
 """
 
 import contextlib
@@ -35,15 +35,18 @@ class StepTelemetry:
 
     def __init__(self, ctx: ParallelContext, model: nn.Module):
         self.window = WindowFigures()
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        """The window's device-timed parts not yet read (CUDA)."""
+        self._events: list[tuple[dict, str, torch.cuda.Event, torch.cuda.Event]] = []
+        """The window's device-timed blocks not yet read (CUDA): where to add each, under what name."""
         self._cuda = ctx.device.type == "cuda"
         self._names = _group_names(ctx)
         self._dispatchers = [module.dispatcher for module in model.modules() if isinstance(module, LatentMoE)]
         self._rows_before = self._rows_received()
 
-    def blocked(self, group: dist.ProcessGroup | None, seconds: float) -> None:
-        self.window.blocked_s[self._names.get(group, "other")] += seconds
+    @contextlib.contextmanager
+    def blocking(self, group: dist.ProcessGroup | None) -> Iterator[None]:
+        """Time a collective call that may wait for the group's other ranks (parallel/collectives.py)."""
+        with self._timed(self._names.get(group, "other"), self.window.blocked_s):
+            yield
 
     def add_step(self, step_s: float, data_s: float, checkpoint_s: float) -> None:
         """A step's time, and its waits for data and for a background save's copy of the state."""
@@ -52,27 +55,32 @@ class StepTelemetry:
         self.window.data_s += data_s
         self.window.checkpoint_s += checkpoint_s
 
+    def part(self, name: str) -> contextlib.AbstractContextManager:
+        """Time the block as the step's part `name` (parallel.stragglers.PARTS)."""
+        return self._timed(name, self.window.parts_s)
+
     @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        """Time the block as the step's part `name` (parallel.stragglers.PARTS) on the device."""
+    def _timed(self, name: str, sums: dict[str, float]) -> Iterator[None]:
+        """Add the block's time to sums[name]: on the host's clock on CPU; on a GPU, between two events on the
+        current stream (what the device's work waited), read at the end of the window."""
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._events.append((name, start, end))
+            self._events.append((sums, name, start, end))
             return
         begin = time.perf_counter()
         yield
-        self.window.parts_s[name] += time.perf_counter() - begin
+        sums[name] += time.perf_counter() - begin
 
     def take(self) -> WindowFigures:
         """The window's figures (its expert rows counted up to now; its device-timed parts read, waiting for the
         last); a new window starts."""
         if self._events:
-            self._events[-1][2].synchronize()
-            for name, start, end in self._events:
-                self.window.parts_s[name] += start.elapsed_time(end) / 1e3
+            self._events[-1][3].synchronize()
+            for sums, name, start, end in self._events:
+                sums[name] += start.elapsed_time(end) / 1e3
             self._events.clear()
         rows = self._rows_received()
         figures, self.window = self.window, WindowFigures()

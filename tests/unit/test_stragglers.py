@@ -4,7 +4,7 @@ from parallel.stragglers import GROUPS, RankIdentity, WindowFigures, judge
 
 
 def identities(nodes=(0, 0, 1, 1), pp=(0, 0, 0, 0), ep_groups=((0, 1), (0, 1), (2, 3), (2, 3))):
-    return [RankIdentity(r, f"host{node}", node, r % 2, 0, p, r % 2, r // 2, group)
+    return [RankIdentity(r, f"host{node}", node, r % 2, 0, p, r % 2, r // 2, 0, group)
             for r, (node, p, group) in enumerate(zip(nodes, pp, ep_groups, strict=True))]
 
 
