@@ -123,26 +123,27 @@ def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks:
           windows: int) -> Findings:
     """This window's findings; streaks (each rank's slow windows in a row) is updated in place."""
     compute = [f.compute_s / max(f.steps, 1) for f in figures]
-    ratio = []
-    for me in identities:
-        peers = [compute[other.rank] for other in identities if other.pp == me.pp]
-        median = statistics.median(peers)
-        ratio.append(compute[me.rank] / median if median > 0 else 1.0)
-    load = []
-    for me in identities:
-        mean = statistics.fmean(figures[r].expert_rows for r in me.ep_group)
-        load.append(figures[me.rank].expert_rows / mean if mean > 0 else 1.0)
+    stages: dict[int, list[float]] = {}
+    for i in identities:
+        stages.setdefault(i.pp, []).append(compute[i.rank])
+    medians = {pp: statistics.median(values) for pp, values in stages.items()}
+    ratio = [compute[i.rank] / medians[i.pp] if medians[i.pp] > 0 else 1.0 for i in identities]
+    groups = {i.ep_group for i in identities}
+    means = {group: statistics.fmean(figures[r].expert_rows for r in group) for group in groups}
+    load = [figures[i.rank].expert_rows / means[i.ep_group] if means[i.ep_group] > 0 else 1.0 for i in identities]
     findings = Findings(ratio, load)
     findings.expert_load = [i.rank for i in identities if load[i.rank] > 1 + threshold]
+    loaded = set(findings.expert_load)
     for i in identities:
-        slow = ratio[i.rank] > 1 + threshold and i.rank not in findings.expert_load
+        slow = ratio[i.rank] > 1 + threshold and i.rank not in loaded
         streaks[i.rank] = streaks[i.rank] + 1 if slow else 0
     flagged = [i.rank for i in identities if streaks[i.rank] >= windows]
+    named = set(flagged)
     nodes: dict[int, list[int]] = {}
     for i in identities:
         nodes.setdefault(i.node, []).append(i.rank)
     findings.slow_nodes = [node for node, ranks in nodes.items()
-                           if 1 < len(ranks) < len(identities) and all(r in flagged for r in ranks)]
+                           if 1 < len(ranks) < len(identities) and all(r in named for r in ranks)]
     on_slow_node = {r for node in findings.slow_nodes for r in nodes[node]}
     findings.stragglers = [r for r in flagged if r not in on_slow_node]
     return findings
