@@ -15,16 +15,18 @@ pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="wandb is part
 
 
 def wandb_records(path: Path):
-    """The protobuf records of an offline run file (a LevelDB-style log: 32 KiB blocks, 7-byte headers)."""
+    """The protobuf records of an offline run file (a LevelDB-style log: 32 KiB blocks, 7-byte headers; a
+    zero-filled header is padding up to the next block, as LevelDB's own reader skips it)."""
     data, pos, block, partial = path.read_bytes(), 7, 32768, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # zeros (LevelDB's "zero type": a preallocated, not yet written region): the next block
+            pos += block - pos % block
+            continue
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            return
         partial = chunk if kind in (1, 2) else partial + chunk
         if kind in (1, 4):
             record = pb.Record()
