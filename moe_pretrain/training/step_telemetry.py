@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.model.moe import LatentMoE
+from parallel.collectives import metering_blocks
 from parallel.state import ParallelContext
 from parallel.stragglers import WindowFigures
 
@@ -33,7 +34,10 @@ class StepTelemetry:
     """Sums this rank's figures over the current window; the trainer adds each step's, the block meter each
     collective's wait (pass it to parallel.collectives.metering_blocks)."""
 
-    def __init__(self, ctx: ParallelContext, model: nn.Module):
+    def __init__(self, ctx: ParallelContext, model: nn.Module, on: bool):
+        """on: the straggler check reads the windows; off, nothing is timed or kept (no meter on the collectives,
+        no CUDA events piling up unread)."""
+        self.on = on
         self.window = WindowFigures()
         self._events: list[tuple[dict, str, torch.cuda.Event, torch.cuda.Event]] = []
         """The window's device-timed blocks not yet read (CUDA): where to add each, under what name."""
@@ -50,14 +54,20 @@ class StepTelemetry:
 
     def add_step(self, step_s: float, data_s: float, checkpoint_s: float) -> None:
         """A step's time, and its waits for data and for a background save's copy of the state."""
+        if not self.on:
+            return
         self.window.steps += 1
         self.window.step_s += step_s
         self.window.data_s += data_s
         self.window.checkpoint_s += checkpoint_s
 
+    def metering(self) -> contextlib.AbstractContextManager:
+        """Around a step: its collectives' waits timed (parallel.collectives.metering_blocks), when on."""
+        return metering_blocks(self) if self.on else contextlib.nullcontext()
+
     def part(self, name: str) -> contextlib.AbstractContextManager:
-        """Time the block as the step's part `name` (parallel.stragglers.PARTS)."""
-        return self._timed(name, self.window.parts_s)
+        """Time the block as the step's part `name` (parallel.stragglers.PARTS), when on."""
+        return self._timed(name, self.window.parts_s) if self.on else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _timed(self, name: str, sums: dict[str, float]) -> Iterator[None]:

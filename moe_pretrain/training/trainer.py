@@ -41,7 +41,7 @@ from moe_pretrain.training.step_hooks import step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
 from moe_pretrain.training.step_telemetry import StepTelemetry
 from moe_pretrain.training.wandb_run import check_wandb
-from parallel.collectives import all_reduce_sum, metering_blocks
+from parallel.collectives import all_reduce_sum
 from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
 from parallel.parallelize import DTYPES
@@ -107,13 +107,13 @@ class Trainer:
         self.checkpoints = RunCheckpoints(cfg, self.ctx, self.state, self.batches)
         self.stage_settings = stage_settings(cfg)
         """Each stage's cp, cp_mla, recompute and saved_inputs with the run's defaults (config/stage_settings.py)."""
-        self.telemetry = StepTelemetry(self.ctx, self.model)
-        """This rank's window of step figures (training/step_telemetry.py)."""
         straggler = cfg.logging.straggler
         self.straggler_check = StragglerCheck(self.ctx, ranks_per_node(cfg), straggler.threshold, straggler.windows,
                                               cfg.train.run_dir, straggler.action == "exclude") \
             if straggler.every and self.ctx.distributed else None
         """Every logging.straggler.every steps, the ranks' windows judged together (parallel/stragglers.py)."""
+        self.telemetry = StepTelemetry(self.ctx, self.model, on=self.straggler_check is not None)
+        """This rank's window of step figures (training/step_telemetry.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.skipped_total = self.skipped_in_a_row = 0
@@ -190,7 +190,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step, its collectives' waits metered for the straggler check."""
-        with metering_blocks(self.telemetry):
+        with self.telemetry.metering():
             result = self._train_step()
         saver = self.checkpoints.async_saver
         self.telemetry.add_step(result.seconds, result.data_wait_s, saver.staging_wait_s if saver else 0.0)
