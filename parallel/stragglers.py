@@ -6,8 +6,9 @@ time is the same and says nothing. A window's figures (training/step_telemetry.p
 its own compute and its time blocked in collectives. A rank is a straggler when its compute exceeds the median
 of its peers doing the same work (its pipeline stage's ranks) by more than logging.straggler.threshold for
 logging.straggler.windows windows in a row; the ranks that wait for it have long blocked times and ordinary
-compute, and are not flagged (the cause, not its victims). When every rank of a node is a straggler, the node
-is named instead (thermal, PCIe, a NIC). A rank whose experts received more than the threshold over its
+compute, and are not flagged (the cause, not its victims). When every rank of a node computes more than the
+threshold over its stage's ranks on other nodes, for as many windows, the node is named instead of its ranks
+(thermal, PCIe, a NIC). A rank whose experts received more than the threshold over its
 expert-parallel group's mean rows is reported as expert load, not as slow hardware, even when it is also slow:
 routing, not the machine, is the cause.
 
@@ -113,15 +114,52 @@ class Findings:
     load: list[float]
     stragglers: list[int] = dataclasses.field(default_factory=list)
     """Ranks slow for windows in a row (not explained by expert load; not on a slow node)."""
+    node_ratio: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Each node's least rank compute over the median of its stage's ranks on other nodes (_node_ratios)."""
     slow_nodes: list[int] = dataclasses.field(default_factory=list)
-    """Nodes all of whose ranks are slow for windows in a row (their ranks are not listed one by one)."""
+    """Nodes all of whose ranks are slow beside their peers on other nodes for windows in a row (their ranks
+    are not listed one by one)."""
     expert_load: list[int] = dataclasses.field(default_factory=list)
     """Ranks whose experts received more than the threshold over their group's mean."""
 
 
-def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks: list[int], threshold: float,
+@dataclass
+class Streaks:
+    """Windows in a row each rank (and each node) was found slow; judge updates them window by window."""
+
+    ranks: list[int]
+    nodes: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, world_size: int) -> "Streaks":
+        return cls([0] * world_size)
+
+
+def _node_ratios(compute: list[float], identities: list[RankIdentity],
+                 nodes: dict[int, list[int]]) -> dict[int, float]:
+    """How much slower each node's ranks are than their peers elsewhere: the least, over its ranks, of a rank's
+    compute over the median of its stage's ranks on other nodes. Peers on other nodes, not the whole stage: a
+    node can be a large part of its stage (half of it, on two nodes), and then the stage's median lies among the
+    node's own ranks. A single node, or a node of one rank (a straggler then), has no ratio."""
+    by_stage: dict[int, list[int]] = {}
+    for i in identities:
+        by_stage.setdefault(i.pp, []).append(i.rank)
+    ratios = {}
+    for node, ranks in nodes.items():
+        if not 1 < len(ranks) < len(identities):
+            continue
+        own, medians = set(ranks), {}
+        for pp in {identities[r].pp for r in ranks}:
+            others = [compute[r] for r in by_stage[pp] if r not in own]
+            medians[pp] = statistics.median(others) if others else 0.0
+        ratios[node] = min(compute[r] / medians[identities[r].pp] if medians[identities[r].pp] > 0 else 1.0
+                           for r in ranks)
+    return ratios
+
+
+def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks: Streaks, threshold: float,
           windows: int) -> Findings:
-    """This window's findings; streaks (each rank's slow windows in a row) is updated in place."""
+    """This window's findings; streaks is updated in place."""
     compute = [f.compute_s / max(f.steps, 1) for f in figures]
     stages: dict[int, list[float]] = {}
     for i in identities:
@@ -136,16 +174,18 @@ def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks:
     loaded = set(findings.expert_load)
     for i in identities:
         slow = ratio[i.rank] > 1 + threshold and i.rank not in loaded
-        streaks[i.rank] = streaks[i.rank] + 1 if slow else 0
-    flagged = [i.rank for i in identities if streaks[i.rank] >= windows]
-    named = set(flagged)
+        streaks.ranks[i.rank] = streaks.ranks[i.rank] + 1 if slow else 0
     nodes: dict[int, list[int]] = {}
     for i in identities:
         nodes.setdefault(i.node, []).append(i.rank)
-    findings.slow_nodes = [node for node, ranks in nodes.items()
-                           if 1 < len(ranks) < len(identities) and all(r in named for r in ranks)]
+    findings.node_ratio = _node_ratios(compute, identities, nodes)
+    for node, least in findings.node_ratio.items():
+        slow = least > 1 + threshold and not loaded.intersection(nodes[node])
+        streaks.nodes[node] = streaks.nodes.get(node, 0) + 1 if slow else 0
+    findings.slow_nodes = [node for node, streak in streaks.nodes.items() if streak >= windows]
     on_slow_node = {r for node in findings.slow_nodes for r in nodes[node]}
-    findings.stragglers = [r for r in flagged if r not in on_slow_node]
+    findings.stragglers = [i.rank for i in identities
+                           if streaks.ranks[i.rank] >= windows and i.rank not in on_slow_node]
     return findings
 
 
@@ -160,7 +200,7 @@ class StragglerCheck:
         self.slow_hosts = Path(run_dir) / SLOW_HOSTS_FILE
         self.identities: list[RankIdentity] = gather_objects(identity_of(ctx, ranks_per_node), dist.group.WORLD
                                                              if ctx.distributed else None)
-        self.streaks = [0] * len(self.identities)
+        self.streaks = Streaks.of(len(self.identities))
         self.record = Path(run_dir) / "stragglers.jsonl"
 
     def check(self, step: int, window: WindowFigures) -> dict[str, float]:
@@ -180,14 +220,14 @@ class StragglerCheck:
         peers = {i.rank: sum(1 for o in self.identities if o.pp == i.pp) for i in self.identities}
         for rank in findings.stragglers:
             log.warning(f"straggler: {self.identities[rank].describe()} computes {findings.ratio[rank]:.2f}x the "
-                        f"median of the {peers[rank]} ranks of its pipeline stage, {self.streaks[rank]} windows "
+                        f"median of the {peers[rank]} ranks of its pipeline stage, {self.streaks.ranks[rank]} windows "
                         f"in a row (step {step})")
         for node in findings.slow_nodes:
             ranks = [i.rank for i in self.identities if i.node == node]
-            slowest = max(findings.ratio[r] for r in ranks)
             log.warning(f"straggler node {node} (host {self.identities[ranks[0]].host}): all its {len(ranks)} ranks "
-                        f"({', '.join(map(str, ranks))}) compute up to {slowest:.2f}x their stages' median, "
-                        f"{self.windows}+ windows in a row (step {step})")
+                        f"({', '.join(map(str, ranks))}) compute at least {findings.node_ratio[node]:.2f}x the "
+                        f"median of their stages' ranks on other nodes, {self.streaks.nodes[node]} windows in a row "
+                        f"(step {step})")
         for rank in findings.expert_load:
             log.warning(f"expert load: {self.identities[rank].describe()} received {findings.load[rank]:.2f}x the "
                         f"mean rows of its expert-parallel group (step {step}): routing, not the hardware")
@@ -204,6 +244,7 @@ class StragglerCheck:
                            "steps": f.steps, "expert_rows": f.expert_rows, "ratio": findings.ratio[i.rank],
                            "load": findings.load[i.rank]} for i, f in zip(self.identities, figures, strict=True)],
                 "stragglers": findings.stragglers, "slow_nodes": findings.slow_nodes,
+                "node_ratio": {str(node): r for node, r in findings.node_ratio.items()},
                 "expert_load": findings.expert_load}) + "\n")
 
     def _mark_hosts(self, hosts: list[str]) -> None:

@@ -2,9 +2,11 @@
 and only it; the ranks that wait for it are not; a run without the sleep names nobody; two ranks of one
 declared node slowed name the node; routing pushed to one expert-parallel rank's experts is named expert load.
 
-The slowed rank sleeps 0.4 s in every forward, several times the tiny model's compute on this machine, and a rank
-is named at twice its stage's median (logging.straggler.threshold=1.0) for 2 windows in a row: a margin wide
-enough that a loaded machine's noise neither hides the slow rank nor names a waiting one.
+The slowed rank sleeps at the end of every forward for 0.4 s plus three times that forward's own time: at least
+twice the step's compute whatever the machine's load (a loaded machine slows the forward, and the sleep grows
+with it), as a slow GPU is slower in proportion. A rank is named at twice its stage's median
+(logging.straggler.threshold=1.0) for 2 windows in a row: a margin wide enough that a loaded machine's noise
+neither hides the slow rank nor names a waiting one.
 """
 
 import json
@@ -23,6 +25,13 @@ from tests.models import tiny_config
 SLOW_RANK = 2
 
 
+def slow_down(model) -> None:
+    """The test-only hook: a slow GPU, as a sleep at the end of this rank's forward (module docstring)."""
+    started = []
+    model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+    model.register_forward_hook(lambda *_: time.sleep(0.4 + 3 * (time.perf_counter() - started.pop())))
+
+
 def straggler_worker(rank, world_size, run_dir, slow_ranks, overrides):
     cfg = tiny_config("train.steps=8", "data.batch_size=8", "parallel.ep=2", "logging.progress=false",
                       "logging.straggler.every=2", "logging.straggler.windows=2", "logging.straggler.threshold=1.0",
@@ -30,8 +39,8 @@ def straggler_worker(rank, world_size, run_dir, slow_ranks, overrides):
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        if rank in slow_ranks:  # the test-only hook: a slow GPU, as a sleep inside this rank's forward
-            trainer.model.register_forward_pre_hook(lambda *_: time.sleep(0.4))
+        if rank in slow_ranks:
+            slow_down(trainer.model)
         history = trainer.run()
         return [record.get("stragglers") for record in history]
     finally:
@@ -91,7 +100,7 @@ def test_the_slow_rank_is_named_and_only_it(tmp_path, slow_rank):
 @pytest.mark.timeout(300)
 def test_a_node_whose_ranks_are_all_slow_is_named(tmp_path):
     """Two nodes of two processes (parallel.ranks_per_node=2); both of node 1's ranks sleep. Half the stage is
-    slow, so its median lies between them: named at 1.5x (at full size a node is 8 of a stage's hundreds)."""
+    slow, so the stage's median lies between them; beside node 0's ranks they are over 2x, named at 1.5x."""
     run_distributed(straggler_worker, 4, str(tmp_path), [2, 3],
                     ["parallel.ranks_per_node=2", "logging.straggler.threshold=0.5",
                      "logging.straggler.action=exclude"])

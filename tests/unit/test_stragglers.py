@@ -1,6 +1,6 @@
 """parallel/stragglers.judge on given window figures: who is named, after how many windows, and who is not."""
 
-from parallel.stragglers import GROUPS, RankIdentity, WindowFigures, judge
+from parallel.stragglers import GROUPS, RankIdentity, Streaks, WindowFigures, judge
 
 
 def identities(nodes=(0, 0, 1, 1), pp=(0, 0, 0, 0), ep_groups=((0, 1), (0, 1), (2, 3), (2, 3))):
@@ -21,7 +21,7 @@ def figures(compute, blocked=None, rows=None):
 
 
 def test_a_slow_rank_is_named_after_its_windows_and_its_victims_are_not():
-    ranks, streaks = identities(), [0] * 4
+    ranks, streaks = identities(), Streaks.of(4)
     # rank 2 computes 1.0 s, the others 0.5 s and then wait 0.5 s for it: every step takes 1.0 s everywhere
     window = figures([0.5, 0.5, 1.0, 0.5], blocked=[0.5, 0.5, 0.0, 0.5])
     assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
@@ -32,36 +32,55 @@ def test_a_slow_rank_is_named_after_its_windows_and_its_victims_are_not():
 
 
 def test_a_window_back_to_normal_resets_the_count():
-    ranks, streaks = identities(), [0] * 4
+    ranks, streaks = identities(), Streaks.of(4)
     slow, clean = figures([0.5, 0.5, 1.0, 0.5]), figures([0.5, 0.5, 0.5, 0.5])
     for window in (slow, slow, clean, slow, slow):
         assert judge(window, ranks, streaks, 0.2, 3).stragglers == []
-    assert judge(clean, ranks, streaks, 0.2, 3).stragglers == [] and streaks == [0, 0, 0, 0]
+    assert judge(clean, ranks, streaks, 0.2, 3).stragglers == [] and streaks.ranks == [0, 0, 0, 0]
 
 
 def test_peers_are_the_ranks_of_the_same_pipeline_stage():
     # stage 1's ranks do more work than stage 0's: all within their own stage's median, nobody is slow
-    ranks, streaks = identities(pp=(0, 0, 1, 1)), [0] * 4
+    ranks, streaks = identities(pp=(0, 0, 1, 1)), Streaks.of(4)
     found = judge(figures([0.5, 0.5, 1.5, 1.5]), ranks, streaks, 0.2, 1)
     assert found.stragglers == [] and found.ratio == [1.0, 1.0, 1.0, 1.0]
 
 
 def test_every_rank_of_a_node_slow_names_the_node():
     ranks, streaks = identities(nodes=(0, 0, 1, 1, 2, 2), pp=(0,) * 6,
-                                ep_groups=((0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5))), [0] * 6
+                                ep_groups=((0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5))), Streaks.of(6)
     found = judge(figures([0.5, 0.5, 1.0, 1.0, 0.5, 0.5]), ranks, streaks, 0.2, 1)
-    assert found.slow_nodes == [1] and found.stragglers == []
+    assert found.slow_nodes == [1] and found.stragglers == [] and found.node_ratio[1] == 2.0  # beside ranks 0, 1, 4, 5
+
+
+def test_a_node_half_its_stage_is_judged_beside_the_other_nodes():
+    """Two nodes: the stage's median (0.75) lies between the slow node's ranks and the others, so each slow rank
+    is only 1.33x it, under the threshold; beside the other node's ranks they are 2x, and the node is named after
+    its windows in a row."""
+    ranks, streaks = identities(), Streaks.of(4)
+    window = figures([0.5, 0.5, 1.0, 1.0])
+    assert judge(window, ranks, streaks, 0.5, 2).slow_nodes == []
+    found = judge(window, ranks, streaks, 0.5, 2)
+    assert found.slow_nodes == [1] and found.stragglers == [] and found.node_ratio == {0: 0.5, 1: 2.0}
+    assert found.ratio[2] < 1.5  # not a straggler beside its stage's median
+
+
+def test_a_node_with_one_slow_rank_is_not_named_but_its_rank_is():
+    ranks, streaks = identities(nodes=(0, 0, 1, 1, 2, 2), pp=(0,) * 6,
+                                ep_groups=((0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5))), Streaks.of(6)
+    found = judge(figures([0.5, 0.5, 1.0, 0.5, 0.5, 0.5]), ranks, streaks, 0.2, 1)
+    assert found.slow_nodes == [] and found.stragglers == [2]
 
 
 def test_expert_load_is_reported_as_routing_not_as_a_slow_rank():
-    ranks, streaks = identities(), [0] * 4
+    ranks, streaks = identities(), Streaks.of(4)
     # rank 0's experts receive 3x its group's other rank: it computes more, for a reason that is not its hardware
     found = judge(figures([1.0, 0.5, 0.5, 0.5], rows=[300, 100, 100, 100]), ranks, streaks, 0.2, 1)
     assert found.expert_load == [0] and found.stragglers == [] and found.load[0] == 1.5
 
 
 def test_a_balanced_run_names_nobody():
-    ranks, streaks = identities(), [0] * 4
+    ranks, streaks = identities(), Streaks.of(4)
     for _ in range(5):
         found = judge(figures([0.50, 0.52, 0.49, 0.51]), ranks, streaks, 0.2, 3)
         assert found.stragglers == [] and found.slow_nodes == [] and found.expert_load == []
