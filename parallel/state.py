@@ -169,6 +169,17 @@ class ParallelContext:
     def is_logging_rank(self) -> bool:
         return self.rank == 0
 
+    def named_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """This rank's groups by name, in the order that settles a group playing two roles (its first name): the
+        dry run's communication columns, and the straggler telemetry's blocked time (which folds the names)."""
+        groups = {"tp": self.tp_group, "ep": self.ep_group, "ep rail": self.ep_rail_group,
+                  "ep node": self.ep_node_group, "pp": self.pp_group, "dp": self.dp_group,
+                  "tp x dp": self.tp_dp_group, "edp": self.edp_group}
+        groups.update({f"cp{size}": c.group for size, c in self.context_groups.items() if c.group is not None})
+        if self.distributed:
+            groups["world"] = dist.group.WORLD
+        return groups
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"

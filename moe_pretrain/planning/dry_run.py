@@ -109,17 +109,6 @@ class StepTrace:
     """How long the dry run took here."""
 
 
-def named_groups(ctx: ParallelContext) -> dict[str, dist.ProcessGroup | None]:
-    """The rank's groups by the names the plan's communication columns use (first name wins for a group that
-    plays two roles)."""
-    groups = {"tp": ctx.tp_group, "ep": ctx.ep_group, "ep rail": ctx.ep_rail_group, "ep node": ctx.ep_node_group,
-              "pp": ctx.pp_group, "dp": ctx.dp_group, "tp x dp": ctx.tp_dp_group, "edp": ctx.edp_group}
-    groups.update({f"cp{size}": c.group for size, c in ctx.context_groups.items() if c.group is not None})
-    if ctx.distributed:
-        groups["world"] = dist.group.WORLD
-    return groups
-
-
 def first_micro_batches(cfg: Config, stage: int, count: int) -> Config:
     """cfg with stage `stage`'s step cut to its first `count` micro-batches (the same micro-batch, so the same
     activations; a 1F1B schedule's peak is set by its first pp): the stage's batch and tokens scale by
@@ -171,7 +160,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                  f"({plan.micro_batches} micro-batches of {plan.rows // plan.micro_batches} x {plan.seq_len} tokens)")
         timeline = Timeline()
         with fake or contextlib.nullcontext(), host, OpCensus(gpu, timeline) as ops, \
-                CollectiveTraffic(named_groups(ctx), cfg.cluster, timeline) as traffic, HostReads() as reads, \
+                CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
                 watching_waits(timeline):
             trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()

@@ -42,7 +42,7 @@ class StepTelemetry:
         self._events: list[tuple[dict, str, torch.cuda.Event, torch.cuda.Event]] = []
         """The window's device-timed blocks not yet read (CUDA): where to add each, under what name."""
         self._cuda = ctx.device.type == "cuda"
-        self._names = _group_names(ctx)
+        self._names = group_names(ctx)
         self._dispatchers = [module.dispatcher for module in model.modules() if isinstance(module, LatentMoE)]
         self._rows_before = self._rows_received()
 
@@ -101,15 +101,15 @@ class StepTelemetry:
         return sum(getattr(dispatcher, "rows_received", 0) for dispatcher in self._dispatchers)
 
 
-def _group_names(ctx: ParallelContext) -> dict:
-    """Process group -> its name in GROUPS (a group serving two roles takes the first)."""
+FOLDED = {"ep rail": "ep", "ep node": "ep", "tp x dp": "dp"}
+"""The named groups (ParallelContext.named_groups) whose blocked time GROUPS reports under a coarser name."""
+
+
+def group_names(ctx: ParallelContext) -> dict[dist.ProcessGroup, str]:
+    """Process group -> its name in GROUPS: the context's named groups, the finer names folded (the node
+    dispatch's ep rail and ep node into ep, tp x dp into dp, each context-parallel size into cp)."""
     names: dict = {}
-    roles = [("tp", ctx.tp_group), *(("cp", c.group) for c in ctx.context_groups.values()), ("dp", ctx.dp_group),
-             ("dp", ctx.tp_dp_group), ("ep", ctx.ep_group), ("ep", ctx.ep_rail_group), ("ep", ctx.ep_node_group),
-             ("edp", ctx.edp_group), ("pp", ctx.pp_group)]
-    if ctx.distributed:
-        roles.append(("world", dist.group.WORLD))
-    for name, group in roles:
+    for name, group in ctx.named_groups().items():
         if group is not None and group not in names:
-            names[group] = name
+            names[group] = FOLDED.get(name, "cp" if name.startswith("cp") else name)
     return names

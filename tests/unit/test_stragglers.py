@@ -1,5 +1,8 @@
-"""parallel/stragglers.judge on given window figures: who is named, after how many windows, and who is not."""
+"""parallel/stragglers.judge on given window figures: who is named, after how many windows, and who is not; and
+the names the step telemetry reports blocked time under."""
 
+from moe_pretrain.training.step_telemetry import group_names
+from parallel.state import ContextGroup, ParallelContext, ParallelLayout
 from parallel.stragglers import GROUPS, RankIdentity, Streaks, WindowFigures, judge
 
 
@@ -84,3 +87,15 @@ def test_a_balanced_run_names_nobody():
     for _ in range(5):
         found = judge(figures([0.50, 0.52, 0.49, 0.51]), ranks, streaks, 0.2, 3)
         assert found.stragglers == [] and found.slow_nodes == [] and found.expert_load == []
+
+
+def test_blocked_time_is_reported_under_the_coarse_names_of_the_contexts_groups():
+    """The node dispatch's two expert groups count as ep, tp x dp as dp, every context-parallel size as cp;
+    a group playing two roles takes its first name (tp here)."""
+    tp, rail, node, tp_dp, cp2, cp4 = (object() for _ in range(6))
+    ctx = ParallelContext(ParallelLayout(world_size=1), tp_group=tp, ep_rail_group=rail, ep_node_group=node,
+                          tp_dp_group=tp_dp, edp_group=tp,
+                          context_groups={2: ContextGroup(2, cp2, 0, 0, 1), 4: ContextGroup(4, cp4, 0, 0, 1)})
+    names = group_names(ctx)
+    assert names == {tp: "tp", rail: "ep", node: "ep", tp_dp: "dp", cp2: "cp", cp4: "cp"}
+    assert set(names.values()) <= set(GROUPS)
