@@ -53,30 +53,30 @@ _WATCHERS: list = []
 
 
 @contextlib.contextmanager
-def watching_waits(watcher) -> Iterator[None]:
-    """Within the block, watcher.started() is called as each Pending is made (its result: a token) and
-    watcher.waited(token) as it is waited for."""
-    _WATCHERS.append(watcher)
+def _registered(registry: list, observer) -> Iterator[None]:
+    """The observer in the registry for the block."""
+    registry.append(observer)
     try:
         yield
     finally:
-        _WATCHERS.remove(watcher)
+        registry.remove(observer)
+
+
+def watching_waits(watcher) -> contextlib.AbstractContextManager:
+    """Within the block, watcher.started() is called as each Pending is made (its result: a token) and
+    watcher.waited(token) as it is waited for."""
+    return _registered(_WATCHERS, watcher)
 
 
 _BLOCK_METERS: list = []
 """Meters of how long this rank waited in each collective, by group (training/step_telemetry.py)."""
 
 
-@contextlib.contextmanager
-def metering_blocks(meter) -> Iterator[None]:
+def metering_blocks(meter) -> contextlib.AbstractContextManager:
     """Within the block, every collective call that may wait for other ranks (a blocking one, or the wait of a
     started one) runs inside meter.blocking(group), a context manager that times it as the meter's device
     does (the host's clock on CPU; events on the current stream on a GPU)."""
-    _BLOCK_METERS.append(meter)
-    try:
-        yield
-    finally:
-        _BLOCK_METERS.remove(meter)
+    return _registered(_BLOCK_METERS, meter)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ judges the same figures, and rank 0 logs and records them (<run_dir>/stragglers.
 with every rank's figures and what was found).
 """
 
+import collections
 import dataclasses
 import json
 import logging
@@ -190,7 +191,8 @@ def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks:
 
 
 class StragglerCheck:
-    """Run by the trainer at the end of every window (collective: every rank calls check)."""
+    """Run at the end of every window by the trainer's step hook (training/step_hooks.StragglerWindows;
+    collective: every rank calls check)."""
 
     def __init__(self, ctx: ParallelContext, ranks_per_node: int, threshold: float, windows: int,
                  run_dir: str | Path, mark: bool = False):
@@ -201,6 +203,8 @@ class StragglerCheck:
         self.identities: list[RankIdentity] = gather_objects(identity_of(ctx, ranks_per_node), dist.group.WORLD
                                                              if ctx.distributed else None)
         self.streaks = Streaks.of(len(self.identities))
+        self.stage_sizes = collections.Counter(i.pp for i in self.identities)
+        """Ranks per pipeline stage (a straggler line says how many peers it was compared with)."""
         self.record = Path(run_dir) / "stragglers.jsonl"
 
     def check(self, step: int, window: WindowFigures) -> dict[str, float]:
@@ -217,11 +221,11 @@ class StragglerCheck:
                 "stragglers": float(len(findings.stragglers) + len(findings.slow_nodes))}
 
     def _report(self, step: int, figures: list[WindowFigures], findings: Findings) -> None:
-        peers = {i.rank: sum(1 for o in self.identities if o.pp == i.pp) for i in self.identities}
         for rank in findings.stragglers:
-            log.warning(f"straggler: {self.identities[rank].describe()} computes {findings.ratio[rank]:.2f}x the "
-                        f"median of the {peers[rank]} ranks of its pipeline stage, {self.streaks.ranks[rank]} windows "
-                        f"in a row (step {step})")
+            identity = self.identities[rank]
+            log.warning(f"straggler: {identity.describe()} computes {findings.ratio[rank]:.2f}x the median of the "
+                        f"{self.stage_sizes[identity.pp]} ranks of its pipeline stage, {self.streaks.ranks[rank]} "
+                        f"windows in a row (step {step})")
         for node in findings.slow_nodes:
             ranks = [i.rank for i in self.identities if i.node == node]
             log.warning(f"straggler node {node} (host {self.identities[ranks[0]].host}): all its {len(ranks)} ranks "

@@ -81,8 +81,6 @@ def run(trainer: Trainer) -> list[dict]:
             result = trainer.train_step()
             watchdog.end()
             record = trainer.metrics(result)
-            if trainer.straggler_check is not None and trainer.step % cfg.logging.straggler.every == 0:
-                record.update(trainer.straggler_check.check(trainer.step, trainer.telemetry.take()))
             at_boundary = plan.stage_end_tokens is not None and trainer.tokens_seen == plan.stage_end_tokens
             if _evaluation_due(trainer, at_boundary):
                 record.update(evaluate(trainer.runner, trainer.validation, plan))

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from moe_pretrain.fp8 import RECIPES, advance_amax_histories
 from moe_pretrain.model.qk_clip import clip_heads, start_recording
 from parallel.collectives import all_reduce_max
+from parallel.state import ranks_per_node
+from parallel.stragglers import StragglerCheck
 
 
 class StepHook:
@@ -98,6 +100,23 @@ class SaveFence(StepHook):
         self.saver.before_update()
 
 
+class StragglerWindows(StepHook):
+    """logging.straggler: at the end of every window of logging.straggler.every steps, the ranks' figures (the
+    trainer's step telemetry) judged together (parallel/stragglers.py; its one all-gather: every rank calls
+    metrics every step); the step's record gets what it found."""
+
+    def __init__(self, trainer):
+        cfg = trainer.cfg
+        straggler = cfg.logging.straggler
+        self.trainer, self.every = trainer, straggler.every
+        self.check = StragglerCheck(trainer.ctx, ranks_per_node(cfg), straggler.threshold, straggler.windows,
+                                    cfg.train.run_dir, mark=straggler.action == "exclude")
+
+    def metrics(self) -> dict[str, float]:
+        step = self.trainer.step
+        return self.check.check(step, self.trainer.telemetry.take()) if step % self.every == 0 else {}
+
+
 def step_hooks(trainer) -> list[StepHook]:
     """The hooks the trainer's config turns on, in the order they run at each point."""
     cfg, hooks = trainer.cfg, []
@@ -107,4 +126,6 @@ def step_hooks(trainer) -> list[StepHook]:
         hooks.append(QKClip(trainer, cfg.optim.qk_clip_threshold))
     if cfg.precision.fp8 != "off" and RECIPES[cfg.precision.fp8].delayed:  # only delayed scaling keeps histories
         hooks.append(AmaxHistories(trainer))
+    if trainer.telemetry.on:
+        hooks.append(StragglerWindows(trainer))
     return [*hooks, Balancing(trainer)]

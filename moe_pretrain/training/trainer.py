@@ -45,8 +45,7 @@ from parallel.collectives import all_reduce_sum
 from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
 from parallel.parallelize import DTYPES
-from parallel.state import ParallelContext, ranks_per_node, resolve_layout
-from parallel.stragglers import StragglerCheck
+from parallel.state import ParallelContext, resolve_layout
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +106,10 @@ class Trainer:
         self.checkpoints = RunCheckpoints(cfg, self.ctx, self.state, self.batches)
         self.stage_settings = stage_settings(cfg)
         """Each stage's cp, cp_mla, recompute and saved_inputs with the run's defaults (config/stage_settings.py)."""
-        straggler = cfg.logging.straggler
-        self.straggler_check = StragglerCheck(self.ctx, ranks_per_node(cfg), straggler.threshold, straggler.windows,
-                                              cfg.train.run_dir, straggler.action == "exclude") \
-            if straggler.every and self.ctx.distributed else None
-        """Every logging.straggler.every steps, the ranks' windows judged together (parallel/stragglers.py)."""
-        self.telemetry = StepTelemetry(self.ctx, self.model, on=self.straggler_check is not None)
-        """This rank's window of step figures (training/step_telemetry.py)."""
+        self.telemetry = StepTelemetry(self.ctx, self.model, on=bool(cfg.logging.straggler.every)
+                                       and self.ctx.distributed)
+        """This rank's window of step figures (training/step_telemetry.py), on for the straggler check (a step
+        hook: training/step_hooks.py)."""
         self.hooks = step_hooks(self)
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.skipped_total = self.skipped_in_a_row = 0

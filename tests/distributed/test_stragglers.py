@@ -19,6 +19,7 @@ import pytest
 from launch.local import run_distributed
 from launch.report import write_report
 from moe_pretrain.training import Trainer
+from moe_pretrain.training.step_hooks import StragglerWindows
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
 
@@ -63,7 +64,8 @@ def routed_to_first_experts(rank, world_size, run_dir):
                 router.expert_bias[:4] = 10.0
         trainer.model.register_forward_pre_hook(bias)
         trainer.run()
-        return [identity.ep for identity in trainer.straggler_check.identities]
+        check = next(hook.check for hook in trainer.hooks if isinstance(hook, StragglerWindows))
+        return [identity.ep for identity in check.identities]
     finally:
         destroy_parallel()
 
