@@ -12,7 +12,7 @@ neither. A rank of a tp x cp block holds some positions of its rows: its context
 - MixerSplit: each sequence mixer takes its variant for the splits (parallel/context_parallel_mixers.py).
 The head's logits are split over the vocabulary by its COLUMN placement; the step runner reads its scores
 through parallel/vocab_parallel_loss.VocabularySplit, which combines the slices wherever tp > 1. How many
-positions each of these holds (held_positions) is what the pipeline declares its boundary shapes from.
+positions each of these holds (position_counts) is what the pipeline declares its boundary shapes from.
 A stage boundary that changes cp applies the table again with the new split (training/stage_switch.py):
 every style replaces what it applied before.
 """
@@ -101,7 +101,7 @@ def apply_activation_plan(model: nn.Module, splits: Splits) -> None:
 
 
 @dataclass(frozen=True)
-class HeldPositions:
+class PositionCounts:
     """How many positions of a row of T a rank's activations hold where the table places them (what the
     pipeline declares its boundary shapes from)."""
 
@@ -113,6 +113,6 @@ class HeldPositions:
     """The head's output: its context-parallel positions (the column-parallel head gathers the sequence)."""
 
 
-def held_positions(seq_len: int, tp: int, cp: int) -> HeldPositions:
-    return HeldPositions(seq_len, seq_len // cp // tp, seq_len // cp)
+def position_counts(seq_len: int, tp: int, cp: int) -> PositionCounts:
+    return PositionCounts(seq_len, seq_len // cp // tp, seq_len // cp)
 

@@ -46,7 +46,7 @@ from moe_pretrain.data import Batch
 from moe_pretrain.data.patches import PlacedImage, placed_images
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.declared_stage import DeclaredStage
-from parallel.activation_plan import held_positions
+from parallel.activation_plan import position_counts
 from parallel.parallelize import DTYPES
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
@@ -141,7 +141,7 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
     compute_dtype = compute_dtype or dtype
     rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
     D = cfg.model.hidden_size
-    held = held_positions(shape.seq_len, ctx.layout.tp, shape.cp)
+    held = position_counts(shape.seq_len, ctx.layout.tp, shape.cp)
     block = cfg.model.attn_res.block_size
 
     def meta(*shape, dtype=dtype):

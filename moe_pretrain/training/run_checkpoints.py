@@ -55,7 +55,7 @@ class RunCheckpoints:
         c = self.cfg.checkpoint
         # The previous save, if still in flight, is committed (or its failure reported) on its own first: a
         # failure found there must not also cost this step's save (on_async_failure=continue).
-        self.last = self._guard(self.async_saver.wait) or self.last
+        self.wait()
         # Snapshots only: an async save writes this JSON at commit time, steps later.
         self._guard(self.async_saver.start, self.root, self.state.step, *self.state.snapshot(), c.keep_last,
                     c.keep_every)
