@@ -12,6 +12,7 @@ from moe_pretrain.training.wandb_run import RUN_ID_FILE
 from tests.models import tiny_config
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="wandb is part of the test extra")
+wandb = pytest.importorskip("wandb")
 
 
 def wandb_records(path: Path):
@@ -50,6 +51,9 @@ def test_offline_wandb_gets_the_step_scalars_and_a_resume_keeps_the_run(tmp_path
                  "checkpoint.every=2", f"train.run_dir={tmp_path}", "train.steps=4")
     first = Trainer(tiny_config(*overrides, "train.exit_at_step=2")).run()
     second = Trainer(tiny_config(*overrides)).run()
+    # run.finish() returns before W&B's service process has written the whole file; its teardown waits for that
+    # process to end (as the atexit hook of a training process does)
+    wandb.teardown()
     run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
     files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and all(f.name == f"run-{run_id}.wandb" for f in files)  # one W&B run, resumed
