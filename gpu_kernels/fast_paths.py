@@ -24,6 +24,7 @@ from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.mlp import SiTUGLUMLP
+from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
 
 
@@ -168,9 +169,13 @@ def _module_states(model: nn.Module) -> dict[str, set[str]]:
             if module.fp8_settings is not None:
                 gemm += " (unused: the FP8 engine runs the expert GEMMs)"
             found["grouped GEMM"] = gemm
-        if isinstance(module, (GroupedExperts, SiTUGLUMLP)):  # built with the MoE dispatcher's choice
-            found["Triton kernels (SiTU-GLU, MoE permute)"] = ("on" if module.fused
-                                                               else off("triton", "off: PyTorch references"))
+        if isinstance(module, (GroupedExperts, SiTUGLUMLP)):
+            found["Triton SiTU-GLU"] = "on" if module.fused else off("triton", "off: PyTorch reference")
+        elif isinstance(module, LatentMoE):
+            dispatcher = module.dispatcher
+            found["Triton MoE permute"] = (
+                ("on" if dispatcher.fused else off("triton", "off: PyTorch reference")) if dispatcher.permutes
+                else f"not called ({type(dispatcher).__name__} gathers its rows by index)")
         for path, state in found.items():
             states.setdefault(path, set()).add(state)
     return states

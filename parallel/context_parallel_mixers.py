@@ -103,7 +103,7 @@ class LatentExchangeMLA(ContextPositions, GatedMLA):
                 k_rope = rotate(k_rope, key_positions[start:end], self.rope_theta)
             return torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, H, Dr)], dim=-1), v
 
-        record = self.max_logits is not None and torch.is_grad_enabled()
+        record = self._records_max_logits()
         out = latent_causal_attention(q.reshape(B * T_local, H, Dn + Dr), self.context.global_index(B, T),
                                       every.reshape(B * T, -1), layout.document_bounds, expand,
                                       (up, self.kv_norm.weight), self.scale, max_logits=record)

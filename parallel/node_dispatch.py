@@ -48,6 +48,8 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
     """ep ranks as N nodes of G (rail_group: this rank's peers of the same local index, one per node, in node
     order; node_group: the G ranks of this node, in local order)."""
 
+    permutes = False  # rows are gathered by index (token_of_row, row_of_copy), never permuted
+
     def __init__(self, num_experts: int, rank: int, rail_group: dist.ProcessGroup | None,
                  node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False, chunks: int = 1):
         super().__init__(num_experts, fused=fused)

@@ -24,7 +24,7 @@ from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.qk_clip import MaxLogitRecord, document_max_logits
-from moe_pretrain.model.recompute import maybe_recompute
+from moe_pretrain.model.recompute import maybe_recompute, recomputing
 from moe_pretrain.ops.document_attention import document_causal_attention
 
 
@@ -109,9 +109,14 @@ class GatedMLA(nn.Module):
             out = flex_document_attention(*flat, layout.attention_mask, self.scale)
         else:
             out = document_causal_attention(*flat, layout.document_bounds, self.scale)
-        if self.max_logits is not None and torch.is_grad_enabled():
+        if self._records_max_logits():
             self._note_max_logits(document_max_logits(flat[0], flat[1], layout.document_bounds, self.scale), layout)
         return out.reshape(rows, positions, heads, -1)
+
+    def _records_max_logits(self) -> bool:
+        """Whether this forward notes its heads' largest logits: a training forward's first pass only (a
+        recomputation in backward computes the same logits; its pass would be paid again for nothing)."""
+        return self.max_logits is not None and torch.is_grad_enabled() and not recomputing()
 
     def _note_max_logits(self, maxima: torch.Tensor, layout: DocumentLayout) -> None:
         """Record the maxima of the heads this core saw: all of this rank's (a variant that splits heads

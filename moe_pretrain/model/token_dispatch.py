@@ -39,6 +39,10 @@ class DispatchMetadata:
 class LocalTokenDispatcher:
     """All experts live on this process: dispatch is a stable sort by expert id."""
 
+    permutes = True
+    """Whether exchange() moves its rows through permute / unpermute (the fast-path report reads it: a dispatcher
+    that gathers its rows by index runs no permute kernel, whatever Kernels.triton says)."""
+
     def __init__(self, num_experts: int, *, fused: bool = False):
         self.num_experts = num_experts
         self.fused = fused

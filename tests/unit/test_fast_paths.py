@@ -60,7 +60,8 @@ def test_the_report_reads_each_fast_path_from_the_built_model_and_says_why_it_is
     assert "KDA: PyTorch chunk form (kernels.kda=torch)" in text
     assert "FP8: blockwise on the routed experts' GEMMs via exact CPU emulation" in text
     assert "grouped GEMM: torch._grouped_mm, forward and backward (unused: the FP8 engine" in text
-    assert "Triton kernels (SiTU-GLU, MoE permute): off: PyTorch references (kernels.triton=torch)" in text
+    assert "Triton SiTU-GLU: off: PyTorch reference (kernels.triton=torch)" in text
+    assert "Triton MoE permute: off: PyTorch reference (kernels.triton=torch)" in text
     loop = describe(build_model(tiny_config("kernels.grouped_gemm=loop")))
     assert "grouped GEMM: one matmul per expert (kernels.grouped_gemm=loop)" in loop
     assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in loop
@@ -114,6 +115,7 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     assert set(dict(kernels.why_not)) == {"kda", "attention"}
     model = build_model(cfg, kernels=kernels)
     assert "MLA attention: one SDPA per document (in a dry run: FlexAttention refuses a backward" in describe(model)
+    assert "Triton SiTU-GLU: on" in describe(model) and "Triton MoE permute: on" in describe(model)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     doc_ids = torch.zeros_like(tokens)  # real, as the data loader's are in a dry run: one document a row
     with FakeTensorMode(allow_non_fake_inputs=True), assuming(AssumedValues()), OpCensus() as ops, \
@@ -127,3 +129,19 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
         moe_layers, 2 * moe_layers, moe_layers), launched
     # SiTU-GLU in every MLP (routed experts, shared experts, the dense layers, the vision tower's), once each way.
     assert launched["situ_glu"] == launched["situ_glu_backward"] >= 2 * moe_layers + cfg.model.dense_layers
+
+
+def test_the_report_says_a_node_dispatch_calls_no_permute_kernel():
+    """The node dispatch gathers its rows by index: with Kernels.triton on, the report says the permute kernels
+    are not called rather than on."""
+    from moe_pretrain.model.moe import LatentMoE
+    from parallel.node_dispatch import NodeTokenDispatcher
+
+    cfg = tiny_config("train.dtype=bfloat16", "model.moe.num_experts=4")
+    model = build_model(cfg, kernels=resolve_for_gpu(cfg, torch.bfloat16))
+    for module in model.modules():
+        if isinstance(module, LatentMoE):
+            module.dispatcher = NodeTokenDispatcher(4, 0, None, None, fused=True)
+    text = describe(model)
+    assert "Triton MoE permute: not called (NodeTokenDispatcher gathers its rows by index)" in text
+    assert "Triton SiTU-GLU: on" in text

@@ -73,3 +73,31 @@ def test_a_head_above_the_threshold_is_clipped_to_it(position):
         start_recording(model)
         layer(x, layout)
     assert layer.max_logits.value is None
+
+
+def test_a_recomputed_layer_does_not_pass_over_the_logits_again(monkeypatch):
+    """Under full recomputation a layer runs twice (forward, and again in backward up to its last product, past
+    the attention core); the maxima pass runs in the first only, and records what a layer without
+    recomputation records (bitwise)."""
+    import moe_pretrain.model.mla as mla
+    from moe_pretrain.model.recompute import maybe_recompute
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return document_max_logits(*args, **kwargs)
+
+    monkeypatch.setattr(mla, "document_max_logits", counted)
+    layer, _ = make_layer("nope")
+    model = nn.ModuleDict({"mixer": layer})
+    x = torch.randn(2, 9, 16, dtype=F64, requires_grad=True)
+    layout = DocumentLayout.from_doc_ids(torch.tensor([[0] * 4 + [1] * 5, [0] * 9]))
+    recorded = {}
+    for recompute in (False, True):
+        start_recording(model)
+        calls.clear()
+        maybe_recompute(recompute, lambda x: layer(x, layout), x).sum().backward()
+        recorded[recompute] = layer.max_logits.value
+        assert len(calls) == 1, recompute
+    assert torch.equal(recorded[True], recorded[False])
