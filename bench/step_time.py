@@ -38,7 +38,7 @@ def measure(configs: list[str], steps: int, warmup: int) -> dict:
     if not timed:
         raise SystemExit(f"--steps {steps} leaves no step after --warmup {warmup}")
     return {"step_s": statistics.median(r.seconds for r in timed),
-            "mfu": statistics.median(trainer.mfu(r.tokens, r.seconds, r.seq_len) for r in timed),
+            "mfu": statistics.median(trainer.mfu(r.tokens, r.seconds, r.seq_len, r.attended_keys) for r in timed),
             "first_s": results[0].seconds, "kernels": describe(trainer.model),
             "loss": (results[0].loss, results[-1].loss)}
 

@@ -57,8 +57,9 @@ def print_trace(trace: dict) -> None:
     for name, size in list(trace["bytes_by_op"].items())[:8]:
         print(f"    {size / GB:8.1f} GB read and written by {name}")
     print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
-          f"{trace['bytes_moved'] / GB:.4g} GB moved; collectives the compute waits for "
-          f"{sum(trace['exposed_s'].values()):.4g} s), MFU {trace['mfu']:.1%}")
+          f"{trace['compute_once_s']:.4g} s of it once a step, {trace['bytes_moved'] / GB:.4g} GB moved; collectives "
+          f"the compute waits for {sum(trace['exposed_s'].values()):.4g} s), MFU {trace['mfu']:.1%} (attention "
+          f"over the step's documents: {trace['attended_keys']:.0f} keys a query)")
     for site, n in trace["host_reads"].items():
         print(f"  host read: {n} x {site}")
 

@@ -16,13 +16,20 @@ and prints the smallest that fits every stage with 10% headroom.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
 from moe_pretrain.model.counts import count, total_parts
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
-from moe_pretrain.planning.plan_step_time import column_links, plan_groups, planned_step, traced_stage_step
+from moe_pretrain.planning.plan_step_time import (
+    TRACE_KEYS,
+    column_links,
+    plan_groups,
+    planned_step,
+    traced_stage_step,
+)
 from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines, plan_of_traced_step
 from moe_pretrain.planning.stage_memory import (
     GPU_BYTES,
@@ -149,7 +156,8 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     print(f"\nstep time on {gpus} x {gpu.name} ({gpu.peak_flops / 1e12:.0f} TFLOP/s dense peak), layout "
           f"{run.describe()}: the plan's FLOPs at the peak (a bound: memory-bound ops are the dry run's to count), "
-          f"its communication on the links it crosses, the 1F1B bubble")
+          f"its communication on the links it crosses, the 1F1B bubble; MFU counts MLA's attention at one document "
+          f"per row in the plan's columns, at the documents the traced step ran in the dry run's")
     print(f"{'stage':8s} {'step s':>8s} {'MFU':>6s} {'days':>7s}" + (f" | dry run: {'step s':>8s} {'MFU':>6s} "
                                                                        f"{'days':>7s}" if traces else ""))
     days = {"plan": 0.0, "dry run": 0.0}
@@ -164,6 +172,10 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
         found = traces / f"{stage.name}.json" if traces else None
         if found and found.exists():
             traced = json.loads(found.read_text())
+            if missing := TRACE_KEYS - set(traced[0]):
+                print(f"{found}: a trace without {', '.join(sorted(missing))} (made by an older dry run): trace "
+                      f"the stage again (bench/dry_run.py --stage {stage.name} --traces {traces})", file=sys.stderr)
+                sys.exit(os.EX_DATAERR)
             dry = traced_stage_step(cfg, run, stage, layout, traced, gpu)
             days["dry run"] += dry.days
             traced_stages.append((index, traced))

@@ -22,6 +22,8 @@ import torch
 
 _values: dict[Hashable, object] | None = None
 """The open region's values by key; None outside any region."""
+_making = False
+"""A reused value is being made (once a step, whatever the step's micro-batches)."""
 
 T = TypeVar("T")
 
@@ -46,8 +48,21 @@ def reused(key: Hashable, make: Callable[[], T]) -> T:
     if _values is None:
         return make()
     if key not in _values:
-        _values[key] = make()
+        global _making
+        before, _making = _making, True
+        try:
+            _values[key] = make()
+        finally:
+            _making = before
     return _values[key]  # type: ignore[return-value]
+
+
+def repeats_per_micro_batch() -> bool:
+    """Whether work done now repeats with each of the step's micro-batches: inside the step's region (its
+    forward and backward passes), apart from making a reused value. Outside it (the optimizer, the step's
+    hooks) and while making one (the weights' casts), work is done once a step: a dry run of a cut step
+    scales only the first kind to a whole step's micro-batches (planning/op_census.py)."""
+    return _values is not None and not _making
 
 
 class _StepCast(torch.autograd.Function):

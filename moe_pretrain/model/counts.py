@@ -16,6 +16,9 @@ KDA, the chunked algorithm per head, 3 * (2 C K + C (K + V) + C V + 6 K V) for c
 
 import dataclasses
 
+import numpy as np
+import torch
+
 from moe_pretrain.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionEncoderConfig
 
 
@@ -116,7 +119,22 @@ def ends_params(cfg: ModelConfig, last: bool) -> int:
     return 3 * d + (1 + cfg.mtp.layers) * d * cfg.vocab_size + cfg.mtp.layers * (2 * d * d + 3 * d)
 
 
-def count(cfg: ModelConfig, seq_len: int) -> dict:
+def attended_keys(doc_ids: torch.Tensor) -> float:
+    """Mean keys an attention query sees over rows doc_ids [B, T] (each row's document numbers, non-decreasing):
+    attention stays inside a document, so a row packed with documents of lengths L_1 .. L_n gives its queries
+    sum L (L + 1) / 2 keys in all (causal), (T + 1) / 2 a query where one document fills the row. Counted on
+    the host (numpy), so it launches nothing and reads no device."""
+    ids = doc_ids.cpu().numpy()
+    starts = np.ones(ids.shape, dtype=bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = np.flatnonzero(starts.reshape(-1))
+    lengths = np.diff(np.append(first, ids.size)).astype(np.float64)
+    return float((lengths * (lengths + 1) / 2).sum() / ids.size)
+
+
+def count(cfg: ModelConfig, seq_len: int, keys: float | None = None) -> dict:
+    """The model's parameters and its training FLOPs per token at seq_len; keys: the keys a query of MLA's
+    attention sees (attended_keys over the step's documents), None: one document per row (the bound)."""
     d = cfg.hidden_size
     per_layer_vectors = 3 * 2 * d  # two AttnRes mixes (query + norm weight) and two pre-norms
     breakdown = {
@@ -149,8 +167,8 @@ def count(cfg: ModelConfig, seq_len: int) -> dict:
     idle_experts = moe_layers * (cfg.moe.num_experts - cfg.moe.top_k) * routed_expert_params(cfg.moe)
     active = total - idle_experts
 
-    layer_flops = [layer_flops_per_token(cfg, i, seq_len) for i in layers]
-    mixing = [mixing_flops_per_token(cfg, i, seq_len) for i in layers]
+    layer_flops = [layer_flops_per_token(cfg, i, seq_len, keys) for i in layers]
+    mixing = [mixing_flops_per_token(cfg, i, seq_len, keys) for i in layers]
     flops = sum(layer_flops) + 6 * ends_params(cfg, last=True)
     kda = sum(f for i, f in zip(layers, mixing) if cfg.layer_kind(i) == "kda")
     return {

@@ -3,9 +3,10 @@ follows the documents' lengths, not the row's.
 
 A row packed with documents of lengths L_1 .. L_n gives its queries sum L (L + 1) / 2 keys in all (causal,
 within each document), L / 2 per query on average where one document fills the row, far fewer where many
-short ones do. The plan prices MLA's attention at one document per row unless told otherwise (a bound: the
-user's data decides); the dry run attends over the documents the stage's loader packs, so the plan that is set
-beside it takes this figure from the same loader (bench/dry_run.py, launch.plan --traces).
+short ones do (model/counts.attended_keys, the mean over a batch). The plan prices MLA's attention at one
+document per row unless told otherwise (a bound: the user's data decides); the dry run attends over the
+documents the stage's loader packs, so the plan that is set beside it takes this figure from the same loader
+(bench/dry_run.py, launch.plan --traces).
 """
 
 import bisect
@@ -19,16 +20,6 @@ from moe_pretrain.planning.sizing import LATENT_KEY_BLOCK, ExchangeSpan
 
 SAMPLE_ROWS = 64
 """Rows of the stage's first step read for the figure (the packer plans them from document lengths alone)."""
-
-
-def attended_keys(doc_ids: torch.Tensor) -> float:
-    """Mean keys a query attends to over rows doc_ids [B, T] (each row's document numbers, non-decreasing)."""
-    pairs = tokens = 0.0
-    for row in doc_ids:
-        lengths = torch.unique_consecutive(row, return_counts=True)[1].double()
-        pairs += (lengths * (lengths + 1) / 2).sum().item()
-        tokens += lengths.sum().item()
-    return pairs / tokens
 
 
 def _rank_span(bounds: list[int], rows: int, seq_len: int, cp: int, rank: int, block: int) -> tuple[int, int]:

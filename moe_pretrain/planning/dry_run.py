@@ -97,6 +97,13 @@ class StepTrace:
     """Bytes the launches read and write."""
     compute_s: float = 0.0
     """The launches' roofline time on the target GPU (planning/step_time.py)."""
+    compute_once_s: float = 0.0
+    """Of compute_s, the launches done once a step whatever its micro-batches (the optimizer, the step's hooks,
+    the weights' casts: step_reuse.repeats_per_micro_batch); a cut step's other compute scales with the
+    stage's micro-batches (plan_step_time.traced_stage_step)."""
+    attended_keys: float = 0.0
+    """The keys an attention query of the step's batches saw (model/counts.attended_keys): the MFU's model
+    FLOPs price MLA's attention over the documents the step ran."""
     collective_s: dict[str, float] = field(default_factory=dict)
     """Per group, its collectives' time on the target fabric."""
     exposed_s: dict[str, float] = field(default_factory=dict)
@@ -104,7 +111,8 @@ class StepTrace:
     step_s: float = 0.0
     """The predicted step time: compute plus the collectives' time not hidden behind it (exposed_s)."""
     mfu: float = 0.0
-    """Model FLOPs per GPU (model/counts.py's, without recomputation) over step_s x the GPU's peak."""
+    """Model FLOPs per GPU (model/counts.py's for the step's documents, without recomputation) over step_s x the
+    GPU's peak."""
     seconds: float = 0.0
     """How long the dry run took here."""
 
@@ -162,11 +170,12 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         with fake or contextlib.nullcontext(), host, OpCensus(gpu, timeline) as ops, \
                 CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
                 watching_waits(timeline):
-            trainer.train_step()
+            result = trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
     optimizer = trainer.optimizer
-    model_flops = count(cfg.model, plan.seq_len)["flops_per_token"] * plan.rows * plan.seq_len / ctx.layout.world_size
+    model_flops = (count(cfg.model, plan.seq_len, result.attended_keys)["flops_per_token"] * plan.rows * plan.seq_len
+                   / ctx.layout.world_size)
     step_s = timeline.finish(plan.micro_batches)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank, fast_paths(trainer.model),
                      plan.micro_batches, build_peak, state, live.peak,
@@ -179,7 +188,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
-                     ops.bytes_moved, ops.roofline_s, dict(sorted(timeline.link_s.items())),
+                     ops.bytes_moved, ops.roofline_s, ops.once_s, result.attended_keys,
+                     dict(sorted(timeline.link_s.items())),
                      dict(sorted(timeline.exposed_s.items())),
                      step_s, model_flops / (step_s * gpu.peak_flops), time.perf_counter() - start)
 

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from moe_pretrain.planning.step_time import GpuSpec
 from moe_pretrain.planning.timeline import Timeline
+from moe_pretrain.step_reuse import repeats_per_micro_batch
 from parallel.collectives import inside_backend
 
 
@@ -71,6 +72,9 @@ class OpCensus(TorchDispatchMode):
         self.gpu = gpu
         self.timeline = timeline
         self.roofline_s = 0.0
+        self.once_s = 0.0
+        """Of roofline_s, the launches done once a step whatever its micro-batches
+        (step_reuse.repeats_per_micro_batch)."""
         self.bytes_moved = 0
         """Bytes the launches read and write (their tensor arguments and results)."""
         self.flops = 0
@@ -107,6 +111,8 @@ class OpCensus(TorchDispatchMode):
             if self.gpu is not None:
                 seconds = max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
                 self.roofline_s += seconds
+                if not repeats_per_micro_batch():
+                    self.once_s += seconds
                 if self.timeline is not None:
                     self.timeline.compute(seconds)
         return out

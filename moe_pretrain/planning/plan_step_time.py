@@ -75,15 +75,17 @@ class PlannedStep:
     rank_step_s: list[float]
     """Each pipeline rank's time without the bubble."""
     mfu: float
-    """Model FLOPs (without recomputation) per GPU over step_s x the GPU's peak."""
+    """Model FLOPs (without recomputation) per GPU over step_s x the GPU's peak: MLA's attention priced at the
+    keys a query sees (the traced documents'; the plan's own step: one document per row)."""
     days: float
     """The stage's steps at step_s."""
 
 
 def _stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, times: list[float],
-                gpu: GpuSpec) -> PlannedStep:
-    """The stage's step from its pipeline ranks' times."""
-    model_flops = count(cfg.model, stage.seq_len)["flops_per_token"] * stage.batch_tokens / run.gpus
+                gpu: GpuSpec, keys: float | None = None) -> PlannedStep:
+    """The stage's step from its pipeline ranks' times; keys: the keys a query of MLA's attention sees (None: one
+    document per row)."""
+    model_flops = count(cfg.model, stage.seq_len, keys)["flops_per_token"] * stage.batch_tokens / run.gpus
     step = pipeline_step_seconds(max(times), run.pp, run.vpp, layout.micro_batches)
     return PlannedStep(step, times, model_flops / (step * gpu.peak_flops), stage.steps * step / 86400)
 
@@ -97,15 +99,23 @@ def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageL
     return _stage_step(cfg, run, stage, layout, times, gpu)
 
 
+TRACE_KEYS = frozenset({"micro_batches", "compute_s", "compute_once_s", "attended_keys", "exposed_s"})
+"""What traced_stage_step reads of a trace (planning/dry_run.StepTrace's fields)."""
+
+
 def traced_stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, traces: list[dict],
                       gpu: GpuSpec) -> PlannedStep:
     """The stage's step from dry-run traces of some of its ranks (launch.dryrun's JSON; each of the step's
-    first trace["micro_batches"]): each rank's compute and the time it waited for its per-micro-batch
-    collectives (its timeline's exposed_s) scale to the stage's micro-batches, the optimizer's
-    (OVERLAPPED_GROUPS) happen once a step; the slowest traced rank sets the pace."""
+    first trace["micro_batches"]): each rank's compute done per micro-batch and the time it waited for its
+    per-micro-batch collectives (its timeline's exposed_s) scale to the stage's micro-batches; its compute done
+    once a step (compute_once_s: the optimizer, the hooks, the weights' casts) and its waits for the
+    optimizer's traffic (OVERLAPPED_GROUPS) do not; the slowest traced rank sets the pace. The MFU prices
+    attention at the keys the traced documents' queries saw (their mean over the traces)."""
     times = []
     for trace in traces:
         scale = layout.micro_batches / trace["micro_batches"]
         exposed = sum(t if group in OVERLAPPED_GROUPS else t * scale for group, t in trace["exposed_s"].items())
-        times.append(trace["compute_s"] * scale + exposed)
-    return _stage_step(cfg, run, stage, layout, times, gpu)
+        once = trace["compute_once_s"]
+        times.append((trace["compute_s"] - once) * scale + once + exposed)
+    keys = sum(trace["attended_keys"] for trace in traces) / len(traces)
+    return _stage_step(cfg, run, stage, layout, times, gpu, keys)

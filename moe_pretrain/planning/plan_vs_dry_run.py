@@ -8,8 +8,9 @@ bound, one document per row, is not what the stage's loader packs.
 """
 
 from moe_pretrain.config import Config
+from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
-from moe_pretrain.planning.documents import attended_keys, exchange_span, stage_doc_ids
+from moe_pretrain.planning.documents import exchange_span, stage_doc_ids
 from moe_pretrain.planning.dry_run import first_micro_batches
 from moe_pretrain.planning.sizing import StageDocuments
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, micro_batch_rows, stage_layouts_of

@@ -26,6 +26,7 @@ from moe_pretrain.config.stage_settings import stage_settings
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
+from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
 from moe_pretrain.training import run_loop
@@ -64,6 +65,9 @@ class StepResult:
     """Seconds the step waited for its batches (near zero when they were prepared in the background)."""
     mtp_losses: tuple[float, ...] = ()
     """Each multi-token-prediction block's mean cross-entropy (model.mtp.layers)."""
+    attended_keys: float = 0.0
+    """The keys an attention query of this rank's batches saw (model/counts.attended_keys): the step's MFU
+    counts MLA's attention over the documents it ran, not over whole rows."""
 
 
 def check_vocabulary(cfg: Config, data: PretrainingData) -> None:
@@ -174,15 +178,17 @@ class Trainer:
         return BatchRequest(plan.stage_index, plan.rows // plan.micro_batches, plan.micro_batches,
                             data_parallel.dp_rank, data_parallel.dp_size, with_patches)
 
-    def _next_micro_batches(self, plan: StepPlan) -> list[Batch]:
-        """This step's batches, then the next step's started in the background (unless this is the last)."""
+    def _next_micro_batches(self, plan: StepPlan) -> tuple[list[Batch], float]:
+        """This step's batches and the keys a query of theirs attends to (counted on the host, before they
+        move to the device), then the next step's started in the background (unless this is the last)."""
         with data_values():  # real batches in a dry run as well
             batches = self.batches.take(self._batch_request(plan))
+            keys = attended_keys(torch.cat([batch.doc_ids for batch in batches]))
             if self.step + 1 < (self.cfg.train.exit_at_step or self.cfg.train.steps):
                 step_tokens = plan.rows * plan.seq_len
                 self.batches.prepare_ahead(self._batch_request(self.step_plan(self.step + 1,
                                                                               self.tokens_seen + step_tokens)))
-            return [batch.to(self.device) for batch in batches]
+            return [batch.to(self.device) for batch in batches], keys
 
     def train_step(self) -> StepResult:
         """One optimizer step, its collectives' waits metered for the straggler check."""
@@ -199,7 +205,7 @@ class Trainer:
         plan = self.step_plan()
         self.stage_switch.apply(StageModules(plan.cp, plan.cp_mla, plan.recompute, plan.saved_inputs,
                                              plan.rope_theta or cfg.model.mla.rope_theta))
-        batches = self._next_micro_batches(plan)
+        batches, keys = self._next_micro_batches(plan)
         # Scalars stay on the device until the step's one host read below. Under context parallelism each
         # rank counts (and later scores) only its own positions.
         local = ctx.context(plan.cp).local
@@ -244,7 +250,7 @@ class Trainer:
         step_tokens = plan.rows * plan.seq_len
         self.tokens_seen += step_tokens
         return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
-                          plan.stage, skipped, plan.cp, self.batches.wait_s, tuple(mtp_losses))
+                          plan.stage, skipped, plan.cp, self.batches.wait_s, tuple(mtp_losses), keys)
 
     def _count_skip(self, loss: float, grad_norm: float) -> None:
         self.skipped_total += 1
@@ -271,7 +277,7 @@ class Trainer:
             "seq_len": result.seq_len,
             "cp": result.cp,
             "tokens_per_s": result.tokens / result.seconds,
-            "mfu": self.mfu(result.tokens, result.seconds, result.seq_len),
+            "mfu": self.mfu(result.tokens, result.seconds, result.seq_len, result.attended_keys),
             "skipped": result.skipped,
             "skipped_total": self.skipped_total,
             "step_time_s": result.seconds,

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import Config, StageConfig, load_config
-from moe_pretrain.model.counts import count
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
@@ -161,24 +160,36 @@ def test_collectives_take_the_link_they_cross_and_only_the_optimizers_overlap():
 
 
 def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_bubble():
-    """launch.plan --traces: a dry run of the step's first 2 micro-batches priced for the stage's 8: compute and
-    the waits for per-micro-batch collectives 4 times, the waits for the optimizer's once, then the 1F1B bubble
-    of pp 2 (one micro-batch slot in 8)."""
+    """launch.plan --traces: a dry run of the step's first 2 micro-batches priced for the stage's 8, worked by
+    hand: compute done per micro-batch and the waits for per-micro-batch collectives 4 times, compute done once
+    a step and the waits for the optimizer's traffic once, then the 1F1B bubble of pp 2 (one micro-batch slot in
+    8). The MFU's attention follows the traced documents: between queries that saw 40 keys and 8, each MLA
+    layer's model FLOPs differ by 3 x 2 x heads x (qk + v head dims) x 32 a token."""
     from moe_pretrain.planning.plan_step_time import traced_stage_step
     from moe_pretrain.planning.stage_memory import StageLayout
     from moe_pretrain.planning.step_time import GPUS
 
     cfg = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml"])
     stage, gpu = cfg.stages[0], GPUS["h200"]
-    traces = [{"micro_batches": 2, "compute_s": 1.0, "exposed_s": {"ep": 0.5, "dp": 0.25}},
-              {"micro_batches": 2, "compute_s": 0.5, "exposed_s": {}}]
-    step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), traces, gpu)
-    slowest = 4.0 + 2.0 + 0.25
-    assert step.rank_step_s == pytest.approx([slowest, 2.0])
-    assert step.step_s == pytest.approx(slowest * (1 + 1 / 8))
-    assert step.days == pytest.approx(stage.steps * step.step_s / 86400)
-    model_flops = count(cfg.model, stage.seq_len)["flops_per_token"] * stage.batch_tokens / 8
-    assert step.mfu == pytest.approx(model_flops / (step.step_s * gpu.peak_flops))
+    mfu = {}
+    for keys in (40.0, 8.0):
+        traces = [{"micro_batches": 2, "compute_s": 1.0, "compute_once_s": 0.2, "attended_keys": keys,
+                   "exposed_s": {"ep": 0.5, "dp": 0.25}},
+                  {"micro_batches": 2, "compute_s": 0.5, "compute_once_s": 0.1, "attended_keys": keys,
+                   "exposed_s": {}}]
+        step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), traces, gpu)
+        slowest = (1.0 - 0.2) * 4 + 0.2 + 0.5 * 4 + 0.25
+        assert step.rank_step_s == pytest.approx([slowest, (0.5 - 0.1) * 4 + 0.1])
+        assert step.step_s == pytest.approx(slowest * (1 + 1 / 8))
+        assert step.days == pytest.approx(stage.steps * step.step_s / 86400)
+        mfu[keys] = step.mfu
+    m = cfg.model.mla
+    mla_layers = sum(cfg.model.layer_kind(i) == "mla" for i in range(cfg.model.num_layers + cfg.model.mtp.layers))
+    attention = mla_layers * 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * 32
+    per_gpu = attention * stage.batch_tokens / 8
+    assert mla_layers > 0
+    assert mfu[40.0] - mfu[8.0] == pytest.approx(per_gpu / (slowest * (1 + 1 / 8) * gpu.peak_flops))
+
 
 def test_a_layout_the_world_cannot_hold_is_refused_in_one_line_before_any_rank_runs():
     result = subprocess.run([sys.executable, "-m", "launch.dryrun", "configs/smoke.yaml", "parallel.tp=3",
@@ -195,7 +206,7 @@ def test_a_layout_the_world_cannot_hold_is_refused_in_one_line_before_any_rank_r
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_pipeline_ranks_memory_does_not_grow_with_the_steps_micro_batches(tmp_path):
+def test_a_pipeline_ranks_memory_and_once_a_step_compute_do_not_grow_with_the_steps_micro_batches(tmp_path):
     """bench/dry_run.py traces a stage's first pp micro-batches for a step of 64: right only if nothing a
     pipeline rank holds grows with the micro-batches. torch's stage kept a receive buffer per micro-batch and
     direction, and the schedule's losses kept each micro-batch's received boundary and its gradient alive
@@ -215,3 +226,10 @@ def test_a_pipeline_ranks_memory_does_not_grow_with_the_steps_micro_batches(tmp_
     assert traces[8]["end_bytes"] == traces[2]["end_bytes"]
     boundary = traces[8]["sent_bytes"]["pp"] / 8
     assert 0 <= traces[8]["peak_bytes"] - traces[2]["peak_bytes"] < boundary / 2
+    # What launch.plan --traces scales: the compute done once a step is the same at 2 and at 8 micro-batches (to
+    # 1%: the step counts each micro-batch's labels before its passes, a few tiny launches), and the rest grows
+    # with them (the cut step's 2 priced for 8 give the step of 8).
+    once = {micro: trace["compute_once_s"] for micro, trace in traces.items()}
+    each = {micro: (trace["compute_s"] - once[micro]) / micro for micro, trace in traces.items()}
+    assert 0 < once[8] == pytest.approx(once[2], rel=0.01)
+    assert each[8] == pytest.approx(each[2], rel=1e-3)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from moe_pretrain.config import load_config
+from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.layout import document_starts
 from moe_pretrain.ops.latent_attention import _Visibility
-from moe_pretrain.planning.documents import attended_keys, exchange_span, stage_doc_ids
+from moe_pretrain.planning.documents import exchange_span, stage_doc_ids
 from moe_pretrain.planning.sizing import ExchangeSpan, StageDocuments, stage_flops_per_token
 from parallel.context_parallel import local_positions
 
