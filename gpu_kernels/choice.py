@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Kernels:
     triton: bool = False
-    """SiTU-GLU and the MoE permute / unpermute through our Triton kernels (gpu_kernels/situ_glu.py, permute.py)."""
+    """SiTU-GLU, the AttnRes mix and the MoE permute / unpermute through our Triton kernels
+    (gpu_kernels/situ_glu.py, attn_res.py, permute.py)."""
     grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"
     """The routed experts' GEMMs: one torch._grouped_mm, one matmul per expert, or (auto) whichever the
     operands' device, dtype and widths allow (ops/grouped_mm.py)."""

@@ -20,6 +20,7 @@ from moe_pretrain.fp8 import RECIPES, fp8_unavailable_reason
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
 from moe_pretrain.fp8.settings import Engine, Fp8Settings
 from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
+from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.mla import GatedMLA
@@ -171,6 +172,8 @@ def _module_states(model: nn.Module) -> dict[str, set[str]]:
             found["grouped GEMM"] = gemm
         if isinstance(module, (GroupedExperts, SiTUGLUMLP)):
             found["Triton SiTU-GLU"] = "on" if module.fused else off("triton", "off: PyTorch reference")
+        elif isinstance(module, AttnResMix):
+            found["Triton AttnRes mix"] = "on" if module.fused else off("triton", "off: PyTorch reference")
         elif isinstance(module, LatentMoE):
             dispatcher = module.dispatcher
             found["Triton MoE permute"] = (

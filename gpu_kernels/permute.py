@@ -15,51 +15,56 @@ import triton
 import triton.language as tl
 from torch.library import custom_op
 
+from gpu_kernels.triton_support import row_tiles
 
-@triton.jit
-def _gather_rows(src_ptr, index_ptr, dst_ptr, width, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    source = tl.load(index_ptr + row).to(tl.int64)
-    values = tl.load(src_ptr + source * width + cols, mask=mask)
-    tl.store(dst_ptr + row.to(tl.int64) * width + cols, values, mask=mask)
+WITHOUT_PRODUCTS = ("permute", "unpermute", "unpermute_backward")
+"""Ops here that multiply no matrices: the op census prices them by their bytes (gathers and weighted sums)."""
 
 
 @triton.jit
-def _weighted_row_sum(rows_ptr, positions_ptr, weights_ptr, out_ptr, width, K: tl.constexpr,
-                      WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
+def _gather_rows(src_ptr, index_ptr, dst_ptr, count, width, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    in_rows = rows < count
+    mask = in_rows[:, None] & (cols < width)[None, :]
+    source = tl.load(index_ptr + rows, mask=in_rows, other=0).to(tl.int64)
+    values = tl.load(src_ptr + source[:, None] * width + cols[None, :], mask=mask)
+    tl.store(dst_ptr + rows[:, None] * width + cols[None, :], values, mask=mask)
+
+
+@triton.jit
+def _weighted_row_sum(rows_ptr, positions_ptr, weights_ptr, out_ptr, num_tokens, width, K: tl.constexpr,
+                      WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    in_tokens = tokens < num_tokens
+    mask = in_tokens[:, None] & (cols < width)[None, :]
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for j in range(K):
-        position = tl.load(positions_ptr + token * K + j).to(tl.int64)
-        row = tl.load(rows_ptr + position * width + cols, mask=mask, other=0.0).to(tl.float32)
+        position = tl.load(positions_ptr + tokens * K + j, mask=in_tokens, other=0).to(tl.int64)
+        row = tl.load(rows_ptr + position[:, None] * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if WEIGHTED:
-            row = row * tl.load(weights_ptr + token * K + j).to(tl.float32)
+            row = row * tl.load(weights_ptr + tokens * K + j, mask=in_tokens, other=0.0).to(tl.float32)[:, None]
         acc += row
-    tl.store(out_ptr + token.to(tl.int64) * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + tokens[:, None] * width + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _unpermute_backward(grad_out_ptr, rows_ptr, positions_ptr, weights_ptr, grad_rows_ptr, grad_weights_ptr,
-                        width, K: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0)
+                        num_tokens, width, K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    tokens = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < width
-    grad = tl.load(grad_out_ptr + token.to(tl.int64) * width + cols, mask=mask, other=0.0).to(tl.float32)
+    in_tokens = tokens < num_tokens
+    mask = in_tokens[:, None] & (cols < width)[None, :]
+    grad = tl.load(grad_out_ptr + tokens[:, None] * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     for j in range(K):
-        position = tl.load(positions_ptr + token * K + j).to(tl.int64)
-        weight = tl.load(weights_ptr + token * K + j).to(tl.float32)
-        row = tl.load(rows_ptr + position * width + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_rows_ptr + position * width + cols, (weight * grad).to(grad_rows_ptr.dtype.element_ty),
-                 mask=mask)
-        tl.store(grad_weights_ptr + token * K + j, tl.sum(row * grad, axis=0).to(grad_weights_ptr.dtype.element_ty))
-
-
-def _block(width: int) -> int:
-    return triton.next_power_of_2(width)
+        position = tl.load(positions_ptr + tokens * K + j, mask=in_tokens, other=0).to(tl.int64)
+        weight = tl.load(weights_ptr + tokens * K + j, mask=in_tokens, other=0.0).to(tl.float32)
+        offsets = position[:, None] * width + cols[None, :]
+        row = tl.load(rows_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_rows_ptr + offsets, (weight[:, None] * grad).to(grad_rows_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_weights_ptr + tokens * K + j, tl.sum(row * grad, axis=1).to(grad_weights_ptr.dtype.element_ty),
+                 mask=in_tokens)
 
 
 # Each kernel is a custom op with a fake implementation: fake tensors (the dry run) and torch.compile see one
@@ -68,7 +73,9 @@ def _block(width: int) -> int:
 def _permute(x_TL: torch.Tensor, token_index: torch.Tensor, positions_TK: torch.Tensor) -> torch.Tensor:
     rows = x_TL.new_empty(token_index.shape[0], x_TL.shape[1])
     if rows.shape[0]:
-        _gather_rows[(rows.shape[0],)](x_TL, token_index, rows, x_TL.shape[1], BLOCK=_block(x_TL.shape[1]))
+        block, per_program = row_tiles(x_TL.shape[1])
+        _gather_rows[(triton.cdiv(rows.shape[0], per_program),)](x_TL, token_index, rows, rows.shape[0],
+                                                                 x_TL.shape[1], BLOCK=block, ROWS=per_program)
     return rows
 
 
@@ -78,9 +85,10 @@ def _unpermute(rows_RL: torch.Tensor, positions_TK: torch.Tensor, weights_TK: to
     num_tokens, k = positions_TK.shape
     out = rows_RL.new_empty(num_tokens, rows_RL.shape[1])
     if num_tokens:
-        _weighted_row_sum[(num_tokens,)](rows_RL, positions_TK, weights_TK if weights_TK is not None else positions_TK,
-                                         out, rows_RL.shape[1], K=k, WEIGHTED=weights_TK is not None,
-                                         BLOCK=_block(rows_RL.shape[1]))
+        block, per_program = row_tiles(rows_RL.shape[1])
+        _weighted_row_sum[(triton.cdiv(num_tokens, per_program),)](
+            rows_RL, positions_TK, weights_TK if weights_TK is not None else positions_TK, out, num_tokens,
+            rows_RL.shape[1], K=k, WEIGHTED=weights_TK is not None, BLOCK=block, ROWS=per_program)
     return out
 
 
@@ -90,8 +98,10 @@ def _unpermute_backward_op(grad_out: torch.Tensor, rows_RL: torch.Tensor, positi
     grad_rows, grad_weights = torch.empty_like(rows_RL), torch.empty_like(weights_TK)
     num_tokens, k = positions_TK.shape
     if num_tokens:
-        _unpermute_backward[(num_tokens,)](grad_out, rows_RL, positions_TK, weights_TK, grad_rows, grad_weights,
-                                           rows_RL.shape[1], K=k, BLOCK=_block(rows_RL.shape[1]))
+        block, per_program = row_tiles(rows_RL.shape[1])
+        _unpermute_backward[(triton.cdiv(num_tokens, per_program),)](
+            grad_out, rows_RL, positions_TK, weights_TK, grad_rows, grad_weights, num_tokens, rows_RL.shape[1], K=k,
+            BLOCK=block, ROWS=per_program)
     return grad_rows, grad_weights
 
 

@@ -24,3 +24,17 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda" and not triton_interpreted():
         return f"device {device.type} needs TRITON_INTERPRET=1"
     return None
+
+
+TILE_ELEMENTS = 4096
+"""A row kernel's tile, rows x width, at most (rounded up to one row)."""
+
+
+def row_tiles(width: int) -> tuple[int, int]:
+    """(BLOCK, ROWS) of a kernel that works on whole rows: the width rounded up to a power of two, and the rows a
+    program takes at once: one at the model's widths (a row of thousands fills a program), several for narrow
+    rows (the interpreter runs a program at a time: tests)."""
+    import triton
+
+    block = triton.next_power_of_2(width)
+    return block, max(1, min(64, TILE_ELEMENTS // block))

@@ -28,7 +28,7 @@ class PrecisionConfig:
 @dataclass
 class KernelsConfig:
     triton: Literal["auto", "triton", "torch"] = "auto"
-    """Our Triton kernels (gpu_kernels/): fused SiTU-GLU and the MoE permute / unpermute. auto: on CUDA
+    """Our Triton kernels (gpu_kernels/): fused SiTU-GLU, the AttnRes mix and the MoE permute / unpermute. auto: on CUDA
     tensors when triton is installed; triton: always (on a CPU only under TRITON_INTERPRET=1, for tests);
     torch: the PyTorch references."""
     grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"

@@ -47,7 +47,7 @@ class MoETransformer(nn.Module):
         self.mm_projector = VisionProjector(vision.encoder.merged_size, d, cfg.norm_eps, cfg.init_std)
         self.image_merge = ImageMerge()
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers)})
-        self.final_mix = AttnResMix(d, cfg.norm_eps)
+        self.final_mix = AttnResMix(d, cfg.norm_eps, kernels)
         self.final_norm = RMSNorm(d, cfg.norm_eps)
         self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
         self.mtp = nn.ModuleDict({str(k): MTPBlock(cfg, k + 1, kernels) for k in range(cfg.mtp.layers)})

@@ -68,7 +68,7 @@ def test_attn_res_mix_matches_loop():
     bank = torch.randn(5, 3, 4, 16, generator=gen, dtype=F64) * torch.rand(5, 1, 1, 1, generator=gen, dtype=F64) * 5
     query = torch.randn(16, generator=gen, dtype=F64)
     norm_weight = torch.rand(16, generator=gen, dtype=F64) + 0.5
-    out = attn_res_mix(bank, query, norm_weight, eps=1e-5)
+    out = attn_res_mix(list(bank), query, norm_weight, eps=1e-5)
     expected = torch.zeros(3, 4, 16, dtype=F64)
     for b in range(3):
         for t in range(4):
