@@ -56,6 +56,9 @@ def print_trace(trace: dict) -> None:
         print(f"    {size / GB:8.3f} GB by {site}")
     for name, size in list(trace["bytes_by_op"].items())[:8]:
         print(f"    {size / GB:8.1f} GB read and written by {name}")
+    print("  compute by component (launches, GB read and written, roofline s):")
+    for name, (launches, size, seconds) in trace["compute_by_component"].items():
+        print(f"    {launches:8d} {size / GB:10.1f} {seconds:8.4f}  {name}")
     print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
           f"{trace['compute_once_s']:.4g} s of it once a step, {trace['bytes_moved'] / GB:.4g} GB moved; collectives "
           f"the compute waits for {sum(trace['exposed_s'].values()):.4g} s), MFU {trace['mfu']:.1%} (attention "

@@ -32,6 +32,7 @@ from moe_pretrain.model.counts import count
 from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
+from moe_pretrain.planning.compute_sites import ComputeSites
 from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
@@ -46,6 +47,8 @@ from parallel.state import ParallelContext, derive_micro_batches, destroy_parall
 log = logging.getLogger(__name__)
 PEAK_SITES = 16
 """How many of the peak's largest holders a trace keeps."""
+COMPUTE_SITES = 40
+"""How many of the slowest lines of compute a trace keeps."""
 
 
 @dataclass
@@ -93,6 +96,11 @@ class StepTrace:
     """'group op at file:line' -> payload bytes, the largest first."""
     host_reads: dict[str, int] = field(default_factory=dict)
     """'kind at file:line' -> reads in the step."""
+    compute_by_component: dict[str, list] = field(default_factory=dict)
+    """Component -> [launches, bytes read and written, roofline seconds], the slowest first
+    (planning/compute_sites.py: backward launches under the forward line that made them)."""
+    compute_by_site: dict[str, list] = field(default_factory=dict)
+    """The same by the line of the project's code, the COMPUTE_SITES slowest."""
     bytes_moved: int = 0
     """Bytes the launches read and write."""
     compute_s: float = 0.0
@@ -167,7 +175,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         log.info(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s; stage {plan.stage}'s first step "
                  f"({plan.micro_batches} micro-batches of {plan.rows // plan.micro_batches} x {plan.seq_len} tokens)")
         timeline = Timeline()
-        with fake or contextlib.nullcontext(), host, OpCensus(gpu, timeline) as ops, \
+        with fake or contextlib.nullcontext(), host, ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
                 CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
                 watching_waits(timeline):
             result = trainer.train_step()
@@ -188,6 +196,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
+                     sites.by_component(),
+                     dict(sorted(sites.by_site.items(), key=lambda item: -item[1][2])[:COMPUTE_SITES]),
                      ops.bytes_moved, ops.roofline_s, ops.once_s, result.attended_keys,
                      dict(sorted(timeline.link_s.items())),
                      dict(sorted(timeline.exposed_s.items())),

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from moe_pretrain.planning.compute_sites import ComputeSites
 from moe_pretrain.planning.step_time import GpuSpec
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.step_reuse import repeats_per_micro_batch
@@ -66,11 +67,14 @@ _NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", 
 class OpCensus(TorchDispatchMode):
     """with OpCensus() as ops: ... ; ops.flops, ops.launches, and each by aten op name (Counters)."""
 
-    def __init__(self, gpu: GpuSpec | None = None, timeline: Timeline | None = None):
-        """gpu: the target whose roofline bounds each launch's time (roofline_s), each told to `timeline`."""
+    def __init__(self, gpu: GpuSpec | None = None, timeline: Timeline | None = None,
+                 sites: ComputeSites | None = None):
+        """gpu: the target whose roofline bounds each launch's time (roofline_s), each told to `timeline` and filed
+        by `sites` under the line that made it."""
         super().__init__()
         self.gpu = gpu
         self.timeline = timeline
+        self.sites = sites
         self.roofline_s = 0.0
         self.once_s = 0.0
         """Of roofline_s, the launches done once a step whatever its micro-batches
@@ -115,4 +119,6 @@ class OpCensus(TorchDispatchMode):
                     self.once_s += seconds
                 if self.timeline is not None:
                     self.timeline.compute(seconds)
+                if self.sites is not None:
+                    self.sites.launched(moved, seconds)
         return out
