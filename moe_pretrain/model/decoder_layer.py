@@ -31,14 +31,14 @@ class DecoderLayer(nn.Module):
         # (language_model.model.layers.0.self_attention_res_norm / _proj), so import and export map every
         # released tensor one to one; they cost 2d parameters.
         self.attn_mix = AttnResMix(d, cfg.norm_eps, kernels)
-        self.attn_norm = RMSNorm(d, cfg.norm_eps)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, kernels)
         if cfg.layer_kind(index) == "kda":
             self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std,
                                             kernels=kernels)
         else:
             self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std, kernels=kernels)
         self.mlp_mix = AttnResMix(d, cfg.norm_eps, kernels)
-        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, kernels)
         moe = cfg.moe
         if cfg.is_moe_layer(index):
             self.mlp = LatentMoE(d, moe, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std, kernels=kernels)

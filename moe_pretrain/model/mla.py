@@ -52,10 +52,10 @@ class GatedMLA(nn.Module):
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         self.scale = qk_dim**-0.5
         self.q_down = make_linear(dim, cfg.q_lora_rank, init_std=init_std)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.lora_norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.lora_norm_eps, kernels)
         self.q_up = make_linear(cfg.q_lora_rank, H * qk_dim, init_std=init_std)
         self.kv_down = make_linear(dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, init_std=init_std)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.lora_norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.lora_norm_eps, kernels)
         self.kv_up = make_linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), init_std=init_std)
         self.g_proj = make_linear(dim, H * cfg.v_head_dim, init_std=init_std)
         self.o_proj = make_linear(H * cfg.v_head_dim, dim, init_std=out_std)

@@ -30,7 +30,7 @@ class LatentMoE(nn.Module):
             cfg.num_experts, cfg.latent_size, cfg.expert_intermediate, beta=cfg.situ_beta,
             linear_beta=cfg.situ_linear_beta, init_std=init_std, out_std=out_std, kernels=kernels,
         )
-        self.latent_norm = RMSNorm(cfg.latent_size, norm_eps)
+        self.latent_norm = RMSNorm(cfg.latent_size, norm_eps, kernels)
         self.latent_up = make_linear(cfg.latent_size, dim, init_std=out_std)
         self.shared = None
         if cfg.num_shared_experts > 0:

@@ -29,11 +29,11 @@ class MTPBlock(nn.Module):
         """depth: k, the block's place in the chain (1-based); its layer's index is num_layers + k - 1."""
         super().__init__()
         d = cfg.hidden_size
-        self.hidden_norm = RMSNorm(d, cfg.norm_eps)
-        self.embedding_norm = RMSNorm(d, cfg.norm_eps)
+        self.hidden_norm = RMSNorm(d, cfg.norm_eps, kernels)
+        self.embedding_norm = RMSNorm(d, cfg.norm_eps, kernels)
         self.projection = make_linear(2 * d, d, init_std=cfg.init_std)
         self.layer = DecoderLayer(cfg, cfg.num_layers + depth - 1, kernels)
-        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.norm = RMSNorm(d, cfg.norm_eps, kernels)
         """The block's own norm in front of the shared head."""
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, layout: DocumentLayout

@@ -43,12 +43,12 @@ class MoETransformer(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, d, _weight=torch.empty(cfg.vocab_size, d))
         self.embedding.param_init = {"weight": Normal(cfg.init_std)}
         vision = cfg.vision
-        self.vision_tower = VisionTower(vision.encoder, vision.patch_size, vision.channels, cfg.init_std)
-        self.mm_projector = VisionProjector(vision.encoder.merged_size, d, cfg.norm_eps, cfg.init_std)
+        self.vision_tower = VisionTower(vision.encoder, vision.patch_size, vision.channels, cfg.init_std, kernels)
+        self.mm_projector = VisionProjector(vision.encoder.merged_size, d, cfg.norm_eps, cfg.init_std, kernels)
         self.image_merge = ImageMerge()
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers)})
         self.final_mix = AttnResMix(d, cfg.norm_eps, kernels)
-        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        self.final_norm = RMSNorm(d, cfg.norm_eps, kernels)
         self.head = make_linear(d, cfg.vocab_size, init_std=cfg.init_std)
         self.mtp = nn.ModuleDict({str(k): MTPBlock(cfg, k + 1, kernels) for k in range(cfg.mtp.layers)})
         """The multi-token-prediction blocks (model/mtp.py), after the head on the last pipeline stage."""

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config.model import VisionEncoderConfig
 from moe_pretrain.data.patches import Grid
 from moe_pretrain.model.init import Normal
@@ -38,7 +39,8 @@ from moe_pretrain.ops.document_attention import document_causal_attention
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig, patch_size: int, channels: int, init_std: float):
+    def __init__(self, cfg: VisionEncoderConfig, patch_size: int, channels: int, init_std: float,
+                 kernels: Kernels = REFERENCES):
         super().__init__()
         self.proj = nn.Conv2d(channels, cfg.hidden_size, patch_size, stride=patch_size, bias=False)
         self.proj.param_init = {"weight": Normal(init_std)}
@@ -80,14 +82,14 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig, init_std: float):
+    def __init__(self, cfg: VisionEncoderConfig, init_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         width = cfg.num_heads * cfg.head_dim
-        self.norm0 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm0 = RMSNorm(cfg.hidden_size, cfg.norm_eps, kernels)
         self.wqkv = make_linear(cfg.hidden_size, 3 * width, init_std=init_std)
         self.wo = make_linear(width, cfg.hidden_size, init_std=init_std)
-        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, kernels)
         self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, init_std)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -99,10 +101,10 @@ class VisionBlock(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig, init_std: float):
+    def __init__(self, cfg: VisionEncoderConfig, init_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
-        self.blocks = nn.ModuleList([VisionBlock(cfg, init_std) for _ in range(cfg.num_layers)])
-        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.blocks = nn.ModuleList([VisionBlock(cfg, init_std, kernels) for _ in range(cfg.num_layers)])
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, kernels)
         self.recompute = False
         """Keep each block's input only and run the block again in backward (train.recompute=full): at full
         size a block saves ~27K elements per patch, its input 1,024."""
@@ -125,11 +127,12 @@ def merge_patches(x_PD: torch.Tensor, grids: list[Grid], m: int) -> torch.Tensor
 
 
 class VisionTower(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig, patch_size: int, channels: int, init_std: float):
+    def __init__(self, cfg: VisionEncoderConfig, patch_size: int, channels: int, init_std: float,
+                 kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg, patch_size, channels, init_std)
-        self.encoder = VisionEncoder(cfg, init_std)
+        self.encoder = VisionEncoder(cfg, init_std, kernels)
 
     def forward(self, patches: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """patches [P, C*p*p] of images with these grids (host integers: the data knows them) -> merged tokens
@@ -156,11 +159,11 @@ def check_grids(grids: list[Grid], patches: int, cfg: VisionEncoderConfig) -> No
 class VisionProjector(nn.Module):
     """Merged tokens [N, m*m*D] -> Linear, GELU, Linear -> RMSNorm -> [N, Dl] (the release's PatchMergerMLPV2)."""
 
-    def __init__(self, merged_size: int, dim: int, eps: float, init_std: float):
+    def __init__(self, merged_size: int, dim: int, eps: float, init_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
         self.proj = nn.Sequential(make_linear(merged_size, merged_size, init_std=init_std), nn.GELU(),
                                   make_linear(merged_size, dim, init_std=init_std))
-        self.post_norm = RMSNorm(dim, eps)
+        self.post_norm = RMSNorm(dim, eps, kernels)
 
     def forward(self, merged: torch.Tensor) -> torch.Tensor:
         return self.post_norm(self.proj(merged))

@@ -63,6 +63,7 @@ def test_the_report_reads_each_fast_path_from_the_built_model_and_says_why_it_is
     assert "Triton SiTU-GLU: off: PyTorch reference (kernels.triton=torch)" in text
     assert "Triton MoE permute: off: PyTorch reference (kernels.triton=torch)" in text
     assert "Triton AttnRes mix: off: PyTorch reference (kernels.triton=torch)" in text
+    assert "Triton RMSNorm: off: PyTorch reference (kernels.triton=torch)" in text
     loop = describe(build_model(tiny_config("kernels.grouped_gemm=loop")))
     assert "grouped GEMM: one matmul per expert (kernels.grouped_gemm=loop)" in loop
     assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in loop
@@ -116,7 +117,8 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     assert set(dict(kernels.why_not)) == {"kda", "attention"}
     model = build_model(cfg, kernels=kernels)
     assert "MLA attention: one SDPA per document (in a dry run: FlexAttention refuses a backward" in describe(model)
-    assert all(f"Triton {name}: on" in describe(model) for name in ("SiTU-GLU", "MoE permute", "AttnRes mix"))
+    assert all(f"Triton {name}: on" in describe(model) for name in ("SiTU-GLU", "MoE permute", "AttnRes mix",
+                                                                         "RMSNorm"))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     doc_ids = torch.zeros_like(tokens)  # real, as the data loader's are in a dry run: one document a row
     with FakeTensorMode(allow_non_fake_inputs=True), assuming(AssumedValues()), OpCensus() as ops, \
@@ -133,6 +135,11 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     mixes = 2 * cfg.model.num_layers - 1 + 1 + 2 * cfg.model.mtp.layers  # the final mix; each MTP layer's two
     assert launched["attn_res_mix"] == launched["attn_res_mix_backward"] == mixes, launched
     assert ops.flops_by_op["attn_res_mix_backward"] == 2 * ops.flops_by_op["attn_res_mix"] > 0
+    # Every RMSNorm module that runs (two per layer, MLA's low-rank norms, the latent norms, the final norm; the
+    # vision tower's have no image here), one kernel each way.
+    mla_layers = sum(cfg.model.layer_kind(i) == "mla" for i in range(cfg.model.num_layers))
+    norms = 2 * cfg.model.num_layers + 2 * mla_layers + moe_layers + 1
+    assert launched["rms_norm"] == launched["rms_norm_backward"] == norms, launched
     # SiTU-GLU in every MLP (routed experts, shared experts, the dense layers, the vision tower's), once each way.
     assert launched["situ_glu"] == launched["situ_glu_backward"] >= 2 * moe_layers + cfg.model.dense_layers
 

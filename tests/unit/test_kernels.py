@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 import gpu_kernels
 from gpu_kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
-from moe_pretrain.ops import attn_res_mix, situ_glu
+from moe_pretrain.ops import attn_res_mix, rms_norm, situ_glu
 from moe_pretrain.ops.permute import permute, unpermute
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,6 +85,28 @@ def test_fused_attn_res_mix_matches_the_float64_reference(dtype, entries, width)
     out, grads = run(mix, *bank, query, weight, fused=True)
     ref_out, ref_grads = run(mix, *(t.double() for t in (*bank, query, weight)), fused=False)
     assert out.dtype == torch.float32 and [g.dtype for g in grads] == [t.dtype for t in (*bank, query, weight)]
+    widen = max(1.0, (width / 500) ** 0.5)  # fp32 sums over a row: rounding grows as the root of its length
+    close(out, ref_out, dtype, widen)
+    for grad, ref in zip(grads, ref_grads):
+        close(grad, ref, dtype, widen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [100, 3000])
+def test_fused_rms_norm_matches_the_float64_reference(dtype, width):
+    """The norm and the gradients of its input and weight against the reference in float64 on the same values,
+    rows of unequal scale, narrow (many rows a program) and wide (a row a program)."""
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(3, 7, width, generator=gen, dtype=torch.float64)
+         * torch.rand(3, 7, 1, generator=gen, dtype=torch.float64) * 10).to(DEVICE, dtype)
+    weight = (torch.rand(width, generator=gen, dtype=torch.float64) + 0.5).to(DEVICE, torch.float32)
+
+    def norm(x, w, *, fused):
+        return rms_norm(x, w, 1e-5, fused=fused)
+
+    out, grads = run(norm, x, weight, fused=True)
+    ref_out, ref_grads = run(norm, x.double(), weight.double(), fused=False)
+    assert out.dtype == dtype and [g.dtype for g in grads] == [dtype, torch.float32]
     widen = max(1.0, (width / 500) ** 0.5)  # fp32 sums over a row: rounding grows as the root of its length
     close(out, ref_out, dtype, widen)
     for grad, ref in zip(grads, ref_grads):
@@ -158,7 +180,10 @@ def kernel_samples() -> dict[str, tuple]:
     bank = [randn(2, 3, 40, dtype=torch.float32), randn(2, 3, 40), randn(2, 3, 40)]
     u = randn(40, dtype=torch.float32)
     mix, probs = torch.ops.moe_pretrain.attn_res_mix(bank, u, 1e-5)
-    return {"attn_res_mix": (bank, u, 1e-5), "attn_res_mix_backward": (randn(2, 3, 40, dtype=torch.float32), mix,
+    x, norm_weight = randn(4, 3, 40), randn(40, dtype=torch.float32)
+    _, rstd = torch.ops.moe_pretrain.rms_norm(x, norm_weight, 1e-5)
+    return {"rms_norm": (x, norm_weight, 1e-5), "rms_norm_backward": (randn(4, 3, 40), x, norm_weight, rstd),
+            "attn_res_mix": (bank, u, 1e-5), "attn_res_mix_backward": (randn(2, 3, 40, dtype=torch.float32), mix,
                                                                        bank, u, probs, 1e-5),
             "situ_glu": (gate, up, 4.0, 25.0), "situ_glu_backward": (randn(5, 300), gate, up, 4.0, 25.0),
             "permute": (randn(num_tokens, width), token_index, positions),
