@@ -32,8 +32,10 @@ def document_causal_attention(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: t
     Dv, width = v_NHD.shape[-1], max(q_NHD.shape[-1], v_NHD.shape[-1])
     # Zero dims change neither q . k nor the output's first Dv dims (the scale is explicit).
     q_NHD, k_NHD, v_NHD = (F.pad(t, (0, width - t.shape[-1])) for t in (q_NHD, k_NHD, v_NHD))
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, N, D]
-    outputs = [F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                              is_causal=causal, scale=scale)
-               for start, end in itertools.pairwise(bounds)]
+    # One split per tensor, not a slice per document: a slice's backward writes a zero tensor of the whole
+    # sequence per document, a split's backward one concatenation of the documents' gradients.
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
+    q, k, v = (t.transpose(0, 1).unsqueeze(0).split(lengths, dim=2) for t in (q_NHD, k_NHD, v_NHD))  # [1, H, L, D]
+    outputs = [F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=causal, scale=scale)
+               for q_doc, k_doc, v_doc in zip(q, k, v, strict=True)]
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)[..., :Dv]
