@@ -2,7 +2,8 @@
 
 Shape legend: M rows, D width.
 
-y = x r w with r = (mean(x^2) + eps)^-1/2 per row, in fp32, written in x's dtype. Forward: one read of x, one
+y = x r w with r = (mean(x^2) + eps)^-1/2 per row, in fp32, written in x's dtype or a dtype asked for (the cast
+that follows a norm, folded into its write). Forward: one read of x, one
 write of y and of r (one fp32 a row, kept for the backward). Backward: one read of dy and x, one write of dx:
     x^ = x r,  dx = r (dy w - x^ mean(dy w x^)),  dw = sum over rows of dy x^
 (each program sums its rows' dw in registers and writes one [D] partial). The eager reference makes about eight
@@ -60,12 +61,13 @@ def _rms_norm_backward(grad_ptr, x_ptr, w_ptr, rstd_ptr, grad_x_ptr, partial_ptr
 
 
 @custom_op("moe_pretrain::rms_norm", mutates_args=())
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y in x's dtype, r [M] fp32) from contiguous x [..., D] and weight [D]. A custom op with a fake
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y in out_dtype, r [M] fp32) from contiguous x [..., D] and weight [D]. A custom op with a fake
     implementation: the dry run sees one kernel that reads x once and writes y and r."""
     D = x.shape[-1]
     M = x.numel() // D
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=out_dtype)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         block, rows = row_tiles(D)
@@ -90,8 +92,8 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 
 @rms_norm_forward.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, dtype=out_dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 @rms_norm_backward.register_fake
@@ -101,22 +103,24 @@ def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Ten
 
 
 def _save(ctx, inputs: tuple, output: tuple) -> None:
-    x, weight, _ = inputs
+    x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _backward(ctx, grad_y: torch.Tensor, _grad_rstd: torch.Tensor | None):
     x, weight, rstd = ctx.saved_tensors
     grad_x, grad_w = rms_norm_backward(grad_y.contiguous(), x, weight, rstd)
-    return grad_x, grad_w.to(weight.dtype), None
+    return grad_x, grad_w.to(weight.dtype), None, None
 
 
 rms_norm_forward.register_autograd(_backward, setup_context=_save)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The fused kernel; same contract as moe_pretrain.ops.rms_norm with a weight (fp32 math, y in x's dtype)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
+    """The fused kernel; same contract as moe_pretrain.ops.rms_norm with a weight (fp32 math, y in out_dtype,
+    x's by default)."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.shape != x.shape[-1:]:
         raise ValueError(f"kernels.rms_norm: x in fp32 / bf16 / fp16 and a weight of its width, got {x.dtype} "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    return rms_norm_forward(x.contiguous(), weight.contiguous(), float(eps))[0]
+    return rms_norm_forward(x.contiguous(), weight.contiguous(), float(eps), out_dtype or x.dtype)[0]

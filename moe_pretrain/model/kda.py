@@ -46,6 +46,8 @@ class KimiDeltaAttention(nn.Module):
                  kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
+        self.fused = kernels.triton
+        """The output norm (and its cast to the input's dtype) through our Triton kernel (gpu_kernels/rms_norm.py)."""
         self.fla = kernels.kda == "fla"
         """The chunked recurrence through fla's chunk_kda (Kernels.kda); else ops.kda's PyTorch chunk form."""
         self.norm_eps = norm_eps
@@ -94,7 +96,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(heads(self._rows(self.f_b_proj(self.f_a_proj(x)), layout)))
         beta = torch.sigmoid(self._rows(self.b_proj(x), layout).to(g.dtype))
         o = maybe_recompute(self.recompute_core, self._recur, q, k, v, g, beta, pos, layout)
-        o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps).to(x.dtype)
+        o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps, fused=self.fused, out_dtype=x.dtype)
         gate = torch.sigmoid(heads(self.g_proj(x)))
         return self.o_proj((gate * o).flatten(2))
 

@@ -98,6 +98,10 @@ class MoETransformer(nn.Module):
         parallel set-up places the embedding's input and output and swaps the image merge:
         parallel/activation_plan.py)."""
         x = self.embedding(tokens)
+        if torch.is_autocast_enabled(x.device.type):
+            # b_0 in the compute dtype, as the sublayers' outputs are: the bank is then one dtype, and so is every
+            # mix of it, the pre-norms and what follows (an fp32 b_0 made them all fp32, each cast again)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if patches is None or not patches.shape[0]:  # a batch without images may pass [0, patch_dim]
             return x
         if image_mask is None or not images:

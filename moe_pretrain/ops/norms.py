@@ -12,18 +12,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, fused: bool = False) -> torch.Tensor:
-    """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight. fused: our Triton kernel
-    (gpu_kernels/rms_norm.py) where it applies (a weight, fp32 / bf16 / fp16); else this reference."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, fused: bool = False,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight, in out_dtype (x's by default).
+    fused: our Triton kernel (gpu_kernels/rms_norm.py: the cast folded into its write) where it applies (a
+    weight, fp32 / bf16 / fp16); else this reference."""
     if fused and weight is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         from gpu_kernels.rms_norm import rms_norm as kernel
 
-        return kernel(x, weight, eps)
+        return kernel(x, weight, eps, out_dtype)
     xf = x.to(compute_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(y.dtype)
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -33,7 +33,7 @@ COMPONENTS = {
                   "gpu_kernels/flex_attention.py"),
     "context-parallel mixers": ("parallel/context_parallel",),
     "AttnRes mixing": ("moe_pretrain/model/attn_res.py", "moe_pretrain/ops/attn_res.py", "gpu_kernels/attn_res.py"),
-    "norms": ("moe_pretrain/model/norm.py",),
+    "norms": ("moe_pretrain/model/norm.py", "gpu_kernels/rms_norm.py"),
     "MoE routing and balancing": ("moe_pretrain/model/router.py", "moe_pretrain/model/balancing.py",
                                   "moe_pretrain/ops/routing.py", "moe_pretrain/ops/margin_histogram.py",
                                   "moe_pretrain/ops/statistics.py"),

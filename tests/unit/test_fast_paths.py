@@ -135,10 +135,10 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     mixes = 2 * cfg.model.num_layers - 1 + 1 + 2 * cfg.model.mtp.layers  # the final mix; each MTP layer's two
     assert launched["attn_res_mix"] == launched["attn_res_mix_backward"] == mixes, launched
     assert ops.flops_by_op["attn_res_mix_backward"] == 2 * ops.flops_by_op["attn_res_mix"] > 0
-    # Every RMSNorm module that runs (two per layer, MLA's low-rank norms, the latent norms, the final norm; the
-    # vision tower's have no image here), one kernel each way.
+    # Every RMSNorm that runs (two per layer, MLA's low-rank norms, KDA's output norm, the latent norms, the final
+    # norm; the vision tower's have no image here), one kernel each way.
     mla_layers = sum(cfg.model.layer_kind(i) == "mla" for i in range(cfg.model.num_layers))
-    norms = 2 * cfg.model.num_layers + 2 * mla_layers + moe_layers + 1
+    norms = 2 * cfg.model.num_layers + 2 * mla_layers + (cfg.model.num_layers - mla_layers) + moe_layers + 1
     assert launched["rms_norm"] == launched["rms_norm_backward"] == norms, launched
     # SiTU-GLU in every MLP (routed experts, shared experts, the dense layers, the vision tower's), once each way.
     assert launched["situ_glu"] == launched["situ_glu_backward"] >= 2 * moe_layers + cfg.model.dense_layers

@@ -107,6 +107,10 @@ def test_fused_rms_norm_matches_the_float64_reference(dtype, width):
     out, grads = run(norm, x, weight, fused=True)
     ref_out, ref_grads = run(norm, x.double(), weight.double(), fused=False)
     assert out.dtype == dtype and [g.dtype for g in grads] == [dtype, torch.float32]
+    # The cast that follows a norm folded into its write: fp32 in, bf16 out, one rounding.
+    cast = rms_norm(x.float(), weight, 1e-5, fused=True, out_dtype=torch.bfloat16)
+    assert cast.dtype == torch.bfloat16
+    close(cast, ref_out, torch.bfloat16)
     widen = max(1.0, (width / 500) ** 0.5)  # fp32 sums over a row: rounding grows as the root of its length
     close(out, ref_out, dtype, widen)
     for grad, ref in zip(grads, ref_grads):
@@ -181,8 +185,9 @@ def kernel_samples() -> dict[str, tuple]:
     u = randn(40, dtype=torch.float32)
     mix, probs = torch.ops.moe_pretrain.attn_res_mix(bank, u, 1e-5)
     x, norm_weight = randn(4, 3, 40), randn(40, dtype=torch.float32)
-    _, rstd = torch.ops.moe_pretrain.rms_norm(x, norm_weight, 1e-5)
-    return {"rms_norm": (x, norm_weight, 1e-5), "rms_norm_backward": (randn(4, 3, 40), x, norm_weight, rstd),
+    _, rstd = torch.ops.moe_pretrain.rms_norm(x, norm_weight, 1e-5, torch.bfloat16)
+    return {"rms_norm": (x.float(), norm_weight, 1e-5, torch.bfloat16),  # the cast folded into the norm
+            "rms_norm_backward": (randn(4, 3, 40), x, norm_weight, rstd),
             "attn_res_mix": (bank, u, 1e-5), "attn_res_mix_backward": (randn(2, 3, 40, dtype=torch.float32), mix,
                                                                        bank, u, probs, 1e-5),
             "situ_glu": (gate, up, 4.0, 25.0), "situ_glu_backward": (randn(5, 300), gate, up, 4.0, 25.0),
