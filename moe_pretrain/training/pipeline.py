@@ -7,8 +7,9 @@ the block sums after it stacked as [B, N - 1, T, D]) and, unless a block closes 
 block sum; with multi-token prediction (model.mtp.layers) the embeddings of the tokens ahead, looked up on
 the first stage, travel beside the bank's first entry to the last stage, whose output is then the logits and
 each block's logits (model/mtp.py). Each crosses in the dtype it has in the model: under bf16 autocast the
-embeddings are fp32 (the embedding runs outside autocast) and the block sums bf16, so a pipeline computes
-what one process does and sends half the bytes fp32 would. Only floating-point tensors that the receiver uses
+bank's first entry and the block sums are bf16 (the model casts its embeddings' output to the compute dtype)
+and the embeddings ahead fp32 (looked up outside autocast), so a pipeline computes what one process does and
+sends half the bytes fp32 would. Only floating-point tensors that the receiver uses
 cross: torch 2.10 and 2.11 (the GPU image has 2.10) make every received buffer require grad, which an
 integer tensor cannot, and refuse to send back a gradient that is None. The document ids every stage
 needs for its masks come from each rank's own batch instead (every stage reads its rows, without
@@ -82,9 +83,9 @@ class StageForward(nn.Module):
         self.receives_blocks = layers[0] >= block
         """Block sums are in the bank this chunk receives (not only the embeddings)."""
         self.boundary_dtype = next(chunk.parameters()).dtype
-        """The embeddings' dtype (the parameters')."""
+        """The embeddings ahead's and the logits' dtype (the parameters')."""
         self.compute_dtype = compute_dtype
-        """The block sums' and the partial sum's (bf16 under bf16 autocast)."""
+        """The bank's and the partial sum's (bf16 under bf16 autocast)."""
         self.images: deque[tuple[list[PlacedImage], torch.Tensor]] = deque()
         """First stage: each coming micro-batch's images, rows counted within it, and their patches
         [P, patch_dim] in row-major order (Pipeline.feed)."""
@@ -119,7 +120,7 @@ class StageForward(nn.Module):
             return tuple(t.to(self.boundary_dtype) for t in (logits, *predicted))
         if self.last:
             return chunk.logits(bank, partial).to(self.boundary_dtype)
-        outputs = [bank[0].to(self.boundary_dtype), *(a.to(self.boundary_dtype) for a in ahead)]
+        outputs = [bank[0].to(self.compute_dtype), *(a.to(self.boundary_dtype) for a in ahead)]
         if len(bank) > 1:
             outputs.append(torch.stack([b.to(self.compute_dtype) for b in bank[1:]], dim=1))
         if self.sends_partial:
@@ -136,8 +137,8 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
                      last: bool, dtype: torch.dtype, compute_dtype: torch.dtype | None = None
                      ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example (meta) tensors of one micro-batch at a chunk's positional input and output (the document ids,
-    a keyword input, are every stage's own): the embeddings in `dtype`, block sums and the partial sum in
-    `compute_dtype` (default: `dtype`)."""
+    a keyword input, are every stage's own): the embeddings ahead in `dtype`, the bank (its first entry, the
+    block sums) and the partial sum in `compute_dtype` (default: `dtype`)."""
     compute_dtype = compute_dtype or dtype
     rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
     D = cfg.model.hidden_size
@@ -150,7 +151,8 @@ def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers
 
     def boundary(last_layer_before):
         positions = held.between_layers
-        tensors = [meta(rows, positions, D) for _ in range(1 + cfg.model.mtp.layers)]  # embeddings, those ahead
+        tensors = [meta(rows, positions, D, dtype=compute_dtype)]  # the bank's first entry
+        tensors += [meta(rows, positions, D) for _ in range(cfg.model.mtp.layers)]  # the embeddings ahead
         if blocks := (last_layer_before + 1) // block:
             tensors.append(meta(rows, blocks, positions, D, dtype=compute_dtype))
         if closes_no_block(last_layer_before, block):

@@ -239,9 +239,9 @@ def test_pipeline_boundaries_carry_only_what_the_receiver_differentiates(split):
         if i:
             assert [(t.shape, t.dtype) for t in inputs] == [(t.shape, t.dtype) for t in ends[i - 1][1]]
             assert all(t.is_floating_point() and t.requires_grad for t in inputs)
-            # The embeddings (fp32, as the model computes them), the block sums so far and the partial sum of
-            # an open block (bf16, the autocast dtype they have).
-            expected = [torch.float32] + [torch.bfloat16] * ((layers[0] >= block) + bool(layers[0] % block))
+            # The bank's first entry (the embeddings, cast to the autocast dtype as the model does), the block
+            # sums so far and the partial sum of an open block: all bf16, the autocast dtype they have.
+            expected = [torch.bfloat16] * (1 + (layers[0] >= block) + bool(layers[0] % block))
             assert [t.dtype for t in inputs] == expected
         if i < len(chunks) - 1:
             assert len(outputs) == 1 + ((layers[-1] + 1) >= block) + bool((layers[-1] + 1) % block)
