@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Kernels:
     triton: bool = False
-    """SiTU-GLU, the AttnRes mix and the MoE permute / unpermute through our Triton kernels
-    (gpu_kernels/situ_glu.py, attn_res.py, permute.py)."""
+    """SiTU-GLU, the AttnRes mix, RMSNorm, KDA's short convolution and the MoE permute / unpermute
+    through our Triton kernels (gpu_kernels/situ_glu.py, attn_res.py, rms_norm.py, short_conv.py, permute.py)."""
     grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"
     """The routed experts' GEMMs: one torch._grouped_mm, one matmul per expert, or (auto) whichever the
     operands' device, dtype and widths allow (ops/grouped_mm.py)."""

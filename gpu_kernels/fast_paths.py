@@ -27,6 +27,7 @@ from moe_pretrain.model.mla import GatedMLA
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.norm import RMSNorm
+from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops.grouped_mm import grouped_kernel_unavailable_reason
 
 
@@ -173,6 +174,8 @@ def _module_states(model: nn.Module) -> dict[str, set[str]]:
             found["grouped GEMM"] = gemm
         if isinstance(module, (GroupedExperts, SiTUGLUMLP)):
             found["Triton SiTU-GLU"] = "on" if module.fused else off("triton", "off: PyTorch reference")
+        elif isinstance(module, ShortConvolution):
+            found["Triton short convolution"] = "on" if module.fused else off("triton", "off: PyTorch reference")
         elif isinstance(module, RMSNorm):
             found["Triton RMSNorm"] = "on" if module.fused else off("triton", "off: PyTorch reference")
         elif isinstance(module, AttnResMix):

@@ -49,7 +49,7 @@ class ContextParallelKDA(ContextPositions, KimiDeltaAttention):
     def _convolve(self, projected: torch.Tensor, short_conv: ShortConvolution, positions: torch.Tensor,
                   layout: DocumentLayout) -> torch.Tensor:
         cp = self.context
-        return short_conv(cp.pieces(projected), positions, cp.halo(projected, short_conv.kernel_size - 1))
+        return short_conv(cp.pieces(projected), positions, cp.halo(projected, short_conv.kernel_size - 1), silu=True)
 
     def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                positions: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:

@@ -28,9 +28,9 @@ class PrecisionConfig:
 @dataclass
 class KernelsConfig:
     triton: Literal["auto", "triton", "torch"] = "auto"
-    """Our Triton kernels (gpu_kernels/): fused SiTU-GLU, the AttnRes mix and the MoE permute / unpermute. auto: on CUDA
-    tensors when triton is installed; triton: always (on a CPU only under TRITON_INTERPRET=1, for tests);
-    torch: the PyTorch references."""
+    """Our Triton kernels (gpu_kernels/): fused SiTU-GLU, the AttnRes mix, RMSNorm, KDA's short convolution
+    and the MoE permute / unpermute. auto: on CUDA tensors when triton is installed; triton: always (on a CPU
+    only under TRITON_INTERPRET=1, for tests); torch: the PyTorch references."""
     grouped_gemm: Literal["auto", "grouped", "loop"] = "auto"
     """The local experts as one torch._grouped_mm (no host sync on the token counts) instead of one matmul
     per expert. auto: where that kernel runs for this device, dtype and widths; grouped: required (start-up

@@ -56,9 +56,9 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = make_linear(dim, inner, init_std=init_std)
         self.k_proj = make_linear(dim, inner, init_std=init_std)
         self.v_proj = make_linear(dim, inner, init_std=init_std)
-        self.q_conv = ShortConvolution(inner, cfg.conv_size)
-        self.k_conv = ShortConvolution(inner, cfg.conv_size)
-        self.v_conv = ShortConvolution(inner, cfg.conv_size)
+        self.q_conv = ShortConvolution(inner, cfg.conv_size, kernels)
+        self.k_conv = ShortConvolution(inner, cfg.conv_size, kernels)
+        self.v_conv = ShortConvolution(inner, cfg.conv_size, kernels)
         self.f_a_proj = make_linear(dim, K, init_std=init_std)
         self.f_b_proj = make_linear(K, inner, init_std=init_std)
         # fla's initialisation (docs/model.md): neither takes weight decay.
@@ -90,9 +90,9 @@ class KimiDeltaAttention(nn.Module):
         def heads(t):
             return t.reshape(*t.shape[:2], -1, K)
 
-        q = l2_norm(heads(F.silu(self._convolve(self.q_proj(x), self.q_conv, pos, layout))))
-        k = l2_norm(heads(F.silu(self._convolve(self.k_proj(x), self.k_conv, pos, layout))))
-        v = heads(F.silu(self._convolve(self.v_proj(x), self.v_conv, pos, layout)))
+        q = l2_norm(heads(self._convolve(self.q_proj(x), self.q_conv, pos, layout)))
+        k = l2_norm(heads(self._convolve(self.k_proj(x), self.k_conv, pos, layout)))
+        v = heads(self._convolve(self.v_proj(x), self.v_conv, pos, layout))
         g = self.decay(heads(self._rows(self.f_b_proj(self.f_a_proj(x)), layout)))
         beta = torch.sigmoid(self._rows(self.b_proj(x), layout).to(g.dtype))
         o = maybe_recompute(self.recompute_core, self._recur, q, k, v, g, beta, pos, layout)
@@ -110,8 +110,8 @@ class KimiDeltaAttention(nn.Module):
 
     def _convolve(self, projected: torch.Tensor, short_conv: ShortConvolution, positions: torch.Tensor,
                   layout: DocumentLayout) -> torch.Tensor:
-        """A short convolution over each row (nothing precedes a row's first position)."""
-        return short_conv(projected, positions, None)
+        """A short convolution and its SiLU over each row (nothing precedes a row's first position)."""
+        return short_conv(projected, positions, None, silu=True)
 
     def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                positions: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:

@@ -64,6 +64,7 @@ def test_the_report_reads_each_fast_path_from_the_built_model_and_says_why_it_is
     assert "Triton MoE permute: off: PyTorch reference (kernels.triton=torch)" in text
     assert "Triton AttnRes mix: off: PyTorch reference (kernels.triton=torch)" in text
     assert "Triton RMSNorm: off: PyTorch reference (kernels.triton=torch)" in text
+    assert "Triton short convolution: off: PyTorch reference (kernels.triton=torch)" in text
     loop = describe(build_model(tiny_config("kernels.grouped_gemm=loop")))
     assert "grouped GEMM: one matmul per expert (kernels.grouped_gemm=loop)" in loop
     assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in loop
@@ -118,7 +119,7 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     model = build_model(cfg, kernels=kernels)
     assert "MLA attention: one SDPA per document (in a dry run: FlexAttention refuses a backward" in describe(model)
     assert all(f"Triton {name}: on" in describe(model) for name in ("SiTU-GLU", "MoE permute", "AttnRes mix",
-                                                                         "RMSNorm"))
+                                                                         "RMSNorm", "short convolution"))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     doc_ids = torch.zeros_like(tokens)  # real, as the data loader's are in a dry run: one document a row
     with FakeTensorMode(allow_non_fake_inputs=True), assuming(AssumedValues()), OpCensus() as ops, \
@@ -140,6 +141,9 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     mla_layers = sum(cfg.model.layer_kind(i) == "mla" for i in range(cfg.model.num_layers))
     norms = 2 * cfg.model.num_layers + 2 * mla_layers + (cfg.model.num_layers - mla_layers) + moe_layers + 1
     assert launched["rms_norm"] == launched["rms_norm_backward"] == norms, launched
+    # KDA's three short convolutions with their SiLU, one kernel each way.
+    kda_layers = cfg.model.num_layers - mla_layers
+    assert launched["short_conv"] == launched["short_conv_backward"] == 3 * kda_layers, launched
     # SiTU-GLU in every MLP (routed experts, shared experts, the dense layers, the vision tower's), once each way.
     assert launched["situ_glu"] == launched["situ_glu_backward"] >= 2 * moe_layers + cfg.model.dense_layers
 

@@ -117,6 +117,50 @@ def test_fused_rms_norm_matches_the_float64_reference(dtype, width):
         close(grad, ref, dtype, widen)
 
 
+def conv_positions(B: int, T: int, starts: list[int], continued: bool) -> torch.Tensor:
+    """[B, T] offsets in their documents: documents start at `starts` (and at 0 unless the row continues a
+    document begun before it, as a context-parallel fragment's first may)."""
+    positions = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        offset = 5 if continued else 0
+        for t in range(T):
+            offset = 0 if t in starts else offset + (t > 0)
+            positions[b, t] = offset
+    return positions.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("channels", "with_halo", "silu"), [(40, False, True), (300, True, True), (40, True, False)])
+def test_fused_short_conv_matches_the_float64_reference(dtype, channels, with_halo, silu):
+    """The convolution (and SiLU) and the gradients of its input, halo and weight against the reference module
+    in float64: documents starting inside the rows, a halo a fragment continues from (its first document
+    reaching back into it), channels in one block and in several."""
+    from moe_pretrain.model.short_conv import ShortConvolution
+
+    gen = torch.Generator().manual_seed(9)
+    B, T, K = 2, 13, 4
+    x = torch.randn(B, T, channels, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+    halo = torch.randn(B, K - 1, channels, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+    weight = torch.randn(channels, K, generator=gen, dtype=torch.float64).to(DEVICE, torch.float32)
+    positions = conv_positions(B, T, [6, 11], continued=with_halo)
+    module = ShortConvolution(channels, K)
+
+    del module.weight  # the weight is each run's leaf, so that its gradient is compared too
+
+    def conv(x, halo, w, *, fused):
+        module.fused, module.weight = fused, w
+        return module(x, positions, halo if with_halo else None, silu=silu)
+
+    out, grads = run(conv, x, halo, weight, fused=True)
+    ref_out, ref_grads = run(conv, x.double(), halo.double(), weight.double(), fused=False)
+    assert out.dtype == dtype and (grads[1] is not None) == with_halo and grads[2] is not None
+    close(out, ref_out, dtype)
+    for grad, ref in zip(grads, ref_grads):
+        assert (grad is None) == (ref is None)
+        if grad is not None:
+            close(grad, ref, dtype)
+
+
 def routing(num_tokens: int, k: int, num_experts: int, seed: int):
     """Ragged routing with empty experts: tokens only pick among the first num_experts - 2."""
     gen = torch.Generator().manual_seed(seed)
@@ -184,9 +228,14 @@ def kernel_samples() -> dict[str, tuple]:
     bank = [randn(2, 3, 40, dtype=torch.float32), randn(2, 3, 40), randn(2, 3, 40)]
     u = randn(40, dtype=torch.float32)
     mix, probs = torch.ops.moe_pretrain.attn_res_mix(bank, u, 1e-5)
+    conv_x, conv_w = randn(2, 9, 40), randn(40, 4, dtype=torch.float32)
+    conv_positions_ = conv_positions(2, 9, [4], continued=True)
+    conv_halo = randn(2, 3, 40)
     x, norm_weight = randn(4, 3, 40), randn(40, dtype=torch.float32)
     _, rstd = torch.ops.moe_pretrain.rms_norm(x, norm_weight, 1e-5, torch.bfloat16)
-    return {"rms_norm": (x.float(), norm_weight, 1e-5, torch.bfloat16),  # the cast folded into the norm
+    return {"short_conv": (conv_x, conv_positions_, conv_halo, conv_w, True),
+            "short_conv_backward": (randn(2, 9, 40), conv_x, conv_positions_, None, conv_w, True),
+            "rms_norm": (x.float(), norm_weight, 1e-5, torch.bfloat16),  # the cast folded into the norm
             "rms_norm_backward": (randn(4, 3, 40), x, norm_weight, rstd),
             "attn_res_mix": (bank, u, 1e-5), "attn_res_mix_backward": (randn(2, 3, 40, dtype=torch.float32), mix,
                                                                        bank, u, probs, 1e-5),
