@@ -93,7 +93,7 @@ class ComputeSites(TorchFunctionMode):
         site = project_site(_PASSED_OVER)
         node = torch._C._current_autograd_node()
         if node is not None and site.startswith((*BACKWARD_CALLERS, "?")):
-            site = node.metadata.get("site", f"backward of {node.name()}")
+            site = node.metadata.get("site", f"backward of {type(node).__name__}")
         row = self.by_site[site]
         row[0] += 1
         row[1] += moved
