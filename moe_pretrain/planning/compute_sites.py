@@ -27,7 +27,7 @@ BACKWARD_CALLERS = ("moe_pretrain/training/", "parallel/torch_compat.py")
 
 COMPONENTS = {
     "KDA mixer": ("moe_pretrain/model/kda.py", "moe_pretrain/ops/kda.py", "moe_pretrain/model/short_conv.py",
-                  "gpu_kernels/kda/"),
+                  "gpu_kernels/short_conv.py", "gpu_kernels/kda/"),
     "MLA mixer": ("moe_pretrain/model/mla.py", "moe_pretrain/ops/document_attention.py",
                   "moe_pretrain/ops/latent_attention.py", "moe_pretrain/model/qk_clip.py",
                   "gpu_kernels/flex_attention.py"),
