@@ -14,6 +14,7 @@ from torch import nn
 from gpu_kernels.choice import Kernels
 from gpu_kernels.flex_attention import flex_unavailable_reason
 from gpu_kernels.kda import fla_unavailable_reason
+from gpu_kernels.kda.fla_backend import fla_config_reason
 from gpu_kernels.triton_support import triton_installed, triton_unavailable_reason
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.fp8 import RECIPES, fp8_unavailable_reason
@@ -99,14 +100,14 @@ def resolve(cfg: Config, device: torch.device, dtype: torch.dtype) -> Kernels:
         "grouped_gemm": grouped_gemm_reason(cfg, device, dtype),
         "attention": flex_unavailable_reason(device, True, mla.qk_nope_head_dim + mla.qk_rope_head_dim,
                                              mla.v_head_dim),
-        "kda": fla_unavailable_reason(device, kda_gate_floor(cfg), cfg.model.kda.head_dim),
+        "kda": fla_unavailable_reason(device, kda_gate_floor(cfg), cfg.model.kda.head_dim,
+                                      cfg.model.kda.chunk_size),
     }
     return _resolved(cfg, reasons, device.type == "cuda", fp8_settings(cfg, device))
 
 
 DRY_RUN_REFERENCES = {
     "attention": "in a dry run: FlexAttention refuses a backward on the CPU, where fake tensors live; same FLOPs",
-    "kda": "in a dry run: fla's kernels have no fake implementation; same FLOPs, more memory traffic than fla's",
 }
 """The GPU paths a dry run cannot play, and why (the references run in their place)."""
 
@@ -114,13 +115,14 @@ DRY_RUN_REFERENCES = {
 def resolve_for_gpu(cfg: Config, dtype: torch.dtype) -> Kernels:
     """The kernels a CUDA GPU resolves for this run, as a dry run plays them on fake tensors: our Triton kernels
     through their custom ops' fake implementations, the experts' torch._grouped_mm through its meta
-    implementation; FlexAttention and fla cannot be played (DRY_RUN_REFERENCES); FP8 as this machine resolves
-    it."""
+    implementation, fla's chunk KDA through its custom ops' fakes and launch profile (gpu_kernels/kda/fla_ops.py,
+    fla_launches.py); FlexAttention cannot be played (DRY_RUN_REFERENCES); FP8 as this machine resolves it."""
     cpu = torch.device("cpu")
     reasons = {
         "triton": None if triton_installed() else "triton is not installed",
         "grouped_gemm": f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}" if dtype != torch.bfloat16
         else grouped_gemm_reason(cfg, cpu, dtype),
+        "kda": fla_config_reason(kda_gate_floor(cfg), cfg.model.kda.head_dim, cfg.model.kda.chunk_size),
         **DRY_RUN_REFERENCES,
     }
     return _resolved(cfg, reasons, True, fp8_settings(cfg, cpu))

@@ -1,9 +1,10 @@
-"""Bridge to fla (flash-linear-attention) chunk_kda, imported lazily; a model takes it where Kernels.kda says fla.
+"""Whether fla's (flash-linear-attention) chunk KDA can run here; a model takes it where Kernels.kda says fla.
 
 fla's Triton kernels do not run on CPU (not even under TRITON_INTERPRET), so the PyTorch chunk form
 in moe_pretrain.ops.kda is the reference and the only path exercised on CPU machines. tests/gpu/test_fla_kda.py
 compares the two on a GPU (bench/gpu_check.sh); see docs/gpu.md, for whether that has run yet.
-Context parallelism (cp > 1) runs KDA through parallel/context_parallel.py's own chunk form, not fla.
+Context parallelism (cp > 1) runs KDA through parallel/context_parallel.py's own chunk form, not fla. The
+custom ops that call fla are in gpu_kernels/kda/fla_ops.py.
 """
 
 import functools
@@ -30,40 +31,34 @@ def safe_gate_reason(lower_bound: float | None) -> str | None:
     return f"fla's safe gate takes model.kda.lower_bound in [{low:g}, {high:g}), not {lower_bound:g}"
 
 
+CHUNK_SIZES = (32, 64)
+"""The chunks fla's KDA kernels are written for."""
 MIN_HEAD_DIM = 16
 """fla's chunk_kda tiles the key dimension into tl.dot operands, which take 16 or more along their inner
 dimension: a narrower head fails to compile on the GPU."""
 
 
+def fla_config_reason(lower_bound: float | None = None, head_dim: int = MIN_HEAD_DIM, chunk_size: int = 64
+                      ) -> str | None:
+    """Why fla's kernel cannot take this gate floor (None: the softplus gate), KDA head width and chunk on any
+    device (a dry run's question); None when it can."""
+    if reason := safe_gate_reason(lower_bound):
+        return reason
+    if head_dim < MIN_HEAD_DIM:
+        return f"fla's chunk_kda takes model.kda.head_dim >= {MIN_HEAD_DIM} (its tl.dot tiles), not {head_dim}"
+    if chunk_size not in CHUNK_SIZES:
+        return f"fla's chunk_kda takes model.kda.chunk_size in {CHUNK_SIZES}, not {chunk_size}"
+    return None
+
+
 def fla_unavailable_reason(device: torch.device, lower_bound: float | None = None,
-                           head_dim: int = MIN_HEAD_DIM) -> str | None:
-    """Why fla's kernel cannot run for tensors on this device with this gate floor (None: the softplus
-    gate) and KDA head width; None when it can."""
+                           head_dim: int = MIN_HEAD_DIM, chunk_size: int = 64) -> str | None:
+    """Why fla's kernel cannot run for tensors on this device with this gate floor, KDA head width and chunk;
+    None when it can."""
     if reason := safe_gate_reason(lower_bound):  # a config fault on any machine: said first
         return reason
     if device.type != "cuda":
         return f"fla's Triton kernels need CUDA; device {device.type}"
     if not _fla_installed():
         return "fla is not installed: pip install 'moe-pretrain[gpu]'"
-    if head_dim < MIN_HEAD_DIM:
-        return f"fla's chunk_kda takes model.kda.head_dim >= {MIN_HEAD_DIM} (its tl.dot tiles), not {head_dim}"
-    return None
-
-
-def fla_chunk_kda(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, output_final_state, lower_bound=None):
-    """fla.ops.kda.chunk_kda with our argument names; returns (o, final_state or None). lower_bound (the
-    bounded gate's floor, g >= lower_bound) turns on fla's safe-gate path; the gate itself stays ours
-    (use_gate_in_kernel=False: g arrives computed, as the reference takes it)."""
-    from fla.ops.kda import chunk_kda
-
-    if reason := safe_gate_reason(lower_bound):
-        raise ValueError(reason)
-    safe_gate = {} if lower_bound is None else {"safe_gate": True, "lower_bound": lower_bound}
-    return chunk_kda(
-        q, k, v, g, beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),  # fla takes int64 offsets
-        **safe_gate,
-    )
+    return fla_config_reason(lower_bound, head_dim, chunk_size)

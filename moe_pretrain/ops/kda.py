@@ -86,8 +86,9 @@ def kda(
         scale = q.shape[-1] ** -0.5
     if fla:
         return fla_chunk_kda(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            cu_seqlens=cu_seqlens, output_final_state=output_final_state, lower_bound=lower_bound,
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            document_bounds=document_bounds, output_final_state=output_final_state, chunk_size=chunk_size,
+            lower_bound=lower_bound,
         )
     if cu_seqlens is None:
         o, state = _chunk_kda(q, k, v, g, beta, scale, initial_state, chunk_size, lower_bound)

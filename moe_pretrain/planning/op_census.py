@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from gpu_kernels.launch_profile import PROFILES
 from moe_pretrain.planning.compute_sites import ComputeSites
 from moe_pretrain.planning.step_time import GpuSpec
 from moe_pretrain.planning.timeline import Timeline
@@ -59,7 +60,8 @@ EXTRA_FORMULAS = {
 """FLOP formulas torch's registry lacks, on the op's arguments."""
 
 LAUNCHING_NAMESPACES = ("aten", "moe_pretrain")
-"""torch's ops and our GPU kernels' custom ops (gpu_kernels/: one launch each, seen whole, fake or real)."""
+"""torch's ops and our GPU kernels' custom ops (gpu_kernels/: one launch each, seen whole, fake or real, unless
+gpu_kernels/launch_profile.py lists the kernels an op stands for)."""
 _NOT_LAUNCHES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
                            "lift_fresh", "_local_scalar_dense", "set_", "alias", "_to_copy_meta"})
 
@@ -95,30 +97,41 @@ class OpCensus(TorchDispatchMode):
             return flop_registry[packet](*args, **kwargs, out_val=out)
         return 0
 
+    def _launched(self, name: str, flops: int, moved: int) -> None:
+        """One kernel: its FLOPs, bytes and (on a target GPU) its roofline time, told to the timeline and sites."""
+        self.launches += 1
+        self.launches_by_op[name] += 1
+        self.bytes_moved += moved
+        self.bytes_by_op[name] += moved
+        if flops:
+            self.flops += flops
+            self.flops_by_op[name] += flops
+        if self.gpu is not None:
+            seconds = max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
+            self.roofline_s += seconds
+            if not repeats_per_micro_batch():
+                self.once_s += seconds
+            if self.timeline is not None:
+                self.timeline.compute(seconds)
+            if self.sites is not None:
+                self.sites.launched(moved, seconds)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if inside_backend():
             return out
-        name = func._overloadpacket.__name__
+        packet = func._overloadpacket
+        if packet in PROFILES:
+            for launch in PROFILES[packet](*args, **kwargs, out=out):
+                self._launched(launch.kernel, launch.flops, launch.bytes)
+            return out
+        name = packet.__name__
         flops = self._flops(func, args, kwargs, out)
-        if flops:
-            self.flops += flops
-            self.flops_by_op[name] += flops
         if func.namespace in LAUNCHING_NAMESPACES and not func.is_view and name not in _NOT_LAUNCHES \
                 and any(isinstance(r.type, torch.TensorType) for r in func._schema.returns):
-            self.launches += 1
-            self.launches_by_op[name] += 1
-            moved = tensor_bytes((args, kwargs)) + tensor_bytes(out)
-            self.bytes_moved += moved
-            self.bytes_by_op[name] += moved
-            if self.gpu is not None:
-                seconds = max(flops / self.gpu.peak_flops, moved / self.gpu.memory_bytes_s)
-                self.roofline_s += seconds
-                if not repeats_per_micro_batch():
-                    self.once_s += seconds
-                if self.timeline is not None:
-                    self.timeline.compute(seconds)
-                if self.sites is not None:
-                    self.sites.launched(moved, seconds)
+            self._launched(name, flops, tensor_bytes((args, kwargs)) + tensor_bytes(out))
+        elif flops:
+            self.flops += flops
+            self.flops_by_op[name] += flops
         return out

@@ -128,8 +128,11 @@ def assert_the_same_step(got: dict, want: dict, rank: int) -> None:
 def test_a_dry_run_of_the_gpus_kernels_prices_what_a_real_run_of_them_does(tmp_path):
     """The path the dry run prices at full size: the kernels a GPU resolves (our Triton kernels, here under
     TRITON_INTERPRET in the real run, their fakes in the dry run; the grouped GEMM), tp2 x ep2 on 2 processes
-    (the layouts above compare every other part with this machine's kernels)."""
-    overrides = ["parallel.tp=2", "parallel.ep=2", "data.batch_size=2"]  # two rows: the interpreter is slow
+    (the layouts above compare every other part with this machine's kernels). fla's chunk KDA cannot run on a
+    CPU: a chunk of 16, which fla does not take, keeps both runs on the PyTorch chunk form (its pricing is checked
+    against fla's own code in tests/unit/test_fla_ops.py)."""
+    overrides = ["parallel.tp=2", "parallel.ep=2", "data.batch_size=2",  # two rows: the interpreter is slow
+                 "model.kda.chunk_size=16"]
     real = run_distributed(real_traces, 2, overrides, True, timeout=400)
     dry = dry_traces(tmp_path, overrides, [0], gpu_kernels=True, world=2)
     assert "Triton AttnRes mix: on" in "; ".join(f"{k}: {v}" for k, v in dry[0]["kernels"].items())

@@ -1,4 +1,5 @@
-"""fla's chunk_kda on the GPU against our PyTorch chunk form on the CPU, fp32 (docs/model.md's KDA).
+"""fla's chunk_kda on the GPU (through our custom ops, gpu_kernels/kda/fla_ops.py) against our PyTorch chunk form
+on the CPU, fp32 (docs/model.md's KDA).
 
 Packed documents (cu_seqlens), initial and final states, the bounded gate through fla's safe-gate path.
 Tolerance: 2e-3 relative RMS on the output, final state and every gradient (fla computes in fp32 with
@@ -34,7 +35,7 @@ def test_fla_chunk_kda_matches_the_cpu_reference(lower_bound):
     for device in ("cpu", "cuda"):
         leaves = [t.detach().to(device).requires_grad_() for t in (q, k, v, g, beta, state)]
         o, final = kda(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu_seqlens.to(device),
-                       output_final_state=True, lower_bound=lower_bound)
+                       output_final_state=True, lower_bound=lower_bound, fla=device == "cuda")
         weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(2)).to(device)
         ((o * weights).sum() + final.sum()).backward()
         results.append([o, final, *(leaf.grad for leaf in leaves)])

@@ -109,13 +109,17 @@ def test_fla_takes_only_the_gate_floors_its_safe_gate_is_exact_for(monkeypatch):
 
 
 def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
-    """resolve_for_gpu takes what a CUDA GPU resolves (Triton kernels, grouped GEMM) and says which GPU paths a
-    dry run plays by their references; the model built with it runs forward and backward on fake tensors,
-    each Triton kernel through its custom op's fake implementation, one launch per call."""
-    cfg = tiny_config("train.dtype=bfloat16", "model.moe.num_experts=4")
+    """resolve_for_gpu takes what a CUDA GPU resolves (Triton kernels, grouped GEMM, fla's chunk KDA) and says
+    which GPU paths a dry run plays by their references; the model built with it runs forward and backward on
+    fake tensors, each Triton kernel through its custom op's fake implementation, one launch per call, fla's
+    chunk KDA as the kernels it launches (gpu_kernels/kda/fla_launches.py)."""
+    cfg = tiny_config("train.dtype=bfloat16", "model.moe.num_experts=4", "model.kda.head_dim=16",
+                      "model.kda.chunk_size=32")  # the smallest KDA fla takes
     kernels = resolve_for_gpu(cfg, torch.bfloat16)
-    assert (kernels.triton, kernels.grouped_gemm, kernels.kda, kernels.attention) == (True, "grouped", "torch", "sdpa")
-    assert set(dict(kernels.why_not)) == {"kda", "attention"}
+    assert (kernels.triton, kernels.grouped_gemm, kernels.kda, kernels.attention) == (True, "grouped", "fla", "sdpa")
+    assert set(dict(kernels.why_not)) == {"attention"}
+    narrow = resolve_for_gpu(tiny_config("model.kda.head_dim=16"), torch.bfloat16)  # a chunk of 16
+    assert narrow.kda == "torch" and "model.kda.chunk_size in (32, 64), not 16" in narrow.reason("kda")
     model = build_model(cfg, kernels=kernels)
     assert "MLA attention: one SDPA per document (in a dry run: FlexAttention refuses a backward" in describe(model)
     assert all(f"Triton {name}: on" in describe(model) for name in ("SiTU-GLU", "MoE permute", "AttnRes mix",
@@ -144,6 +148,11 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     # KDA's three short convolutions with their SiLU, one kernel each way.
     kda_layers = cfg.model.num_layers - mla_layers
     assert launched["short_conv"] == launched["short_conv_backward"] == 3 * kda_layers, launched
+    # fla's chunk KDA: its forward's inter-chunk solve once a KDA layer, its backward's intra-chunk gradients once;
+    # none of the PyTorch chunk form's triangular solves.
+    assert launched["fla.chunk_kda_fwd_kernel_inter_solve_fused"] == kda_layers, launched
+    assert launched["fla.chunk_kda_bwd_kernel_intra"] == kda_layers, launched
+    assert "linalg_solve_triangular" not in launched
     # SiTU-GLU in every MLP (routed experts, shared experts, the dense layers, the vision tower's), once each way.
     assert launched["situ_glu"] == launched["situ_glu_backward"] >= 2 * moe_layers + cfg.model.dense_layers
 
