@@ -90,8 +90,8 @@ class KimiDeltaAttention(nn.Module):
         def heads(t):
             return t.reshape(*t.shape[:2], -1, K)
 
-        q = l2_norm(heads(self._convolve(self.q_proj(x), self.q_conv, pos, layout)))
-        k = l2_norm(heads(self._convolve(self.k_proj(x), self.k_conv, pos, layout)))
+        q = l2_norm(heads(self._convolve(self.q_proj(x), self.q_conv, pos, layout)), fused=self.fused)
+        k = l2_norm(heads(self._convolve(self.k_proj(x), self.k_conv, pos, layout)), fused=self.fused)
         v = heads(self._convolve(self.v_proj(x), self.v_conv, pos, layout))
         g = self.decay(heads(self._rows(self.f_b_proj(self.f_a_proj(x)), layout)))
         beta = torch.sigmoid(self._rows(self.b_proj(x), layout).to(g.dtype))

@@ -29,10 +29,14 @@ def orthogonalize(m: torch.Tensor, steps: int = STEPS, eps: float = 1e-7) -> tor
     tall = work.shape[-2] > work.shape[-1]
     x = work.mT if tall else work
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    shape = x.shape
+    x = x.reshape(-1, *shape[-2:])  # a batch of matrices: baddbmm's form
     a, b, c = COEFFICIENTS
     for _ in range(steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        # b gram + c gram^2, then a x + (that) x: each a product with its sum in one kernel, no elementwise pass
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = x.reshape(shape)
     return (x.mT if tall else x).to(m.dtype)
 
 

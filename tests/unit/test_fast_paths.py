@@ -140,13 +140,13 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     mixes = 2 * cfg.model.num_layers - 1 + 1 + 2 * cfg.model.mtp.layers  # the final mix; each MTP layer's two
     assert launched["attn_res_mix"] == launched["attn_res_mix_backward"] == mixes, launched
     assert ops.flops_by_op["attn_res_mix_backward"] == 2 * ops.flops_by_op["attn_res_mix"] > 0
-    # Every RMSNorm that runs (two per layer, MLA's low-rank norms, KDA's output norm, the latent norms, the final
-    # norm; the vision tower's have no image here), one kernel each way.
     mla_layers = sum(cfg.model.layer_kind(i) == "mla" for i in range(cfg.model.num_layers))
-    norms = 2 * cfg.model.num_layers + 2 * mla_layers + (cfg.model.num_layers - mla_layers) + moe_layers + 1
+    # Every RMSNorm that runs (two per layer, MLA's low-rank norms, KDA's output norm, the latent norms, the final
+    # norm; the vision tower's have no image here; KDA's q and k L2 norms on the same kernel), one kernel each way.
+    kda_layers = cfg.model.num_layers - mla_layers
+    norms = 2 * cfg.model.num_layers + 2 * mla_layers + 3 * kda_layers + moe_layers + 1
     assert launched["rms_norm"] == launched["rms_norm_backward"] == norms, launched
     # KDA's three short convolutions with their SiLU, one kernel each way.
-    kda_layers = cfg.model.num_layers - mla_layers
     assert launched["short_conv"] == launched["short_conv_backward"] == 3 * kda_layers, launched
     # fla's chunk KDA: its forward's inter-chunk solve once a KDA layer, its backward's intra-chunk gradients once;
     # none of the PyTorch chunk form's triangular solves.

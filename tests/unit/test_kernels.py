@@ -19,6 +19,7 @@ import gpu_kernels
 from gpu_kernels.triton_support import triton_unavailable_reason
 from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from moe_pretrain.ops import attn_res_mix, rms_norm, situ_glu
+from moe_pretrain.ops.norms import l2_norm
 from moe_pretrain.ops.permute import permute, unpermute
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +116,22 @@ def test_fused_rms_norm_matches_the_float64_reference(dtype, width):
     close(out, ref_out, dtype, widen)
     for grad, ref in zip(grads, ref_grads):
         close(grad, ref, dtype, widen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_l2_norm_through_the_rms_norm_kernel_matches_the_float64_reference(dtype):
+    """KDA's q / k L2 norm on RMSNorm's kernel (a weight of D^-1/2, eps / D): the norm and its input's gradient
+    against the reference L2 norm in float64, rows of unequal scale and one near zero (where eps decides)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 5, 3, 32, generator=gen, dtype=torch.float64) * torch.rand(4, 5, 3, 1, generator=gen,
+                                                                                 dtype=torch.float64) * 10
+    x[0, 0, 0] *= 1e-4
+    x = x.to(DEVICE, dtype)
+    out, grads = run(lambda x, *, fused: l2_norm(x, 1e-6, fused=fused), x, fused=True)
+    ref_out, ref_grads = run(lambda x, *, fused: l2_norm(x, 1e-6, fused=fused), x.double(), fused=False)
+    assert out.dtype == grads[0].dtype == dtype
+    close(out, ref_out, dtype)
+    close(grads[0], ref_grads[0], dtype)
 
 
 def conv_positions(B: int, T: int, starts: list[int], continued: bool) -> torch.Tensor:

@@ -53,3 +53,22 @@ def test_update_rms_matches_adamws_typical_update():
 def test_heads_must_split_the_rows():
     with pytest.raises(ValueError, match="do not split into 3 heads"):
         muon_update(torch.zeros(16, 8), heads=3)
+
+
+def test_each_step_is_three_products_with_their_sums_folded_in():
+    """A step is X X^T, then b G + c G G and a X + (that) X as two baddbmm: three launches, no elementwise pass
+    over X or the Gram matrix (the op census's count), and the result is the quintic's, step by step, in float64."""
+    from moe_pretrain.ops.newton_schulz import COEFFICIENTS, STEPS
+    from moe_pretrain.planning.op_census import OpCensus
+
+    m = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with OpCensus() as ops:
+        o = orthogonalize(m)
+    steps = {name: n for name, n in ops.launches_by_op.items() if name in ("bmm", "baddbmm")}
+    assert steps == {"bmm": STEPS, "baddbmm": 2 * STEPS}, ops.launches_by_op
+    x = m / (torch.linalg.matrix_norm(m, keepdim=True) + 1e-7)
+    a, b, c = COEFFICIENTS
+    for _ in range(STEPS):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    assert torch.allclose(o, x, rtol=0, atol=1e-12)
