@@ -26,7 +26,7 @@ SUB_CHUNK = 16
 def chunk_tables(bounds: list[int], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's chunk_indices [NT, 2] (document, chunk within it) and chunk_offsets [N + 1] (chunks before each
     document) from the document bounds as host integers: what fla derives from cu_seqlens on the device (several
-    small launches and a host sync per layer), built once on the host instead."""
+    small launches and a host sync per layer), built on the host instead (two small copies to the device)."""
     counts = [-(-(end - start) // chunk) for start, end in itertools.pairwise(bounds)]
     indices = [(doc, i) for doc, n in enumerate(counts) for i in range(n)]
     offsets = [0]
