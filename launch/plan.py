@@ -23,6 +23,7 @@ from pathlib import Path
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
 from moe_pretrain.model.counts import count, total_parts
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
+from moe_pretrain.planning.fastest_layouts import fastest_layouts
 from moe_pretrain.planning.plan_step_time import (
     TRACE_KEYS,
     column_links,
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dry-run traces, DIR/<stage>.json (bench/dry_run.py --traces DIR): print them beside "
                              "the plan and give the days at their step time as well")
     parser.add_argument("--gpu-gb", type=float, default=0.0, help="override the GPU's memory (GB, 1e9 bytes)")
-    parser.add_argument("--propose", action="store_true", help="search the smallest layout that fits each stage")
+    parser.add_argument("--propose", action="store_true",
+                        help="search the smallest layout that fits each stage, and the three fastest that fit them all")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config_or_exit(args)
     if not cfg.stages:
@@ -81,7 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_tflops:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
     print_step_times(cfg, args.gpus, planned, gpu, args.traces)
+    if args.propose:
+        print_fastest(cfg, args.gpus, args.gpu_gb * 1e9 or GPU_BYTES[args.gpu], gpu)
     return code
+
+
+def print_fastest(cfg, gpus: int, capacity: float, gpu: GpuSpec) -> None:
+    """The three run layouts on which every stage fits, fewest planned days first, each stage at its fastest
+    fitting layout (planning/fastest_layouts.py)."""
+    ranked = fastest_layouts(cfg, gpus, capacity, gpu)
+    print(f"\nfastest layouts that fit every stage with {HEADROOM:.0%} headroom, by the plan's step time (FLOPs at "
+          f"the peak, the all-to-all counted whole): trace the first two with the dry run before taking one")
+    if not ranked:
+        print(f"none: no run layout of {gpus} GPUs fits every stage")
+    for place, layout in enumerate(ranked, start=1):
+        print(f"{place}. {layout.run.describe()}: {layout.days:.4g} days")
+        for stage, (stage_layout, step) in zip(cfg.stages, layout.stages, strict=True):
+            print(f"   {stage.name:8s} {stage_layout.describe():29s} step {step.step_s:9.4g} s  MFU {step.mfu:6.1%} "
+                  f"{step.days:9.4g} days")
 
 
 def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> tuple[int, dict]:

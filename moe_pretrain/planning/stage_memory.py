@@ -19,6 +19,7 @@ Communication: bytes each GPU sends per optimizer step for each group (ring coll
 """
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
@@ -268,34 +269,40 @@ class MemoryPlanner:
         result = self.stage(run, stage, layout)
         return result if within(result, gpu_bytes, headroom) else None
 
-    def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
-        """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
-        stage, then the cheapest recomputation (none, selective, full), then the fewest bytes sent. A stage
-        no layout of this run fits is None (None overall when no run layout is valid at all)."""
+    def run_layouts(self, gpus: int) -> Iterator[RunLayout]:
+        """The run layouts the searches try: tp, pp (at most a layer a stage) and the largest few ep."""
         m = self.cfg.model
-        best = None
         for tp in (1, 2, 4, 8):
             for pp in (1, 2, 4, 8, 16, 32, 64):
                 if gpus % (tp * pp) or pp > m.num_layers:
                     continue
                 for ep in _divisors_up_to(m.moe.num_experts, gpus // pp)[-EP_CANDIDATES:]:
-                    run = RunLayout(gpus, tp, pp, ep)
-                    stages = [self._smallest_stage_layout(run, stage, gpu_bytes) for stage in self.cfg.stages]
-                    chosen = [s for s in stages if s is not None]
-                    if not chosen:
-                        continue
-                    sent = sum(sum(result["communication"].values()) for _, result in chosen)
-                    key = (len(stages) - len(chosen), tp * pp, sum(layout.cp for layout, _ in chosen),
-                           sum(RECOMPUTE_ORDER.index(layout.recompute) for layout, _ in chosen), sent)
-                    if best is None or key < best[0]:
-                        best = (key, run, stages)
+                    yield RunLayout(gpus, tp, pp, ep)
+
+    def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
+        """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
+        stage, then the cheapest recomputation (none, selective, full), then the fewest bytes sent. A stage
+        no layout of this run fits is None (None overall when no run layout is valid at all)."""
+        best = None
+        for run in self.run_layouts(gpus):
+            stages = [next(self.stage_layouts_that_fit(run, stage, gpu_bytes), None) for stage in self.cfg.stages]
+            chosen = [s for s in stages if s is not None]
+            if not chosen:
+                continue
+            sent = sum(sum(result["communication"].values()) for _, result in chosen)
+            key = (len(stages) - len(chosen), run.tp * run.pp, sum(layout.cp for layout, _ in chosen),
+                   sum(RECOMPUTE_ORDER.index(layout.recompute) for layout, _ in chosen), sent)
+            if best is None or key < best[0]:
+                best = (key, run, stages)
         return None if best is None else (best[1], best[2])
 
-    def _smallest_stage_layout(self, run: RunLayout, stage: StageConfig, gpu_bytes: float):
-        """The least cp, then the cheapest recomputation, then (under full recomputation) the layers' inputs
-        on the device, on the host, in FP8, then Ulysses before the latent exchange (where the heads allow
-        Ulysses), that fits the stage with HEADROOM, at the most micro-batches the rules allow
-        (the fewest sequences in flight); None if nothing fits."""
+    def stage_layouts_that_fit(self, run: RunLayout, stage: StageConfig, gpu_bytes: float, per_exchange: bool = False
+                               ) -> Iterator[tuple[StageLayout, dict]]:
+        """For each cp from the least, the layout of that cp that fits the stage with HEADROOM at the cheapest
+        recomputation, then (under full recomputation) the layers' inputs on the device, on the host, in FP8,
+        then Ulysses before the latent exchange (where the heads allow Ulysses), at the most micro-batches the
+        rules allow (the fewest sequences in flight); with its plan. The first is the smallest. per_exchange: one
+        for each of MLA's exchanges at each cp (either can be the faster)."""
         heads = self.cfg.model.mla.num_heads // run.tp
         for cp in [c for c in _powers_of_two(run.gpus // (run.tp * run.pp)) if stage.seq_len % (2 * c * run.tp) == 0]:
             exchanges = ["ulysses", "latent"] if mla_exchange("auto", cp, heads) == "ulysses" else ["latent"]
@@ -305,14 +312,17 @@ class MemoryPlanner:
             counts = _multiples(stage.rows // (run.gpus // model_parallel), run.pp)
             if not counts:
                 continue
+            found: set[str] = set()
             for recompute in RECOMPUTE_ORDER:
                 for saved_inputs in SAVED_INPUTS_ORDER if recompute == "full" else ["device"]:
                     for mla in exchanges:
+                        if mla in found or (found and not per_exchange):
+                            continue
                         layout = StageLayout(cp, recompute, max(counts), mla, saved_inputs)
                         result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
                         if result is not None:
-                            return layout, result
-        return None
+                            found.add(mla)
+                            yield layout, result
 
 
 RECOMPUTE_ORDER = ["none", "selective", "full"]
