@@ -19,8 +19,24 @@ import itertools
 import torch
 from torch.library import custom_op
 
+from gpu_kernels.kda.fla_backend import safe_gate_reason
+
 SUB_CHUNK = 16
 """fla's sub-chunk inside a chunk (BC = min(16, chunk)): its diagonal blocks of Akk are kept in fp32."""
+
+
+_last_tables: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+"""(cu_seqlens, chunk, its tables) of the latest call: every KDA layer of a forward (and its recomputation) is
+handed the same cu_seqlens object (model/layout.py builds it once per forward), so its tables are built once."""
+
+
+def tables_for(cu_seqlens: torch.Tensor, bounds: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_tables for this cu_seqlens tensor, reused while the same object comes back (as fla's own
+    tensor_cache does): two host-to-device copies a forward rather than a layer."""
+    global _last_tables
+    if _last_tables is None or _last_tables[0] is not cu_seqlens or _last_tables[1] != chunk:
+        _last_tables = (cu_seqlens, chunk, chunk_tables(bounds, chunk, cu_seqlens.device))
+    return _last_tables[2]
 
 
 def chunk_tables(bounds: list[int], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,11 +164,9 @@ def fla_chunk_kda(q, k, v, g, beta, *, scale: float, initial_state: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's chunk KDA with ops.kda's contract -> (o in q's dtype, final state or None). lower_bound (the
     bounded gate's floor) turns on fla's safe-gate path; the gate itself stays ours (g arrives computed)."""
-    from gpu_kernels.kda.fla_backend import safe_gate_reason
-
     if reason := safe_gate_reason(lower_bound):
         raise ValueError(reason)
-    tables = (None, None) if cu_seqlens is None else chunk_tables(document_bounds, chunk_size, q.device)
+    tables = (None, None) if cu_seqlens is None else tables_for(cu_seqlens, document_bounds, chunk_size)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()  # fla keeps its states in fp32

@@ -135,3 +135,14 @@ def test_the_chunk_tables_are_flas():
     cu = torch.tensor(bounds)
     assert torch.equal(indices, prepare_chunk_indices(cu, 64))
     assert torch.equal(offsets, prepare_chunk_offsets(cu, 64))
+
+
+def test_the_chunk_tables_are_built_once_per_cu_seqlens():
+    """Every KDA layer of a forward is handed the same cu_seqlens: its tables are copied to the device once."""
+    bounds = [0, 70, 200]
+    cu = torch.tensor(bounds)
+    first = fla_ops.tables_for(cu, bounds, 64)
+    assert all(a is b for a, b in zip(first, fla_ops.tables_for(cu, bounds, 64), strict=True))
+    other = fla_ops.tables_for(torch.tensor(bounds), bounds, 64)  # the next forward's
+    assert other[0] is not first[0] and all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    assert fla_ops.tables_for(cu, bounds, 32)[0].shape[0] == 3 + 5  # another chunk: built again
