@@ -12,13 +12,14 @@ handed to NCCL fails only at the first multi-GPU step that reaches it. The check
 import contextlib
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from parallel.paired_passes import hand_over, pair_running
 from parallel.torch_compat import all_gather_single, reduce_scatter_single
 
 _SERVES = {"nccl": ("cuda",), "gloo": ("cpu",)}
@@ -172,9 +173,11 @@ class RowExchange:
     """An all-to-all of rows in flight (start_rows / finish_rows)."""
 
     def __init__(self, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
-                 codec: RowCodec | None):
+                 codec: RowCodec | None, hands_over: bool):
         self.output_splits, self.input_splits, self.group = output_splits, input_splits, group
         self.codec = codec
+        self.hands_over = hands_over
+        """Its waits, forward and backward, let the pass beside this one run first (paired_passes.py)."""
         self.dtype: torch.dtype | None = None
         self.received: list[torch.Tensor] = []
         self.pending: list[Pending] = []
@@ -211,6 +214,8 @@ class _StartRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         exchange = ctx.exchange
+        if exchange.hands_over:  # beside another micro-batch's pass (paired_passes.py), that one runs first
+            hand_over()
         exchange.grad_pending.wait()
         received, exchange.grad, exchange.grad_pending = exchange.grad, None, None  # a work holds its tensors
         return received, None
@@ -223,6 +228,8 @@ class _FinishRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, exchange):
         ctx.exchange = exchange
+        if exchange.hands_over:
+            hand_over()
         for pending in exchange.pending:
             pending.wait()
         received, exchange.received, exchange.pending = exchange.received, [], []  # a work holds its tensors
@@ -238,10 +245,11 @@ class _FinishRows(torch.autograd.Function):
 
 
 def _start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: dist.ProcessGroup | None, codec: RowCodec | None) -> tuple[torch.Tensor, RowExchange | None]:
+                group: dist.ProcessGroup | None, codec: RowCodec | None, hands_over: bool
+                ) -> tuple[torch.Tensor, RowExchange | None]:
     if group_size(group) == 1:
         return x, None
-    exchange = RowExchange(output_splits, input_splits, group, codec)
+    exchange = RowExchange(output_splits, input_splits, group, codec, hands_over)
     return _StartRows.apply(x, exchange), exchange
 
 
@@ -251,9 +259,10 @@ def start_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int
     Differentiable: the backward starts the gradients' exchange where the forward finished and waits for it
     where the forward started, so what runs between the two in either direction hides it. codec: the rows
     sent encoded (the gradients travel as they are: the encoding's gradient is taken as the identity). A group
-    of one returns (x, None)."""
+    of one returns (x, None). Beside another micro-batch's pass (parallel/paired_passes.py) each wait, forward
+    and backward, first lets that pass run."""
     check_devices(group, [x], "start_rows")
-    return _start_rows(x, output_splits, input_splits, group, codec)
+    return _start_rows(x, output_splits, input_splits, group, codec, hands_over=True)
 
 
 def finish_rows(out: torch.Tensor, exchange: RowExchange | None) -> torch.Tensor:
@@ -266,9 +275,11 @@ def finish_rows(out: torch.Tensor, exchange: RowExchange | None) -> torch.Tensor
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
                     group: dist.ProcessGroup | None) -> torch.Tensor:
     """Send input_splits[r] rows of x to rank r; receive output_splits[r] rows from rank r (differentiable: the
-    gradients go back along the reversed splits). start_rows waited for at once."""
+    gradients go back along the reversed splits). start_rows waited for at once, without handing over to a pass
+    beside this one: the small exchanges of metadata (routing weights, expert ids, states) are not worth a
+    turn, and the image exchanges are made only by ranks holding images."""
     check_devices(group, [x], "all_to_all_rows")
-    return finish_rows(*_start_rows(x, output_splits, input_splits, group, None))
+    return finish_rows(*_start_rows(x, output_splits, input_splits, group, None, hands_over=False))
 
 
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -436,18 +447,29 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | Non
     return x if group_size(group) == 1 else _ScatterToSequenceParallel.apply(x, group)
 
 
+def _beside_a_pair(collective: Callable[..., dist.Work | None], group: dist.ProcessGroup, *args) -> None:
+    """collective(*args, group=group, async_op=...) waited for before returning; inside a pair of passes
+    (paired_passes.py) it is started, the other pass takes a turn, and then it is waited for."""
+    if not pair_running():
+        with backend_ops(), _blocking(group):
+            collective(*args, group=group)
+        return
+    with backend_ops():
+        pending = Pending(collective(*args, group=group, async_op=True), group)
+    hand_over()
+    pending.wait()
+
+
 def _gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = x.new_empty(size * x.numel())  # flat: gloo accepts the concatenated form only
-    with backend_ops(), _blocking(group):
-        all_gather_single(out, x.reshape(-1).contiguous(), group=group)
+    _beside_a_pair(all_gather_single, group, out, x.reshape(-1).contiguous())
     return out.view(size, *x.shape)
 
 
 def _reduce_scatter_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty(x[0].numel())
-    with backend_ops(), _blocking(group):
-        reduce_scatter_single(out, x.reshape(-1).contiguous(), group=group)
+    _beside_a_pair(reduce_scatter_single, group, out, x.reshape(-1).contiguous())
     return out.view(x.shape[1:])
 
 

@@ -92,6 +92,9 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     if p.vpp > 1 and p.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
         problems.append(f"parallel.vpp={p.vpp} needs parallel.pipeline_schedule=interleaved_1f1b or zero_bubble, "
                         f"not {p.pipeline_schedule}")
+    if p.overlap_micro_batches and p.pp > 1 and p.pipeline_schedule != "1f1b":
+        problems.append(f"parallel.overlap_micro_batches pairs the 1f1b schedule's steady state, not "
+                        f"parallel.pipeline_schedule={p.pipeline_schedule}")
     if p.pp > 1 and m.moe.balancing == "aux_loss":
         problems.append("model.moe.balancing=aux_loss is not supported with parallel.pp > 1 (use qb or aux_free)")
     if problems:

@@ -39,6 +39,11 @@ class ParallelConfig:
     """Split each MoE layer's tokens into this many chunks run as a pipeline: one chunk's all-to-alls in flight
     while another's experts compute, forward and backward (parallel/chunk_pipeline.py). 1: each exchange is
     waited for at once."""
+    overlap_micro_batches: bool = False
+    """Run one micro-batch's forward beside another's backward, each handing over to the other where it would
+    wait for an exchange, so that its all-to-alls are in flight while the other computes (combined 1F1B;
+    parallel/paired_passes.py): the step's forwards and backwards in pairs without pipeline parallelism, the
+    1f1b schedule's steady state with it. Costs one micro-batch's saved activations more on each rank."""
     ranks_per_node: int = 0
     """Ranks sharing a node, for expert_dispatch=node and the straggler check's nodes: 0 = the launcher's
     (torchrun's LOCAL_WORLD_SIZE; the dry run's cluster.gpus_per_node). Set it to declare "nodes" of a few

@@ -41,6 +41,7 @@ from moe_pretrain.planning.step_time import GPUS, GpuSpec
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.training import Trainer
 from parallel.collectives import watching_waits
+from parallel.paired_passes import pairs_run
 from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
 
@@ -116,6 +117,10 @@ class StepTrace:
     """Per group, its collectives' time on the target fabric."""
     exposed_s: dict[str, float] = field(default_factory=dict)
     """Per group, the time the compute waited for its collectives on the step's timeline (planning/timeline.py)."""
+    exposed_paired_s: dict[str, float] = field(default_factory=dict)
+    """Of exposed_s, the waits inside pairs of a forward and a backward (parallel.overlap_micro_batches)."""
+    pairs: int = 0
+    """Pairs of a forward and a backward the step ran (0 without parallel.overlap_micro_batches)."""
     step_s: float = 0.0
     """The predicted step time: compute plus the collectives' time not hidden behind it (exposed_s)."""
     mfu: float = 0.0
@@ -178,6 +183,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         with fake or contextlib.nullcontext(), host, ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
                 CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
                 watching_waits(timeline):
+            pairs_before = pairs_run()
             result = trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
@@ -201,6 +207,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      ops.bytes_moved, ops.roofline_s, ops.once_s, result.attended_keys,
                      dict(sorted(timeline.link_s.items())),
                      dict(sorted(timeline.exposed_s.items())),
+                     dict(sorted(timeline.exposed_paired_s.items())), pairs_run() - pairs_before,
                      step_s, model_flops / (step_s * gpu.peak_flops), time.perf_counter() - start)
 
 

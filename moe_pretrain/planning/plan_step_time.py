@@ -99,23 +99,39 @@ def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageL
     return _stage_step(cfg, run, stage, layout, times, gpu)
 
 
-TRACE_KEYS = frozenset({"micro_batches", "compute_s", "compute_once_s", "attended_keys", "exposed_s"})
+TRACE_KEYS = frozenset({"micro_batches", "compute_s", "compute_once_s", "attended_keys", "exposed_s",
+                        "exposed_paired_s", "pairs"})
 """What traced_stage_step reads of a trace (planning/dry_run.StepTrace's fields)."""
+
+
+def _scaled_waits(trace: dict, micro_batches: int) -> float:
+    """A trace's waits for its collectives at the stage's micro-batches. Without pairs every micro-batch's
+    passes wait alike: the waits scale with the micro-batches. With them (parallel.overlap_micro_batches) the
+    unpaired passes are the warm-up forwards and cool-down backwards, as many at any micro-batch count (the
+    cut step's micro-batches less its pairs), so their waits stay; the pairs' scale with the pairs. The waits
+    for the optimizer's traffic (OVERLAPPED_GROUPS) come once a step."""
+    cut, pairs = trace["micro_batches"], trace["pairs"]
+    alone_scale = micro_batches / cut if not pairs else 1.0
+    paired_scale = (micro_batches - (cut - pairs)) / pairs if pairs else 0.0
+    waits = 0.0
+    for group, exposed in trace["exposed_s"].items():
+        paired = trace["exposed_paired_s"].get(group, 0.0)
+        waits += exposed if group in OVERLAPPED_GROUPS else (exposed - paired) * alone_scale + paired * paired_scale
+    return waits
 
 
 def traced_stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, traces: list[dict],
                       gpu: GpuSpec) -> PlannedStep:
     """The stage's step from dry-run traces of some of its ranks (launch.dryrun's JSON; each of the step's
-    first trace["micro_batches"]): each rank's compute done per micro-batch and the time it waited for its
-    per-micro-batch collectives (its timeline's exposed_s) scale to the stage's micro-batches; its compute done
-    once a step (compute_once_s: the optimizer, the hooks, the weights' casts) and its waits for the
-    optimizer's traffic (OVERLAPPED_GROUPS) do not; the slowest traced rank sets the pace. The MFU prices
-    attention at the keys the traced documents' queries saw (their mean over the traces)."""
+    first trace["micro_batches"]): each rank's compute done per micro-batch scales to the stage's
+    micro-batches, and so do its waits for per-micro-batch collectives (_scaled_waits); its compute done
+    once a step (compute_once_s: the optimizer, the hooks, the weights' casts) does not; the slowest traced
+    rank sets the pace. The MFU prices attention at the keys the traced documents' queries saw (their mean
+    over the traces)."""
     times = []
     for trace in traces:
         scale = layout.micro_batches / trace["micro_batches"]
-        exposed = sum(t if group in OVERLAPPED_GROUPS else t * scale for group, t in trace["exposed_s"].items())
         once = trace["compute_once_s"]
-        times.append((trace["compute_s"] - once) * scale + once + exposed)
+        times.append((trace["compute_s"] - once) * scale + once + _scaled_waits(trace, layout.micro_batches))
     keys = sum(trace["attended_keys"] for trace in traces) / len(traces)
     return _stage_step(cfg, run, stage, layout, times, gpu, keys)

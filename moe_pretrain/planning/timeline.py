@@ -9,12 +9,17 @@ a collective where the code waits for it: a synchronous one at once, an asynchro
 while it is in flight. What is still in flight when the step's compute ends (the sharded optimizer's
 parameter all-gathers) runs into the next step's first forward, where each layer waits for its own; it
 counts as hidden for the length of one micro-batch's forward, and beyond that as exposed.
+
+Waits inside a pair of passes (parallel/paired_passes.py: a forward beside a backward) are also filed apart:
+a cut step runs fewer pairs than the whole step, whose warm-up and cool-down run the same unpaired passes, so
+the two kinds scale differently to the stage's micro-batches (plan_step_time.traced_stage_step).
 """
 
 import collections
 from dataclasses import dataclass
 
 from moe_pretrain.planning.step_time import BACKWARD_SHARE
+from parallel.paired_passes import pair_running
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Timeline:
         self.collectives: list[_Collective] = []
         self.exposed_s: collections.Counter = collections.Counter()
         """Per group, how long the compute stream waited for its collectives."""
+        self.exposed_paired_s: collections.Counter = collections.Counter()
+        """Of exposed_s, the waits while a pair of passes ran."""
         self._unresolved: int | None = None
         """The last collective issued, until it is known whether the code waits for it at once."""
 
@@ -54,6 +61,8 @@ class Timeline:
             collective.waited = True
             if collective.end > self.compute_s:
                 self.exposed_s[collective.group] += collective.end - self.compute_s
+                if pair_running():
+                    self.exposed_paired_s[collective.group] += collective.end - self.compute_s
                 self.compute_s = collective.end
 
     def compute(self, seconds: float) -> None:

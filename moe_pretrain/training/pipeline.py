@@ -47,6 +47,7 @@ from moe_pretrain.data import Batch
 from moe_pretrain.data.patches import PlacedImage, placed_images
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.declared_stage import DeclaredStage
+from moe_pretrain.training.paired_1f1b import Paired1F1B
 from parallel.activation_plan import position_counts
 from parallel.parallelize import DTYPES
 from parallel.plan import chunks_of_rank, pipeline_chunks
@@ -217,8 +218,9 @@ class Pipeline:
                 stages.append(DeclaredStage(
                     forward, index, self.num_stages, self.ctx.device, input_args=inputs, output_args=outputs,
                     group=self.ctx.pp_group))
-            schedule_cls = SCHEDULES[self.cfg.parallel.pipeline_schedule]
-            target = stages if self.cfg.parallel.pipeline_schedule in MULTI_STAGE else stages[0]
+            name = self.cfg.parallel.pipeline_schedule
+            schedule_cls = Paired1F1B if self.cfg.parallel.overlap_micro_batches else SCHEDULES[name]
+            target = stages if name in MULTI_STAGE or self.cfg.parallel.overlap_micro_batches else stages[0]
             self._schedules[shape] = schedule_cls(target, shape.micro_batches, loss_fn=self.loss_fn,
                                                   scale_grads=False)
         return self._schedules[shape]

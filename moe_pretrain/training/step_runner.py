@@ -9,6 +9,7 @@ or an evaluation's sum), set by the runner itself for the length of that pass.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.pipeline import Pipeline, StepShape
+from parallel.paired_passes import run_paired
 from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext
 from parallel.torch_compat import without_outputs
@@ -117,18 +119,29 @@ class StepRunner:
                 return torch.zeros(1 + depth, dtype=torch.float64, device=self.ctx.device)
             return torch.stack(parts).sum(0)
         local = self.ctx.context(plan.cp).local
+
+        def forward(index: int) -> torch.Tensor:
+            """Micro-batch `index`'s forward, to the loss its backward starts from."""
+            batch = batches[index]
+            inputs = (batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
+                      placed_images(batch.grids, batch.starts))
+            with self.autocast():
+                if depth:
+                    logits, predicted, balance_loss = self.model.forward_with_mtp(*inputs)
+                else:
+                    (logits, balance_loss), predicted = self.model(*inputs), []
+            pairs = [(block_logits, local(ahead.labels[index][:, k])) for k, block_logits in enumerate(predicted)]
+            return objective(logits, local(batch.labels), pairs, parts, share=False) + balance_loss / len(batches)
+
         with reused_in_step():  # the parameters do not change before the optimizer step
-            for index, batch in enumerate(batches):
-                inputs = (batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
-                          placed_images(batch.grids, batch.starts))
-                with self.autocast():
-                    if depth:
-                        logits, predicted, balance_loss = self.model.forward_with_mtp(*inputs)
-                    else:
-                        (logits, balance_loss), predicted = self.model(*inputs), []
-                pairs = [(block_logits, local(ahead.labels[index][:, k])) for k, block_logits in enumerate(predicted)]
-                loss = objective(logits, local(batch.labels), pairs, parts, share=False) + balance_loss / len(batches)
+            if self.cfg.parallel.overlap_micro_batches:
+                loss = forward(0)
+                for index in range(1, len(batches)):  # forward i beside backward i - 1
+                    loss = run_paired(functools.partial(forward, index), loss.backward, self.ctx.device)
                 loss.backward()
+            else:
+                for index in range(len(batches)):
+                    forward(index).backward()
         return torch.stack(parts).sum(0)
 
     @torch.no_grad()

@@ -207,9 +207,9 @@ def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_
     mfu = {}
     for keys in (40.0, 8.0):
         traces = [{"micro_batches": 2, "compute_s": 1.0, "compute_once_s": 0.2, "attended_keys": keys,
-                   "exposed_s": {"ep": 0.5, "dp": 0.25}},
+                   "exposed_s": {"ep": 0.5, "dp": 0.25}, "exposed_paired_s": {}, "pairs": 0},
                   {"micro_batches": 2, "compute_s": 0.5, "compute_once_s": 0.1, "attended_keys": keys,
-                   "exposed_s": {}}]
+                   "exposed_s": {}, "exposed_paired_s": {}, "pairs": 0}]
         step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), traces, gpu)
         slowest = (1.0 - 0.2) * 4 + 0.2 + 0.5 * 4 + 0.25
         assert step.rank_step_s == pytest.approx([slowest, (0.5 - 0.1) * 4 + 0.1])
@@ -222,6 +222,12 @@ def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_
     per_gpu = attention * stage.batch_tokens / 8
     assert mla_layers > 0
     assert mfu[40.0] - mfu[8.0] == pytest.approx(per_gpu / (slowest * (1 + 1 / 8) * gpu.peak_flops))
+    # Paired passes (parallel.overlap_micro_batches): a cut step of 4 on a stage warming up with 2 forwards ran 2
+    # pairs; at 8 micro-batches it runs 6, and the same 2 warm-up forwards and 2 cool-down backwards.
+    paired = {"micro_batches": 4, "compute_s": 1.0, "compute_once_s": 0.2, "attended_keys": 8.0,
+              "exposed_s": {"ep": 0.5, "dp": 0.25}, "exposed_paired_s": {"ep": 0.3}, "pairs": 2}
+    step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), [paired], gpu)
+    assert step.rank_step_s == pytest.approx([(1.0 - 0.2) * 2 + 0.2 + 0.2 + 0.3 * 3 + 0.25])
 
 
 def test_a_trace_from_an_older_dry_run_is_refused_naming_its_file(tmp_path, capsys):

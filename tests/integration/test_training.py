@@ -130,6 +130,12 @@ def test_unsupported_settings_are_refused(override, message):
         Trainer(tiny_config(override))
 
 
+def test_paired_passes_refuse_a_schedule_they_do_not_pair():
+    with pytest.raises(ConfigError, match=re.escape("parallel.overlap_micro_batches pairs the 1f1b schedule's steady "
+                                                    "state, not parallel.pipeline_schedule=gpipe")):
+        Trainer(tiny_config("parallel.pp=2", "parallel.pipeline_schedule=gpipe", "parallel.overlap_micro_batches=true"))
+
+
 def test_learning_rate_schedules():
     cos = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="cosine")
     assert [learning_rate(s, 20, cos) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

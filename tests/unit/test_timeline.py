@@ -1,9 +1,11 @@
 """The dry run's step timeline (planning/timeline.py) on hand-made steps: what it hides and what it exposes."""
 
 import pytest
+import torch
 
 from moe_pretrain.planning.step_time import BACKWARD_SHARE
 from moe_pretrain.planning.timeline import Timeline
+from parallel.paired_passes import hand_over, run_paired
 
 
 def test_a_synchronous_collective_is_waited_for_at_once():
@@ -51,3 +53,25 @@ def test_what_is_in_flight_at_the_end_runs_into_the_next_steps_first_forward():
     late.issue("dp", 2.5)
     late.started()
     assert late.finish(micro_batches=2) == pytest.approx(6.0 + 2.5 - (1 - BACKWARD_SHARE) * 3.0)
+
+
+def test_waits_inside_a_pair_of_passes_are_filed_apart():
+    """A forward's exchange in flight while the backward beside it computes (parallel/paired_passes.py) hides
+    behind that compute; what is left of it is exposed inside the pair, and filed so."""
+    timeline = Timeline()
+
+    def forward():
+        timeline.issue("ep", 3.0)
+        token = timeline.started()
+        hand_over()  # the backward computes 2 s meanwhile
+        timeline.waited(token)
+
+    def backward():
+        timeline.compute(2.0)
+        hand_over()
+
+    run_paired(forward, backward, torch.device("cpu"))
+    timeline.issue("ep", 1.0)  # alone, and waited for at once
+    timeline.compute(1.0)
+    assert timeline.finish(micro_batches=1) == 5.0
+    assert timeline.exposed_s == {"ep": 2.0} and timeline.exposed_paired_s == {"ep": 1.0}
