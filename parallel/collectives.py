@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from parallel.paired_passes import hand_over, pair_running
+from parallel.paired_passes import hand_over, hands_over
 from parallel.torch_compat import all_gather_single, reduce_scatter_single
 
 _SERVES = {"nccl": ("cuda",), "gloo": ("cpu",)}
@@ -379,12 +379,26 @@ def barrier(group: dist.ProcessGroup | None) -> None:
 # gather_from / reduce_scatter_to / scatter_to_sequence_parallel_region, device-agnostic).
 
 
+def _beside_a_pair(collective: Callable[..., dist.Work | None], group: dist.ProcessGroup, *args,
+                   forward_only: bool = False) -> None:
+    """collective(*args, group=group, async_op=...) waited for before returning; inside a pair of passes
+    (paired_passes.py; forward_only: on the forward's side of one) it is started, the other pass takes a
+    turn, and then it is waited for."""
+    if not hands_over(forward_only):
+        with backend_ops(), _blocking(group):
+            collective(*args, group=group)
+        return
+    with backend_ops():
+        pending = Pending(collective(*args, group=group, async_op=True), group)
+    hand_over()
+    pending.wait()
+
+
 def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     x_T = x.transpose(0, 1).contiguous()
     out = x_T.new_empty(x_T.shape[0] * size, *x_T.shape[1:])
-    with backend_ops(), _blocking(group):
-        all_gather_single(out, x_T, group=group)
+    _beside_a_pair(all_gather_single, group, out, x_T, forward_only=True)
     return out.transpose(0, 1)
 
 
@@ -394,8 +408,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     if x_T.shape[0] % size:
         raise ValueError(f"sequence length {x_T.shape[0]} is not divisible by the {size} sequence-parallel ranks")
     out = x_T.new_empty(x_T.shape[0] // size, *x_T.shape[1:])
-    with backend_ops(), _blocking(group):
-        reduce_scatter_single(out, x_T, group=group)
+    _beside_a_pair(reduce_scatter_single, group, out, x_T, forward_only=True)
     return out.transpose(0, 1)
 
 
@@ -445,19 +458,6 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGrou
 def scatter_to_sequence_parallel(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     check_devices(group, [x], "scatter_to_sequence_parallel")  # its backward all-gathers
     return x if group_size(group) == 1 else _ScatterToSequenceParallel.apply(x, group)
-
-
-def _beside_a_pair(collective: Callable[..., dist.Work | None], group: dist.ProcessGroup, *args) -> None:
-    """collective(*args, group=group, async_op=...) waited for before returning; inside a pair of passes
-    (paired_passes.py) it is started, the other pass takes a turn, and then it is waited for."""
-    if not pair_running():
-        with backend_ops(), _blocking(group):
-            collective(*args, group=group)
-        return
-    with backend_ops():
-        pending = Pending(collective(*args, group=group, async_op=True), group)
-    hand_over()
-    pending.wait()
 
 
 def _gather_stacked(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

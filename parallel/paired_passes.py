@@ -6,9 +6,14 @@ DualPipe run micro-batch i + 1's forward beside micro-batch i's backward, so tha
 flight while the other computes. Here the two passes are two threads that take turns, one running at a time:
 a pass that is about to wait for a row exchange (parallel/collectives.start_rows / finish_rows: the expert
 all-to-alls, forward and backward) first hands the turn to the other, which computes until it reaches such a
-wait of its own and hands the turn back. Only those waits hand over: every rank of a group reaches them at the
-same points of the same layers (a wait for the optimizer's parameter gathers, say, falls in whichever pass
-first touches a bucket, which differs between ranks, and the collectives issued after it would then differ).
+wait of its own and hands the turn back. The context-parallel all-gathers hand over on both sides too, and the
+forward also at its tensor-parallel gathers and reduce-scatters: the forward has a third of the backward's
+compute (which re-runs the forward under full recomputation and so has twice its exchanges), and the more
+finely its compute is cut, the more of the backward's waits it covers before it runs out. Only waits that
+every rank reaches at the same points of the same layers hand over, on every rank of the world, not only of
+one group: a rank's collectives on each of its groups must come in the order its peers issue them, and a
+hand-over reorders them (a wait for the optimizer's parameter gathers, say, falls in whichever pass first
+touches a bucket, which differs between ranks; the image exchanges are made by the ranks holding images).
 The order in which the device receives work is therefore fixed by the code alone, the same on every rank of a
 group (their collectives must match) and on every run, and a dry run's timeline sees each exchange in flight
 behind the other pass's compute.
@@ -96,11 +101,20 @@ def pair_running() -> bool:
     return _ACTIVE is not None
 
 
+def _side() -> int:
+    return FORWARD if threading.current_thread() is _ACTIVE.forward_thread else BACKWARD
+
+
+def hands_over(forward_only: bool = False) -> bool:
+    """Whether a wait here would hand the turn over: inside a pair, and (forward_only) on the forward's side."""
+    return _ACTIVE is not None and not (forward_only and _side() == BACKWARD)
+
+
 def hand_over() -> None:
     """Called where a pass is about to wait for a collective: inside a pair, the other pass runs first."""
     turns = _ACTIVE
     if turns is not None:
-        turns.hand_over(FORWARD if threading.current_thread() is turns.forward_thread else BACKWARD)
+        turns.hand_over(_side())
 
 
 def _carried(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

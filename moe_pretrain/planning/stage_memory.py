@@ -144,7 +144,10 @@ class MemoryPlanner:
         worst, most_host, ranks = None, 0.0, []
         for state in states:
             p = state["pp_rank"]
-            in_flight = min(layout.micro_batches, run.pp - p) if cfg.parallel.pipeline_schedule != "gpipe" \
+            # 1F1B: the warm-up's forwards and the one before the first backward; paired (parallel.
+            # overlap_micro_batches), one more: a forward runs while the backward beside it still holds its own.
+            paired = cfg.parallel.overlap_micro_batches
+            in_flight = min(layout.micro_batches, run.pp - p + paired) if cfg.parallel.pipeline_schedule != "gpipe" \
                 else layout.micro_batches
             if run.vpp > 1:
                 in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)

@@ -1,11 +1,11 @@
 """One micro-batch's forward beside another's backward (parallel.overlap_micro_batches) on gloo: the paired
 step trains exactly as the unpaired one does. In float64 every layout matches one process (losses, gradient
 norms, every parameter and balancing bias after three steps, 1e-9 relative), with hand-overs on every rank:
-the expert exchanges with full recomputation in 2 chunks, a pipeline's paired 1F1B by node, and the
-context-parallel exchanges (KDA's entry states and halo, MLA's latent) started and waited for around a turn
-of the other pass. Under bf16 autocast the paired step is bitwise the unpaired one (each op sees the same
-inputs, and the gradients accumulate in the same micro-batch order), which also holds the unpaired layout
-against the float64 one above."""
+the expert exchanges with full recomputation in 2 chunks, a pipeline's paired 1F1B by node, the
+context-parallel exchanges (KDA's entry states and halo, MLA's latent) and the forward's tensor-parallel
+collectives started and waited for around a turn of the other pass. Under bf16 autocast the paired step is
+bitwise the unpaired one (each op sees the same inputs, and the gradients accumulate in the same micro-batch
+order), which also holds the unpaired layout against the float64 one above."""
 
 import sys
 from unittest import mock
@@ -33,8 +33,8 @@ def paired_worker(rank, world_size, run_dir, dtype, overrides):
         result = train_worker(rank, world_size, run_dir, dtype, overrides)
     assert hand_overs() > 0, f"rank {rank} never handed over: nothing ran as a pair"
     assert {"forward", "backward"} <= sites, sites  # the rows' waits, forward and backward
-    if any(o.startswith("parallel.cp=") for o in overrides):
-        assert "_beside_a_pair" in sites, sites  # the context-parallel exchanges
+    if any(o.startswith(("parallel.cp=", "parallel.tp=")) for o in overrides):
+        assert "_beside_a_pair" in sites, sites  # the context-parallel exchanges, the forward's tp collectives
     return result
 
 
@@ -44,7 +44,8 @@ def paired_worker(rank, world_size, run_dir, dtype, overrides):
     (4, ["parallel.pp=2", "parallel.ep=2", "data.micro_batches=4", "parallel.expert_dispatch=node",
          "parallel.ranks_per_node=1"]),
     (4, ["parallel.cp=2", "parallel.ep=2", "parallel.cp_mla=latent", "data.micro_batches=2"]),
-], ids=["ep2-recompute-full-2-chunks", "pp2xep2-by-node", "cp2xep2-latent"])
+    (4, ["parallel.tp=2", "parallel.ep=2", "data.micro_batches=2"]),
+], ids=["ep2-recompute-full-2-chunks", "pp2xep2-by-node", "cp2xep2-latent", "tp2xep2"])
 def test_paired_step_matches_single_process_float64(tmp_path, world_size, overrides):
     assert_layout_matches_single_process(tmp_path, world_size, [PAIRED, *overrides], worker=paired_worker)
 

@@ -119,3 +119,24 @@ def test_paired_order():
             assert sorted((p.computation_type, p.microbatch_index) for p in parts) == sorted(
                 [F(mb) for mb in range(micro_batches)] + [B(mb) for mb in range(micro_batches)])
         _simulate(orders)
+
+
+def test_the_plan_holds_one_micro_batch_more_in_flight_when_paired():
+    """Stage p of a 1F1B pipeline keeps pp - p micro-batches' activations; paired, its forward runs while the
+    backward beside it still holds its own: pp - p + 1 (at most the step's micro-batches)."""
+    from dataclasses import replace
+
+    from moe_pretrain.config import load_config
+    from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+
+    flights = {}
+    for paired in (False, True):
+        cfg = load_config(["configs/full.yaml", "configs/stages/full.yaml"],
+                          [f"parallel.overlap_micro_batches={str(paired).lower()}"])
+        layout = stage_layouts_of(cfg)[0]
+        for micro_batches in (64, 4):
+            ranks = MemoryPlanner(cfg).stage(RunLayout(2048, 4, 4, 128), cfg.stages[0],
+                                             replace(layout, micro_batches=micro_batches))["ranks"]
+            flights[paired, micro_batches] = [rank["in_flight"] for rank in ranks]
+    assert flights[False, 64] == [4, 3, 2, 1] and flights[True, 64] == [5, 4, 3, 2]
+    assert flights[True, 4] == [4, 4, 3, 2]
