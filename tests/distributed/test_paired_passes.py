@@ -43,9 +43,9 @@ def paired_worker(rank, world_size, run_dir, dtype, overrides):
     (2, ["parallel.ep=2", "data.micro_batches=4", "train.recompute=full", "parallel.dispatch_chunks=2"]),
     (4, ["parallel.pp=2", "parallel.ep=2", "data.micro_batches=4", "parallel.expert_dispatch=node",
          "parallel.ranks_per_node=1"]),
-    (4, ["parallel.cp=2", "parallel.ep=2", "parallel.cp_mla=latent", "data.micro_batches=2"]),
-    (4, ["parallel.tp=2", "parallel.ep=2", "data.micro_batches=2"]),
-], ids=["ep2-recompute-full-2-chunks", "pp2xep2-by-node", "cp2xep2-latent", "tp2xep2"])
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "model.mla.num_heads=4", "parallel.cp_mla=latent",
+         "data.micro_batches=2"]),
+], ids=["ep2-recompute-full-2-chunks", "pp2xep2-by-node", "cp2xtp2xep2-latent"])
 def test_paired_step_matches_single_process_float64(tmp_path, world_size, overrides):
     assert_layout_matches_single_process(tmp_path, world_size, [PAIRED, *overrides], worker=paired_worker)
 
