@@ -22,6 +22,7 @@ from parallel.collectives import gather_objects
 from parallel.context_parallel import held_positions
 from parallel.layout_rules import layout_problems
 from parallel.node_groups import check_node_hosts, expert_node_groups
+from parallel.torch_compat import pairs_in_pipelines
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     if p.overlap_micro_batches and p.pp > 1 and p.pipeline_schedule != "1f1b":
         problems.append(f"parallel.overlap_micro_batches pairs the 1f1b schedule's steady state, not "
                         f"parallel.pipeline_schedule={p.pipeline_schedule}")
+    if p.overlap_micro_batches and p.pp > 1 and not pairs_in_pipelines():
+        problems.append(f"parallel.overlap_micro_batches with parallel.pp > 1 needs torch >= 2.10 (this is "
+                        f"{torch.__version__}): its pipelining runs no function of ours for a pair")
     if p.pp > 1 and m.moe.balancing == "aux_loss":
         problems.append("model.moe.balancing=aux_loss is not supported with parallel.pp > 1 (use qb or aux_free)")
     if problems:

@@ -10,6 +10,7 @@ import inspect
 from collections.abc import Callable
 
 import torch.distributed as dist
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """all_gather_single(output, input, group=None, async_op=False): concatenate every rank's input along dim 0."""
@@ -23,3 +24,16 @@ def without_outputs(step: Callable) -> dict[str, bool]:
     read: return_outputs=False where `step` takes it (torch 2.13 does; pytorch#159251); {} where it does not,
     since a keyword the schedule does not know would reach the model as one of its inputs."""
     return {"return_outputs": False} if "return_outputs" in inspect.signature(step).parameters else {}
+
+
+def pairs_in_pipelines() -> bool:
+    """Whether pipelining's runtime schedules run a registered function for their OVERLAP_F_B actions
+    (register_custom_function, pytorch#162016: torch >= 2.10), which the paired 1F1B schedule needs."""
+    return hasattr(_PipelineScheduleRuntime, "register_custom_function")
+
+
+def register_pair_runner(schedule: _PipelineScheduleRuntime, run_pair: Callable) -> None:
+    """Have `schedule` run each OVERLAP_F_B action as run_pair(action, context)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    schedule.register_custom_function(OVERLAP_F_B, run_pair)

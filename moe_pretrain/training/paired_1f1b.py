@@ -19,12 +19,12 @@ from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     OVERLAP_F_B,
     _Action,
-    _PipelineContext,
     _PipelineScheduleRuntime,
     _wait_batch_p2p,
 )
 
 from parallel.paired_passes import run_paired
+from parallel.torch_compat import register_pair_runner
 
 
 def paired_1f1b_order(stage: int, stages: int, micro_batches: int) -> list[_Action]:
@@ -48,11 +48,12 @@ class Paired1F1B(_PipelineScheduleRuntime):
         count = stages[0].group_size
         self.pipeline_order = {rank: paired_1f1b_order(rank, count, n_microbatches) for rank in range(count)}
         self._prepare_schedule_with_comms(self.pipeline_order)
-        self.register_custom_function(OVERLAP_F_B, self._run_pair)
+        register_pair_runner(self, self._run_pair)
         self.pairs_run = 0
         """Pairs this schedule has run (the tests count them)."""
 
-    def _run_pair(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _run_pair(self, action: _Action, ctx) -> None:
+        """ctx: the schedule's context of the step (its micro-batches' arguments and targets)."""
         forward_action, backward_action = action.sub_actions
         stage = self._stages[0]
         fwd_mb, bwd_mb = forward_action.microbatch_index, backward_action.microbatch_index

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -134,6 +135,13 @@ def test_paired_passes_refuse_a_schedule_they_do_not_pair():
     with pytest.raises(ConfigError, match=re.escape("parallel.overlap_micro_batches pairs the 1f1b schedule's steady "
                                                     "state, not parallel.pipeline_schedule=gpipe")):
         Trainer(tiny_config("parallel.pp=2", "parallel.pipeline_schedule=gpipe", "parallel.overlap_micro_batches=true"))
+    # A torch whose pipelining runs no function of ours for a pair (before 2.10) is refused at start-up.
+    import parallel.state
+
+    with mock.patch.object(parallel.state, "pairs_in_pipelines", lambda: False), \
+            pytest.raises(ConfigError, match=re.escape("parallel.overlap_micro_batches with parallel.pp > 1 needs "
+                                                       "torch >= 2.10")):
+        Trainer(tiny_config("parallel.pp=2", "parallel.overlap_micro_batches=true"))
 
 
 def test_learning_rate_schedules():

@@ -31,6 +31,8 @@ FIRST_TORCH = {
     r"\bF\.scaled_mm\b|functional\.scaled_mm\b": "2.10",  # pytorch#164142; we use torch._scaled_mm instead
     r"torch\._grouped_mm\b": "2.8",          # CUDA; its CPU support is probed at run time (ops/grouped_mm.py)
     r"torch\.float8_e8m0fnu\b": "2.7",
+    r"register_custom_function|_PipelineContext\b": "2.10",  # pytorch#162016 (2025-10): a schedule's own
+                                                          # function for an action (OVERLAP_F_B)
     r"\b(input|output)_grads=": "2.12",        # PipelineStage(input_grads=, output_grads=): read in the 2.10,
                                                 # 2.11 and 2.12 wheels' pipelining/stage.py (first in 2.12)
 }
