@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from parallel.paired_passes import hand_over, hands_over
+from parallel.paired_passes import hand_over, would_hand_over
 from parallel.torch_compat import all_gather_single, reduce_scatter_single
 
 _SERVES = {"nccl": ("cuda",), "gloo": ("cpu",)}
@@ -384,7 +384,7 @@ def _beside_a_pair(collective: Callable[..., dist.Work | None], group: dist.Proc
     """collective(*args, group=group, async_op=...) waited for before returning; inside a pair of passes
     (paired_passes.py; forward_only: on the forward's side of one) it is started, the other pass takes a
     turn, and then it is waited for."""
-    if not hands_over(forward_only):
+    if not would_hand_over(forward_only):
         with backend_ops(), _blocking(group):
             collective(*args, group=group)
         return

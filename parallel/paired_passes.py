@@ -101,20 +101,21 @@ def pair_running() -> bool:
     return _ACTIVE is not None
 
 
-def _side() -> int:
-    return FORWARD if threading.current_thread() is _ACTIVE.forward_thread else BACKWARD
+def _side(turns: _Turns) -> int:
+    return FORWARD if threading.current_thread() is turns.forward_thread else BACKWARD
 
 
-def hands_over(forward_only: bool = False) -> bool:
+def would_hand_over(forward_only: bool = False) -> bool:
     """Whether a wait here would hand the turn over: inside a pair, and (forward_only) on the forward's side."""
-    return _ACTIVE is not None and not (forward_only and _side() == BACKWARD)
+    turns = _ACTIVE
+    return turns is not None and not (forward_only and _side(turns) == BACKWARD)
 
 
 def hand_over() -> None:
     """Called where a pass is about to wait for a collective: inside a pair, the other pass runs first."""
     turns = _ACTIVE
     if turns is not None:
-        turns.hand_over(_side())
+        turns.hand_over(_side(turns))
 
 
 def _carried(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable
 
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import OVERLAP_F_B, _PipelineScheduleRuntime
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """all_gather_single(output, input, group=None, async_op=False): concatenate every rank's input along dim 0."""
@@ -34,6 +34,4 @@ def pairs_in_pipelines() -> bool:
 
 def register_pair_runner(schedule: _PipelineScheduleRuntime, run_pair: Callable) -> None:
     """Have `schedule` run each OVERLAP_F_B action as run_pair(action, context)."""
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B
-
     schedule.register_custom_function(OVERLAP_F_B, run_pair)

@@ -18,6 +18,7 @@ import itertools
 
 import torch
 from torch.library import custom_op
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gpu_kernels.kda.fla_backend import safe_gate_reason
 
@@ -25,18 +26,20 @@ SUB_CHUNK = 16
 """fla's sub-chunk inside a chunk (BC = min(16, chunk)): its diagonal blocks of Akk are kept in fp32."""
 
 
-_last_tables: tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]] | None = None
-"""(cu_seqlens, chunk, its tables) of the latest call: every KDA layer of a forward (and its recomputation) is
-handed the same cu_seqlens object (model/layout.py builds it once per forward), so its tables are built once."""
+_tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""cu_seqlens tensor -> {chunk: its tables}, while the tensor lives: every KDA layer of a forward (and its
+recomputation) is handed the same cu_seqlens object (model/layout.py builds it once per forward), so its tables
+are built once, however the forwards and recomputations of several micro-batches interleave
+(parallel.overlap_micro_batches)."""
 
 
 def tables_for(cu_seqlens: torch.Tensor, bounds: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk_tables for this cu_seqlens tensor, reused while the same object comes back (as fla's own
-    tensor_cache does): two host-to-device copies a forward rather than a layer."""
-    global _last_tables
-    if _last_tables is None or _last_tables[0] is not cu_seqlens or _last_tables[1] != chunk:
-        _last_tables = (cu_seqlens, chunk, chunk_tables(bounds, chunk, cu_seqlens.device))
-    return _last_tables[2]
+    """chunk_tables for this cu_seqlens tensor, made once per tensor and chunk (fla's own tensor_cache keeps
+    only the latest): two host-to-device copies a forward rather than a layer."""
+    by_chunk = _tables.setdefault(cu_seqlens, {})
+    if chunk not in by_chunk:
+        by_chunk[chunk] = chunk_tables(bounds, chunk, cu_seqlens.device)
+    return by_chunk[chunk]
 
 
 def chunk_tables(bounds: list[int], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,8 +49,6 @@ class Paired1F1B(_PipelineScheduleRuntime):
         self.pipeline_order = {rank: paired_1f1b_order(rank, count, n_microbatches) for rank in range(count)}
         self._prepare_schedule_with_comms(self.pipeline_order)
         register_pair_runner(self, self._run_pair)
-        self.pairs_run = 0
-        """Pairs this schedule has run (the tests count them)."""
 
     def _run_pair(self, action: _Action, ctx) -> None:
         """ctx: the schedule's context of the step (its micro-batches' arguments and targets)."""
@@ -73,4 +71,3 @@ class Paired1F1B(_PipelineScheduleRuntime):
                                      last_backward=self.backward_counter[stage.stage_index] == self._n_microbatches)
 
         run_paired(forward, backward, stage.device)
-        self.pairs_run += 1

@@ -138,7 +138,8 @@ def test_the_chunk_tables_are_flas():
 
 
 def test_the_chunk_tables_are_built_once_per_cu_seqlens():
-    """Every KDA layer of a forward is handed the same cu_seqlens: its tables are copied to the device once."""
+    """Every KDA layer of a forward is handed the same cu_seqlens: its tables are copied to the device once per
+    cu_seqlens and chunk."""
     bounds = [0, 70, 200]
     cu = torch.tensor(bounds)
     first = fla_ops.tables_for(cu, bounds, 64)
@@ -146,3 +147,5 @@ def test_the_chunk_tables_are_built_once_per_cu_seqlens():
     other = fla_ops.tables_for(torch.tensor(bounds), bounds, 64)  # the next forward's
     assert other[0] is not first[0] and all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     assert fla_ops.tables_for(cu, bounds, 32)[0].shape[0] == 3 + 5  # another chunk: built again
+    # Two micro-batches' forwards and recomputations interleave (parallel.overlap_micro_batches): each keeps its own.
+    assert all(a is b for a, b in zip(first, fla_ops.tables_for(cu, bounds, 64), strict=True))
