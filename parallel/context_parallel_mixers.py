@@ -22,6 +22,7 @@ from torch import nn
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mla import GatedMLA, rotate
+from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops.kda import kda_with_entry_states
 from moe_pretrain.ops.latent_attention import latent_causal_attention
@@ -83,11 +84,12 @@ class LatentExchangeMLA(ContextPositions, GatedMLA):
     context: NoContextParallel
     """ContextParallel, or the identity for a one-rank reference of what the exchange saves."""
 
-    def _attend(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """This rank's queries [B, T / cp, H, Dn + Dr] over every position's latent, expanded here and
-        again in the backward: the core saves only its output and log-sum-exp, so selective
-        recomputation has nothing to add."""
+    def _attend(self, q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """This rank's queries [B, T / cp, H, Dn + Dr] (recomputed from their latent under mla_up) over every
+        position's latent, expanded here and again in the backward: the core saves only its output and
+        log-sum-exp, so recomputing the core has nothing to add."""
         cfg = self.cfg
+        q = maybe_recompute(self.recompute_up, self._queries, q_latent, layout)
         B, T_local, H = q.shape[:3]
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         every = self.context.gather_sequence(self._whole_sequence(latent))  # [B, T, kv_lora_rank + Dr]

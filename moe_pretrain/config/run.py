@@ -11,6 +11,7 @@ from moe_pretrain.config.evaluation import EvalConfig
 from moe_pretrain.config.inert import check_inert_settings
 from moe_pretrain.config.model import ModelConfig
 from moe_pretrain.config.precision import KernelsConfig, PrecisionConfig
+from moe_pretrain.config.recompute import recompute_problem
 from moe_pretrain.config.stages import StageConfig, check_stages
 
 
@@ -164,9 +165,10 @@ class TrainConfig:
     """Watchdog: the multiple-of-median limit is never below this many seconds."""
     hang_timeout_s: float = 3600.0
     """Watchdog: the absolute limit for one step (also before any median exists); 0 = none."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation in backward (model/recompute.py): selective re-runs the attention cores and
-    the routed experts' MLP; full re-runs every decoder layer, and every vision tower block, from its inputs."""
+    recompute: str = "none"
+    """Activation recomputation in backward (model/recompute.py): full re-runs every decoder layer, and every vision
+    tower block, from its inputs; or a comma-separated list of the modules recomputed one region each: attn_res,
+    norms, kda_pre, mla_up, core, experts, expert_act (selective = core,experts; launch.plan prices each set)."""
     saved_inputs: Literal["device", "host", "fp8"] = "device"
     """Where full recomputation keeps each layer's inputs until its backward (model/saved_inputs.py):
     device; host (copied out as saved, back one layer ahead of the backward; exact); fp8 (block-scaled
@@ -182,6 +184,8 @@ class TrainConfig:
         require(self.hang_multiple >= 0 and self.hang_min_s >= 0 and self.hang_timeout_s >= 0,
                 "train.hang_multiple, train.hang_min_s and train.hang_timeout_s must be >= 0")
         require(self.max_skipped_steps >= 1, f"train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
+        problem = recompute_problem(self.recompute)
+        require(problem is None, f"train.recompute={problem}")
         require(0 <= self.exit_at_step <= self.steps,
                 f"train.exit_at_step={self.exit_at_step} must be in [0, train.steps={self.steps}]")
 

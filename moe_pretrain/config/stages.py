@@ -10,6 +10,7 @@ from typing import Literal
 
 from moe_pretrain.config.blend import BlendConfig, check_long_documents
 from moe_pretrain.config.errors import require, require_positive
+from moe_pretrain.config.recompute import recompute_problem
 
 
 @dataclass
@@ -29,8 +30,8 @@ class StageConfig:
     ones need not pay for it. tp, pp and ep stay those of the run; data parallel takes what cp leaves."""
     cp_mla: Literal["", "auto", "latent", "ulysses"] = ""
     """MLA's exchange under context parallelism in this stage ("" = parallel.cp_mla)."""
-    recompute: Literal["", "none", "selective", "full"] = ""
-    """Activation recomputation in this stage ("" = train.recompute)."""
+    recompute: str = ""
+    """Activation recomputation in this stage, as train.recompute says ("" = train.recompute)."""
     saved_inputs: Literal["", "device", "host", "fp8"] = ""
     """Where full recomputation keeps the layers' inputs in this stage ("" = train.saved_inputs)."""
     lr_peak: float = 3e-4
@@ -56,6 +57,8 @@ class StageConfig:
     """Documents of at least this many tokens count as long in this stage; 0 = data.long_doc_tokens."""
 
     def check(self, where: str) -> None:
+        problem = recompute_problem(self.recompute) if self.recompute else None
+        require(problem is None, f"{where}.recompute={problem}")
         require_positive(where, tokens=self.tokens, seq_len=self.seq_len, batch_tokens=self.batch_tokens,
                          lr_peak=self.lr_peak)
         require(self.micro_batches >= 0, f"{where}.micro_batches={self.micro_batches} must be >= 0 (0 = derived)")

@@ -48,6 +48,8 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.recompute = False
         """Recompute the whole layer in backward (train.recompute=full)."""
+        self.recompute_modules: frozenset[str] = frozenset()
+        """Of attn_res and norms, those recomputed one region each (train.recompute lists them)."""
         self.saved_inputs = SavedInputs()
         """Where the recomputed layer's inputs wait for its backward (train.saved_inputs; the model's store)."""
 
@@ -94,9 +96,19 @@ class DecoderLayer(nn.Module):
     def _to_mlp(self, bank, partial, layout):
         """-> (partial block sum with the sequence mixer's output, the MLP's normed input)."""
         visible = bank if partial is None else [*bank, partial]
-        out = self.mixer(self.attn_norm(self.attn_mix(visible)), layout)
+        out = self.mixer(self._normed_mix(self.attn_mix, self.attn_norm, visible), layout)
         partial = out if partial is None else partial + out
-        return partial, self.mlp_norm(self.mlp_mix([*bank, partial]))
+        return partial, self._normed_mix(self.mlp_mix, self.mlp_norm, [*bank, partial])
+
+    def _normed_mix(self, mix: AttnResMix, norm: RMSNorm, entries: list[torch.Tensor]) -> torch.Tensor:
+        """A sublayer's input, norm(mix(entries)), recomputed as train.recompute lists: attn_res keeps the entries
+        (which every mix reads: kept once) instead of the mix's copies, norms the mix's output instead of the
+        norm's; both, one region from the entries to the normed input. A one-entry mix is its entry."""
+        mixes = "attn_res" in self.recompute_modules and len(entries) > 1
+        norms = "norms" in self.recompute_modules
+        if mixes and norms:
+            return maybe_recompute(True, lambda *e: norm(mix(list(e))), *entries)
+        return maybe_recompute(norms, norm, maybe_recompute(mixes, lambda *e: mix(list(e)), *entries))
 
     def _add_mlp(self, partial, mlp_in):
         mlp_out = self.mlp(mlp_in)

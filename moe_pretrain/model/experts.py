@@ -17,6 +17,7 @@ from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.fp8.experts import FP8_HISTORY, Fp8Experts, amax_buffers
 from moe_pretrain.fp8.grouped_mm import fp8_grouped_mm
 from moe_pretrain.model.init import Normal
+from moe_pretrain.model.recompute import rebuilt_when_saved
 from moe_pretrain.ops import grouped_mm, situ_glu
 from moe_pretrain.step_reuse import autocast_weight
 
@@ -36,6 +37,9 @@ class GroupedExperts(nn.Module):
         """SiTU-GLU through our Triton kernel (Kernels.triton)."""
         self.fp8_settings = kernels.fp8
         """precision.fp8's recipe and GEMM engine; None: the GEMMs run in the compute dtype."""
+        self.recompute_act = False
+        """Rebuild the SiTU-GLU output from the gate and up rows when the down GEMM's backward needs it, rather
+        than keep it (train.recompute lists expert_act; not under FP8, whose down GEMM keeps its FP8 copy)."""
         for name, buffer in amax_buffers(num_experts, kernels.fp8).items():
             self.register_buffer(name, buffer, persistent=name == FP8_HISTORY)
 
@@ -54,8 +58,12 @@ class GroupedExperts(nn.Module):
         x_RL = x_RL.to(w_gate.dtype)
         fp8 = None if self.fp8_settings is None else Fp8Experts(self.fp8_settings, self)
         gate, up = self._matmul(x_RL, w_gate, counts, "gate", fp8), self._matmul(x_RL, w_up, counts, "up", fp8)
-        h = situ_glu(gate, up, self.beta, self.linear_beta, fused=self.fused)
-        return self._matmul(h.to(w_down.dtype), w_down, counts, "down", fp8)
+        h = self._activation(gate, up, w_down.dtype)
+        with rebuilt_when_saved(self.recompute_act and fp8 is None, h, self._activation, gate, up, w_down.dtype):
+            return self._matmul(h, w_down, counts, "down", fp8)
+
+    def _activation(self, gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return situ_glu(gate, up, self.beta, self.linear_beta, fused=self.fused).to(dtype)
 
     def _matmul(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, name: str,
                 fp8: Fp8Experts | None) -> torch.Tensor:

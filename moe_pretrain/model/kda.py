@@ -70,7 +70,9 @@ class KimiDeltaAttention(nn.Module):
         self.param_init = {"A_log": a_log_init(cfg.gate), "dt_bias": dt_bias_init(), "o_norm_weight": Constant(1.0)}
         self.o_proj = make_linear(inner, dim, init_std=out_std)
         self.recompute_core = False
-        """Recompute the chunked KDA op in backward (train.recompute=selective)."""
+        """Recompute the chunked KDA op in backward (train.recompute lists core)."""
+        self.recompute_pre = False
+        """Recompute the pre-ops from the projections to the op's inputs (train.recompute lists kda_pre)."""
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""
@@ -86,19 +88,34 @@ class KimiDeltaAttention(nn.Module):
         positions = self._positions(layout)
         B, T = positions.shape  # this rank's positions, whatever tensor-parallel shard x holds
         pos = self._rows(positions, layout)
-
-        def heads(t):
-            return t.reshape(*t.shape[:2], -1, K)
-
-        q = l2_norm(heads(self._convolve(self.q_proj(x), self.q_conv, pos, layout)), fused=self.fused)
-        k = l2_norm(heads(self._convolve(self.k_proj(x), self.k_conv, pos, layout)), fused=self.fused)
-        v = heads(self._convolve(self.v_proj(x), self.v_conv, pos, layout))
-        g = self.decay(heads(self._rows(self.f_b_proj(self.f_a_proj(x)), layout)))
-        beta = torch.sigmoid(self._rows(self.b_proj(x), layout).to(g.dtype))
-        o = maybe_recompute(self.recompute_core, self._recur, q, k, v, g, beta, pos, layout)
+        projected = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
+        if self.recompute_pre and self.recompute_core:
+            o = maybe_recompute(True, self._pre_and_recur, *projected, pos, layout)
+        else:
+            inputs = maybe_recompute(self.recompute_pre, self._pre_ops, *projected, pos, layout)
+            o = maybe_recompute(self.recompute_core, self._recur, *inputs, pos, layout)
         o = rms_norm(o.reshape(B, T, -1, K), self.o_norm_weight, self.norm_eps, fused=self.fused, out_dtype=x.dtype)
-        gate = torch.sigmoid(heads(self.g_proj(x)))
+        gate = torch.sigmoid(self._heads(self.g_proj(x)))
         return self.o_proj((gate * o).flatten(2))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(*t.shape[:2], -1, self.cfg.head_dim)
+
+    def _pre_ops(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                 pos: torch.Tensor, layout: DocumentLayout) -> tuple[torch.Tensor, ...]:
+        """The projections -> the chunked op's (q, k, v, g, beta): short convolutions and SiLU, L2 norms, the
+        decay gate and beta (train.recompute's kda_pre recomputes them)."""
+        heads = self._heads
+        q = l2_norm(heads(self._convolve(q, self.q_conv, pos, layout)), fused=self.fused)
+        k = l2_norm(heads(self._convolve(k, self.k_conv, pos, layout)), fused=self.fused)
+        v = heads(self._convolve(v, self.v_conv, pos, layout))
+        g = self.decay(heads(self._rows(f, layout)))
+        return q, k, v, g, torch.sigmoid(self._rows(b, layout).to(g.dtype))
+
+    def _pre_and_recur(self, *projected_pos_layout) -> torch.Tensor:
+        """kda_pre and core as one region: from the projections to the op's output."""
+        *projected, pos, layout = projected_pos_layout
+        return self._recur(*self._pre_ops(*projected, pos, layout), pos, layout)
 
     def _positions(self, layout: DocumentLayout) -> torch.Tensor:
         """[B, T] the offsets in their documents of the positions this layer runs over: every one."""

@@ -60,23 +60,28 @@ class GatedMLA(nn.Module):
         self.g_proj = make_linear(dim, H * cfg.v_head_dim, init_std=init_std)
         self.o_proj = make_linear(H * cfg.v_head_dim, dim, init_std=out_std)
         self.recompute_core = False
-        """Recompute the attention core in backward (train.recompute=selective)."""
+        """Recompute the attention core in backward (train.recompute lists core)."""
+        self.recompute_up = False
+        """Recompute the up-projections from the latents in backward (train.recompute lists mla_up)."""
         self.max_logits: MaxLogitRecord | None = None
         """Each head's largest logit of the step's training forwards, for QK-clip (model/qk_clip.py); None: not
         recorded (optim.qk_clip_threshold = 0)."""
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        B, T = self._positions(layout).shape  # the positions this rank attends from, whatever shard x holds
+        attn = self._attend(self.q_down(x), self.kv_down(x), layout)
+        gate = torch.sigmoid(self.g_proj(x)).reshape(*attn.shape)
+        return self.o_proj((attn * gate).reshape(B, T, -1))
+
+    def _queries(self, q_latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The queries [B, T, H, Dn + Dr] from their latent: norm, up-projection, rotary."""
         cfg = self.cfg
         positions = self._positions(layout)
-        B, T = positions.shape  # the positions this rank attends from, whatever shard of them x holds
-        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q = self.q_up(self.q_norm(self.q_down(x))).reshape(B, T, -1, Dn + Dr)
-        H = q.shape[2]  # heads on this rank
+        Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q = self.q_up(self.q_norm(q_latent)).reshape(*positions.shape, -1, Dn + Dr)
         if cfg.position == "rope" and Dr > 0:
             q = torch.cat([q[..., :Dn], rotate(q[..., Dn:], positions, self.rope_theta)], dim=-1)
-        attn = self._attend(q, self.kv_down(x), layout)
-        gate = torch.sigmoid(self.g_proj(x)).reshape(B, T, H, Dv)
-        return self.o_proj((attn * gate).reshape(B, T, -1))
+        return q
 
     def _positions(self, layout: DocumentLayout) -> torch.Tensor:
         """[B, T] the offsets in their documents of the positions this layer attends from: every one."""
@@ -87,18 +92,35 @@ class GatedMLA(nn.Module):
         (the sequence-parallel variant gathers its shards: parallel/context_parallel_mixers.py)."""
         return x_BT_
 
-    def _attend(self, q: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """Every position's keys and values expanded at once from this rank's latent [c_KV | k_rope]."""
-        cfg = self.cfg
-        B, T, H = q.shape[:3]
-        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        c_kv, k_rope = latent.split([cfg.kv_lora_rank, Dr], dim=-1)
+    def _attend(self, q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """Every position's keys and values expanded at once from this rank's latent [c_KV | k_rope], the
+        queries from theirs; mla_up and core (train.recompute) recompute the expansion, the attention, or both
+        as one region from the latents."""
+        c_kv, k_rope = latent.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         k_rope = self._whole_sequence(k_rope)
-        k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(B, T, H, Dn + Dv).split([Dn, Dv], dim=-1)
-        if cfg.position == "rope" and Dr > 0:
-            k_rope = rotate(k_rope, self._positions(layout), self.rope_theta)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, T, H, Dr)], dim=-1)
+        if self.recompute_up and self.recompute_core:
+            return maybe_recompute(True, self._expand_and_attend, q_latent, c_kv, k_rope, layout)
+        # Two regions: each stops its recomputation before its up-projection where the backward does not need
+        # that projection's output again (torch.utils.checkpoint stops once it has what the backward reads).
+        q = maybe_recompute(self.recompute_up, self._queries, q_latent, layout)
+        k, v = maybe_recompute(self.recompute_up, self._keys_values, c_kv, k_rope, layout)
         return maybe_recompute(self.recompute_core, self._core, q, k, v, layout)
+
+    def _keys_values(self, c_kv: torch.Tensor, k_rope: torch.Tensor, layout: DocumentLayout
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [B, T, H, .] from the latent and the shared rotary key k_rope [B, T, Dr] (whole along T)."""
+        cfg = self.cfg
+        positions = self._positions(layout)
+        Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.position == "rope" and Dr > 0:  # first: what it saves is then not behind the up-projection
+            k_rope = rotate(k_rope, positions, self.rope_theta)
+        k_nope, v = self.kv_up(self.kv_norm(c_kv)).reshape(*positions.shape, -1, Dn + Dv).split([Dn, Dv], dim=-1)
+        return torch.cat([k_nope, k_rope.unsqueeze(2).expand(*k_nope.shape[:3], Dr)], dim=-1), v
+
+    def _expand_and_attend(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                           layout: DocumentLayout) -> torch.Tensor:
+        """mla_up and core as one region, from the latents to the attention's output."""
+        return self._core(self._queries(q_latent, layout), *self._keys_values(c_kv, k_rope, layout), layout)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """Causal attention within each document: [B, T, H, D] -> [B, T, H, Dv]; one FlexAttention call on the

@@ -10,6 +10,7 @@ from torch import nn
 
 from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.model.linear import make_linear
+from moe_pretrain.model.recompute import rebuilt_when_saved
 from moe_pretrain.ops import situ_glu
 
 
@@ -24,6 +25,15 @@ class SiTUGLUMLP(nn.Module):
         self.up_proj = make_linear(dim, intermediate, init_std=init_std)
         self.down_proj = make_linear(intermediate, dim, init_std=out_std)
 
+        self.recompute_act = False
+        """Rebuild the SiTU-GLU output when the down projection's backward needs it, rather than keep it
+        (train.recompute lists expert_act: the shared experts' and the dense layers' activation too)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta, fused=self.fused)
-        return self.down_proj(h)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        h = self._activation(gate, up)
+        with rebuilt_when_saved(self.recompute_act, h, self._activation, gate, up):
+            return self.down_proj(h)
+
+    def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ_glu(gate, up, self.beta, self.linear_beta, fused=self.fused)

@@ -15,18 +15,19 @@ from torch import nn
 
 from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
+from moe_pretrain.config.recompute import recompute_modules
 from moe_pretrain.data.patches import PlacedImage
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
 from moe_pretrain.model.decoder_layer import DecoderLayer
 from moe_pretrain.model.image_merge import ImageMerge
 from moe_pretrain.model.init import Normal
+from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.mtp import MTPBlock, tokens_ahead
 from moe_pretrain.model.norm import RMSNorm
-from moe_pretrain.model.recompute import Recompute
 from moe_pretrain.model.router import Router
 from moe_pretrain.model.saved_inputs import SavedInputs, SavedInputsPolicy
 from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
@@ -174,21 +175,35 @@ class MoETransformer(nn.Module):
             setattr(stage, name, getattr(full, name))
         return stage
 
-    def set_recompute(self, mode: Recompute, saved_inputs: SavedInputsPolicy = "device",
+    def set_recompute(self, mode: str, saved_inputs: SavedInputsPolicy = "device",
                       exchanges: bool = True) -> SavedInputs:
         """What backward recomputes (model/recompute.py), on the layers this module holds, whether full
         recomputation repeats the expert exchanges, and where it keeps the layers' inputs
         (model/saved_inputs.py): one store for them all, returned."""
         store = SavedInputs(saved_inputs)
+        modules = recompute_modules(mode)
         if hasattr(self, "vision_tower"):  # a pipeline's first stage, or the whole model
-            self.vision_tower.encoder.recompute = mode == "full"
+            # The modules name the backbone's parts; the tower's blocks are re-run whole under any recomputation:
+            # at full size they are under 0.5% of the step's FLOPs and the first stage's largest activations.
+            self.vision_tower.encoder.recompute = mode != "none"
         for layer in self.decoder_layers().values():
             layer.saved_inputs = store
             layer.recompute = mode == "full"
-            layer.mixer.recompute_core = mode == "selective"
+            layer.recompute_modules = modules & {"attn_res", "norms"}
+            layer.mixer.recompute_core = "core" in modules
+            if isinstance(layer.mixer, KimiDeltaAttention):
+                layer.mixer.recompute_pre = "kda_pre" in modules
+            else:
+                layer.mixer.recompute_up = "mla_up" in modules
+            activations = [layer.mlp]
             if isinstance(layer.mlp, LatentMoE):
-                layer.mlp.recompute_experts = mode == "selective"
+                layer.mlp.recompute_experts = "experts" in modules
                 layer.mlp.recompute_around_exchanges = mode == "full" and not exchanges
+                # Inside the experts' own region the activation is recomputed with them (no hooks nest there).
+                activations = [layer.mlp.shared] + ([] if "experts" in modules else [layer.mlp.experts])
+            for module in activations:
+                if module is not None:
+                    module.recompute_act = "expert_act" in modules
         return store
 
     def decoder_layers(self) -> dict[int, DecoderLayer]:

@@ -16,7 +16,15 @@ from moe_pretrain.config import (
     add_config_arguments,
     load_config_or_exit,
 )
-from moe_pretrain.model.counts import count, ends_params, layer_flops_per_token, mixing_flops_per_token, total_parts
+from moe_pretrain.config.recompute import recompute_modules
+from moe_pretrain.model.counts import (
+    count,
+    ends_params,
+    layer_flops_per_token,
+    mixing_flops_per_token,
+    routed_expert_params,
+    total_parts,
+)
 
 
 def final_projection_params(cfg: ModelConfig, index: int) -> int:
@@ -77,12 +85,37 @@ def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, rec
     return expand + tiles * (4.5 / 3.5 if recompute == "full" else 1.0)  # recomputation: a forward more
 
 
+def module_recompute_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, modules: frozenset[str],
+                                     mla: str = "ulysses", keys: float | None = None) -> float:
+    """The FLOPs train.recompute's modules (model/recompute.py) run again per token of layer `index`: the
+    forward of a recomputed attention core (none under MLA's latent exchange, which recomputes nothing more),
+    MLA's up-projections that the backward needs again, the routed experts' three GEMMs; the mixes, norms,
+    KDA's pre-ops and the SiTU-GLU activation are elementwise (their time is the dry run's, not a FLOP count)."""
+    a, flops = cfg.mla, 0.0
+    latent = cfg.layer_kind(index) == "mla" and mla == "latent"
+    if "core" in modules and not latent:
+        flops += mixing_flops_per_token(cfg, index, seq_len, keys) / 3
+    if "mla_up" in modules and cfg.layer_kind(index) == "mla":
+        # A region's recomputation stops once it has what the backward needs (torch.utils.checkpoint): on its
+        # own, mla_up's query region re-runs the up-projection only where the rotary reads it, the key-value
+        # region never.
+        with_core = "core" in modules and not latent
+        if with_core or (a.position == "rope" and a.qk_rope_head_dim > 0):
+            flops += 2 * a.q_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        if with_core:
+            flops += 2 * a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    if "experts" in modules and cfg.is_moe_layer(index):
+        flops += 2 * cfg.moe.top_k * routed_expert_params(cfg.moe)
+    return flops
+
+
 def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
                           cp: int = 1, mla: str = "ulysses", rows: int = 1,
                           documents: StageDocuments | None = None) -> float:
     """FLOPs a pipeline stage spends per token of its micro-batches: its layers', and the last stage's ends.
     Full recomputation runs each layer's forward again up to its last saved input (torch.utils.checkpoint
-    stops early), i.e. all but the last matmul; selective recomputes the sequence mixing's forward. Under
+    stops early), i.e. all but the last matmul; recomputation by module (selective too) adds
+    module_recompute_flops_per_token. Under
     context parallelism by the latent (mla="latent", cp > 1) MLA layers add latent_exchange_flops_per_token
     (`rows`: the micro-batch's sequences). documents: MLA priced by the stage's documents (None: one per row)."""
     keys = documents.keys if documents else None
@@ -90,8 +123,9 @@ def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_l
     if recompute == "full":
         flops += sum(layer_flops_per_token(cfg, i, seq_len, keys) / 3 - 2 * final_projection_params(cfg, i)
                      for i in layers)
-    elif recompute == "selective":
-        flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) for i in layers) / 3
+    else:
+        modules = recompute_modules(recompute)
+        flops += sum(module_recompute_flops_per_token(cfg, i, seq_len, modules, mla, keys) for i in layers)
     mla_layers = [i for i in layers if cfg.layer_kind(i) == "mla"]
     # Attention's backward recomputes the scores: 2.5 forwards, not 2 (torch's FLOP formulas count it so).
     flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) / 6 for i in mla_layers)

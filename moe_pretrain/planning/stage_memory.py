@@ -284,7 +284,7 @@ class MemoryPlanner:
 
     def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
         """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
-        stage, then the cheapest recomputation (none, selective, full), then the fewest bytes sent. A stage
+        stage, then the cheapest recomputation (RECOMPUTE_ORDER), then the fewest bytes sent. A stage
         no layout of this run fits is None (None overall when no run layout is valid at all)."""
         best = None
         for run in self.run_layouts(gpus):
@@ -328,7 +328,13 @@ class MemoryPlanner:
                             yield layout, result
 
 
-RECOMPUTE_ORDER = ["none", "selective", "full"]
+RECOMPUTE_ORDER = ["none", "attn_res,norms,expert_act", "attn_res,norms,kda_pre,mla_up,expert_act",
+                   "attn_res,norms,kda_pre,mla_up,core,expert_act",
+                   "attn_res,norms,kda_pre,mla_up,core,experts,expert_act", "full"]
+"""The recomputations the searches try, cheapest first: the elementwise modules (no GEMM again), then KDA's
+pre-ops and MLA's up-projections (at most the queries' up-projection again), the attention cores, the routed
+experts' GEMMs, whole layers. Each keeps fewer bytes than the one before (selective, core and experts alone, is
+between the last two in FLOPs and keeps more than either)."""
 SAVED_INPUTS_ORDER = ["device", "host", "fp8"]
 """Exact before lossy: host offload changes no number (it costs host memory and PCIe traffic), FP8 does."""
 EP_CANDIDATES = 6

@@ -16,6 +16,15 @@ What they count, by component:
 - MoE: router scores (fp32, E), k routed copies of the latent rows and of the experts' gate / up /
   activation (3 F each; selective recomputes the experts' MLP), latent norm, shared experts (3 S).
 - Each AttnRes mix over n >= 2 entries: 3 d + 2 per entry; each pre-norm 2 d + 1.
+- Recomputation by module (train.recompute lists them; measured as the rest, by removing one module at a time
+  over 12 shapes of the tiny model, every coefficient exact to 0.5 elements): what each region no longer keeps
+  per token (module_savings): attn_res, each mix over n >= 2 entries (3 d + 2) n - d (the region keeps its
+  newest entry, the partial sum, alive); norms, each pre-norm d + 1 (it keeps its input); both, one region,
+  (3 d + 2) n + d + 1 (and d + 1 for a one-entry mix's norm); kda_pre 15 H K + 2 H + 8.5, with core also the
+  op's inputs, 4 H K; mla_up 2 r_q + 2 r_kv + 1 (the latent norms' and up-projections' inputs), with core also the
+  expanded heads, H (3 Dn + 2 Dr + Dv); core as selective; experts as selective; expert_act the SiTU-GLU outputs,
+  k F + n_s S per MoE layer (n_s S inside experts), the dense MLP's intermediate. One region at a time is
+  re-materialised in backward (the transient: the largest).
 - Full recomputation: each layer keeps its inputs, d per token: the partial block sum, or at a block's
   first layer the bank entry it closes (each entry saved once: model/saved_inputs.py's ledger counts
   exactly d per token per layer); train.saved_inputs keeps them on the host or in FP8 (saved_input_bytes).
@@ -34,12 +43,13 @@ kda_core elements are 4 bytes, the others the activation dtype's (not yet measur
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from moe_pretrain.config import ModelConfig, VisionConfig
+from moe_pretrain.config.recompute import recompute_modules
 from moe_pretrain.model.saved_inputs import PREFETCH_LAYERS, SavedInputsPolicy, saved_input_bytes
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = str
+"""none, selective, full or a comma-separated list of modules (config/recompute.py)."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +163,70 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
         # closes: d per token per layer) and backward re-runs it whole, one layer at a time.
         kept = 0.0 if exchanges or not m.is_moe_layer(index) else exchanges_kept(m)
         return LayerActivations(0.0, 0.0, d, core + mixer + other, core, kept)
-    # Selective: KDA keeps its projections and the op's inputs (the measured rest), MLA its projections;
-    # the latent exchange already saves only what its backward needs (nothing is recomputed there).
-    if latent:
-        kept_other = norms_and_mixes + _mlp(m, index, "selective")
-        return LayerActivations(core, mixer, kept_other, other - kept_other)
-    kept_mixer = mixer if m.layer_kind(index) == "kda" else _mla(m, "selective")
-    kept_other = norms_and_mixes + _mlp(m, index, "selective")
-    return LayerActivations(0.0, kept_mixer, kept_other, core + (mixer - kept_mixer) + (other - kept_other), core)
+    regions = module_savings(m, index, recompute_modules(recompute), latent, core)
+    # A region's transient is what it no longer keeps; KDA's core elements among them are fp32.
+    saved_core = core - sum(r.core for r in regions)
+    largest = max(regions, key=lambda r: r.core * 4 + r.rest * 2, default=Region())
+    return LayerActivations(saved_core, mixer - sum(r.mixer for r in regions),
+                            other - sum(r.rest - r.mixer for r in regions), largest.core + largest.rest, largest.core)
+
+
+@dataclass(frozen=True)
+class Region:
+    """What one recomputed region no longer keeps per token: KDA's fp32 core elements, and the rest (of which
+    `mixer` are the sequence mixer's)."""
+
+    core: float = 0.0
+    rest: float = 0.0
+    mixer: float = 0.0
+
+
+def module_savings(m: ModelConfig, index: int, modules: frozenset[str], latent: bool = False,
+                   kda_core: float = 0.0) -> list[Region]:
+    """The regions train.recompute's modules make in layer `index` (model/recompute.py), each with what it no
+    longer keeps (the module docstring's measured counts); latent: MLA under the latent exchange, whose core
+    keeps only what its backward needs (core adds nothing) and whose keys are expanded by the exchange
+    (mla_up recomputes the queries' side only: 2 r_q + 1, counted, not measured)."""
+    d, regions = m.hidden_size, []
+    for entries in mix_entries(m, index):
+        mixes, norms = "attn_res" in modules and entries >= 2, "norms" in modules
+        if mixes and norms:
+            regions.append(Region(rest=_mix(d, entries) + d + 1))
+        elif mixes:
+            regions.append(Region(rest=_mix(d, entries) - d))
+        elif norms:
+            regions.append(Region(rest=d + 1))
+    if m.layer_kind(index) == "kda":
+        k = m.kda
+        HK = k.num_heads * k.head_dim
+        pre = 15 * HK + 2 * k.num_heads + 8.5 if "kda_pre" in modules else 0.0
+        if "core" in modules:
+            inputs = 4 * HK if pre else 0.0
+            regions.append(Region(core=kda_core, rest=pre + inputs, mixer=pre + inputs))
+        elif pre:
+            regions.append(Region(rest=pre, mixer=pre))
+    else:
+        a = m.mla
+        if latent:
+            up = 2 * a.q_lora_rank + 1 if "mla_up" in modules else 0.0
+            core = 0.0
+        else:
+            up = 2 * a.q_lora_rank + 2 * a.kv_lora_rank + 1 if "mla_up" in modules else 0.0
+            core = _mla(m, "none") - _mla(m, "selective") if "core" in modules else 0.0
+            if up and core:
+                core += a.num_heads * (3 * a.qk_nope_head_dim + 2 * a.qk_rope_head_dim + a.v_head_dim)
+        if up + core:
+            regions.append(Region(rest=up + core, mixer=up + core))
+    if "experts" in modules and m.is_moe_layer(index):
+        regions.append(Region(rest=_mlp(m, index, "none") - _mlp(m, index, "selective")))
+    if "expert_act" in modules:
+        e = m.moe
+        if not m.is_moe_layer(index):
+            regions.append(Region(rest=m.dense_intermediate))
+        else:
+            routed = 0 if "experts" in modules else e.top_k * e.expert_intermediate
+            regions.append(Region(rest=routed + e.num_shared_experts * e.shared_intermediate))
+    return regions
 
 
 def vision_block_activations(v: VisionConfig) -> float:
@@ -172,12 +238,12 @@ def vision_block_activations(v: VisionConfig) -> float:
 def vision_activations(m: ModelConfig, recompute: Recompute) -> tuple[float, float]:
     """(saved, transient) elements per patch of the vision tower and projector, on the rank that encodes the
     patch's image (the first pipeline stage; parallel/image_split.py deals the images over tp x cp).
-    Selective recomputation leaves the tower as it is; full keeps each block's input and re-runs one block
-    at a time in backward (the transient)."""
+    Any recomputation (model/transformer.set_recompute) keeps each block's input and re-runs one block at a time
+    in backward (the transient)."""
     D, d, blocks = m.vision.encoder.hidden_size, m.hidden_size, m.vision.encoder.num_layers
     block = vision_block_activations(m.vision)
     outside = d / 2 + 1.25 + m.vision.patch_dim
-    if recompute == "full":
+    if recompute != "none":
         return blocks * D + 5.5 * D + outside, block
     return blocks * block + 5 * D + outside, 0.0
 
