@@ -12,6 +12,7 @@ from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
 from parallel.parallelize import build_model, gather_full_state
 from parallel.state import destroy_parallel, init_parallel
+from tests.distributed.test_parallel_training import assert_layout_matches_single_process
 from tests.helpers import rel_rms
 from tests.models import tiny_config
 
@@ -112,3 +113,19 @@ def test_full_recompute_without_repeating_the_exchanges_trains_bitwise_alike_and
     for rank, (forward_and_back, three_passes) in enumerate(zip(sent, want_sent, strict=True)):
         reforward = three_passes - forward_and_back
         assert 1 / 3 <= reforward / three_passes < 0.36, (rank, reforward, three_passes)
+
+
+MODULES = "train.recompute=attn_res,norms,kda_pre,mla_up,core,expert_act"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mla", ["ulysses", "latent"])
+def test_recompute_by_module_matches_single_process_float64(tmp_path, mla):
+    """Every module recomputed on cp2 x tp2 x ep2 with paired micro-batches: the regions that hold exchanges
+    (KDA's convolution halos inside kda_pre, Ulysses' head exchanges inside core, the sequence-parallel key
+    gather outside mla_up) run them again in the backward on every rank alike, and three float64 steps match
+    one process (1e-9 relative: losses, gradient norms, every parameter and balancing bias)."""
+    assert_layout_matches_single_process(tmp_path, 4, [
+        MODULES, "parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "model.mla.num_heads=4",
+        f"parallel.cp_mla={mla}", "data.micro_batches=2", "parallel.overlap_micro_batches=true"])
