@@ -88,6 +88,11 @@ def held_positions(x_BT_: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return fragments[:, [rank, 2 * cp - 1 - rank]].flatten(1, 2)
 
 
+SCAN_FROM_CP = 8
+"""KDA's entry states by a scan from this cp on (ContextParallel.entry_states): below it the all-gather moves
+about as many summaries (8 against the scan's 6 at cp 4) in one collective instead of 1 + log2(2 cp)."""
+
+
 class ContextParallel(NoContextParallel):
     def __init__(self, group: dist.ProcessGroup, mla: str = "ulysses"):
         """mla: the resolved exchange (mla_exchange): latent or ulysses."""
@@ -148,12 +153,17 @@ class ContextParallel(NoContextParallel):
     def entry_states(self, M: torch.Tensor, Bs: torch.Tensor) -> torch.Tensor:
         """Each local fragment's KDA entry state from every fragment's summary.
 
-        M [B * 2, H, K, K], Bs [B * 2, H, K, V] (local pieces) -> [B * 2, H, K, V]. Summaries are folded in
-        sequence order, S_{j+1} = M_j S_j + B_j from S_0 = 0 (a row starts a document), in their own
-        dtype (ops.kda keeps them in >= fp32)."""
-        K = M.shape[-1]
-        summary = torch.cat([M, Bs], dim=-1).unflatten(0, (-1, 2))  # [B, 2, H, K, K + V]
-        ordered = self._global_order(all_gather_stacked(summary, self.group))  # [B, 2 cp, H, K, K + V]
+        M [B * 2, H, K, K], Bs [B * 2, H, K, V] (local pieces) -> [B * 2, H, K, V]. The entry state of fragment
+        j is what the summaries before it make of S_0 = 0 (a row starts a document), S_{j+1} = M_j S_j + B_j,
+        in their own dtype (ops.kda keeps them in >= fp32). From cp = SCAN_FROM_CP on a scan (_scanned), below
+        it one all-gather of every summary and a fold (_folded): the same states, the scan's bytes O(log cp)."""
+        maps = torch.cat([M, Bs], dim=-1).unflatten(0, (-1, 2))  # [B, 2 (slot), H, K, K + V]
+        scanned = self.size >= SCAN_FROM_CP
+        return (self._scanned if scanned else self._folded)(maps, M.shape[-1]).flatten(0, 1)
+
+    def _folded(self, maps: torch.Tensor, K: int) -> torch.Tensor:
+        """Every summary gathered to every rank and folded in sequence order -> [B, 2, H, K, V]."""
+        ordered = self._global_order(all_gather_stacked(maps, self.group))  # [B, 2 cp, H, K, K + V]
         # One unbind, not an index per fragment: each index's backward writes a zero tensor of all 2 cp
         # summaries, so the fold's backward would move O(cp^2) summaries' bytes.
         transitions, offsets = ordered[..., :K].unbind(1), ordered[..., K:].unbind(1)
@@ -162,7 +172,47 @@ class ContextParallel(NoContextParallel):
         for j in range(max(self.fragments) + 1):
             entries.append(state)
             state = transitions[j] @ state + offsets[j]
-        return torch.stack([entries[j] for j in self.fragments], dim=1).flatten(0, 1)
+        return torch.stack([entries[j] for j in self.fragments], dim=1)
+
+    def _scanned(self, maps: torch.Tensor, K: int) -> torch.Tensor:
+        """A scan -> [B, 2, H, K, V]: each fragment first takes its predecessor's map, then log2(2 cp) rounds
+        compose it with the running map of the fragment 1, 2, 4, ... before it (Hillis-Steele). Each round a
+        rank sends and receives at most two summaries, (1 + log2(2 cp)) x 2 in all where the all-gather brings
+        every rank 2 cp: 16 against 256 at cp 128, and a chain of 1 + log2(2 cp) compositions in place of 2 cp."""
+        maps = maps.movedim(1, 0)  # [2 (slot), B, H, K, K + V]
+        identity = torch.zeros_like(maps[0])
+        identity[..., :K] = torch.eye(K, dtype=maps.dtype, device=maps.device)
+        running = self._from_before(maps, 1, identity)  # fragment j: the map of j - 1 (identity for 0)
+        distance = 1
+        while distance < 2 * self.size:
+            before = self._from_before(running, distance, identity)
+            transition, offset = running[..., :K], running[..., K:]
+            running = torch.cat([transition @ before[..., :K], transition @ before[..., K:] + offset], dim=-1)
+            distance *= 2
+        return running[..., K:].movedim(0, 1)
+
+    def _from_before(self, values: torch.Tensor, distance: int, identity: torch.Tensor) -> torch.Tensor:
+        """values [2, ...] of this rank's fragments (front, back) -> [2, ...] the values of the fragments
+        `distance` before each in sequence order (identity where the sequence has none); one all-to-all
+        whose rows go to each destination ordered by its slot, and arrive from each source ordered by ours."""
+        n = 2 * self.size
+
+        def owner(j: int) -> tuple[int, int]:
+            return (j, 0) if j < self.size else (n - 1 - j, 1)
+
+        sends = sorted((owner(j + distance), slot) for slot, j in enumerate(self.fragments) if j + distance < n)
+        receives = sorted((owner(j - distance)[0], slot) for slot, j in enumerate(self.fragments) if j >= distance)
+        input_splits, output_splits = [0] * self.size, [0] * self.size
+        for (rank, _), _ in sends:
+            input_splits[rank] += 1
+        for rank, _ in receives:
+            output_splits[rank] += 1
+        rows = values[[slot for _, slot in sends]].flatten(1) if sends else values[:0].flatten(1)
+        received = all_to_all_rows(rows, output_splits, input_splits, self.group).unflatten(1, values.shape[1:])
+        out = [identity, identity]
+        for row, (_, slot) in zip(received.unbind(0), receives, strict=True):
+            out[slot] = row
+        return torch.stack(out)
 
     def heads_to_sequence(self, x_BTHD: torch.Tensor) -> torch.Tensor:
         """Local positions, all heads [B, T / cp, H, D] -> every position, H / cp heads [B, T, H / cp, D]."""

@@ -38,7 +38,7 @@ from moe_pretrain.planning.step_activations import (
     vision_activations,
 )
 from moe_pretrain.planning.tensor_parallel_traffic import ring_share, tensor_parallel_bytes
-from parallel.context_parallel import mla_exchange
+from parallel.context_parallel import SCAN_FROM_CP, mla_exchange
 from parallel.layout_rules import layout_problems
 from parallel.muon import BATCH_ELEMENTS
 from parallel.plan import chunks_of_rank, pipeline_chunks
@@ -252,10 +252,11 @@ class MemoryPlanner:
             mla_bytes = passes * ring_share(layout.cp, layout.cp * tokens * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
         else:
             mla_bytes = passes * 2 * ring_share(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
-        # KDA: every fragment's fp32 state summary [H, K, K + V], and the halos of its q, k, v convolutions.
+        # KDA: the entry states' scan of fp32 state summaries [H, K, K + V], and the halos of its q, k, v
+        # convolutions.
         rows = tokens * layout.cp / stage.seq_len
         inner = k.num_heads / run.tp * k.head_dim
-        kda_bytes = passes * ring_share(layout.cp, 2 * layout.cp * rows * inner * 2 * k.head_dim * 4) \
+        kda_bytes = passes * ring_share(layout.cp, scan_summaries(layout.cp) * rows * inner * 2 * k.head_dim * 4) \
             + passes * ring_share(layout.cp, 3 * 2 * layout.cp * rows * (k.conv_size - 1) * inner * b)
         cp = M * (mla * mla_bytes + kda * kda_bytes)
         # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
@@ -339,6 +340,18 @@ SAVED_INPUTS_ORDER = ["device", "host", "fp8"]
 """Exact before lossy: host offload changes no number (it costs host memory and PCIe traffic), FP8 does."""
 EP_CANDIDATES = 6
 """The search tries the largest few expert-parallel sizes (smaller ones only add expert memory per GPU)."""
+
+
+def scan_summaries(cp: int) -> float:
+    """The state summaries one cp rank hands its collectives for KDA's entry states (parallel/context_parallel
+    .entry_states): below SCAN_FROM_CP the all-gather's 2 cp; from it, on average over the ranks (each within
+    one summary a round of it), the scan's: over 2 cp fragments, a shift by one, then rounds at distance 1, 2,
+    4, ... below 2 cp, each fragment sending to the one `distance` after it where there is one."""
+    n = 2 * cp
+    if cp < SCAN_FROM_CP:
+        return n
+    distances = [1, *(2**i for i in range((n - 1).bit_length()))]
+    return sum(n - d for d in distances) / cp
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -84,3 +84,67 @@ def test_context_parallel_matches_one_process(world_size, overrides, tolerance):
     assert grads.keys() == {name for name, p in model.named_parameters() if p.grad is not None}
     for name, grad in grads.items():
         assert rel_rms(grad, model.get_parameter(name).grad) < tolerance, name
+
+
+def scan_worker(rank, world_size):
+    """entry_states on random summaries of two rows (float64): the entry states and the summaries' gradients
+    under a random weighting, and the payload bytes the cp group's all-to-alls carried."""
+    from moe_pretrain.planning.collective_traffic import CollectiveTraffic
+    from parallel.collectives import gather_objects
+    from parallel.context_parallel import ContextParallel
+
+    dist.init_process_group("gloo")
+    try:
+        context = ContextParallel(dist.group.WORLD)
+        gen = torch.Generator().manual_seed(rank)
+        H, K = 2, 3  # V = K
+        M = (0.5 * torch.randn(2 * 2, H, K, K, generator=gen, dtype=torch.float64)).requires_grad_()
+        Bs = torch.randn(2 * 2, H, K, K, generator=gen, dtype=torch.float64).requires_grad_()
+        with CollectiveTraffic({"cp": dist.group.WORLD}) as traffic:
+            entries = context.entry_states(M, Bs)
+            weight = torch.randn(entries.shape, generator=gen, dtype=torch.float64)
+            (entries * weight).sum().backward()
+        sent = traffic.bytes[("cp", "alltoall_base_")]
+        return gather_objects((M.detach(), Bs.detach(), weight, entries.detach(), M.grad, Bs.grad, sent),
+                              dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_entry_state_scan_matches_the_fold_and_sends_what_the_plan_counts():
+    """cp 8 (16 fragments, each rank's two pieces of two rows): every fragment's entry state and every summary's
+    gradient equal the sequence-order fold S_{j+1} = M_j S_j + B_j of all summaries in one process (1e-12), and
+    the all-to-alls' payloads summed over the ranks are the forward's and the backward's 16 - d summaries per
+    round d of the shift (1) and the scan (1, 2, 4, 8), two rows each: 64 summaries a pass, against the
+    all-gather's 8 x 16 x 7 / 8 = 112 sent (the plan's scan_summaries is this count over the ranks)."""
+    from moe_pretrain.planning.stage_memory import scan_summaries
+
+    cp = 8
+    results = run_distributed(scan_worker, cp)
+    n, H, K, rows = 2 * cp, 2, 3, 2
+    M = torch.zeros(n, rows, H, K, K, dtype=torch.float64, requires_grad=False)
+    Bs = torch.zeros_like(M)
+    for rank, (m, b, *_) in enumerate(results):  # rank r holds fragments r and 2 cp - 1 - r of each row
+        for slot, j in enumerate((rank, n - 1 - rank)):
+            M[j], Bs[j] = m.unflatten(0, (rows, 2))[:, slot], b.unflatten(0, (rows, 2))[:, slot]
+    M.requires_grad_(), Bs.requires_grad_()
+    state, entries = torch.zeros_like(Bs[0]), []
+    for j in range(n):
+        entries.append(state)
+        state = M[j] @ state + Bs[j]
+    loss = 0
+    for rank, (_, _, weight, got, *_) in enumerate(results):
+        for slot, j in enumerate((rank, n - 1 - rank)):
+            want = entries[j]
+            assert torch.allclose(got.unflatten(0, (rows, 2))[:, slot], want, rtol=1e-12, atol=1e-12), (rank, j)
+            loss = loss + (want * weight.unflatten(0, (rows, 2))[:, slot]).sum()
+    loss.backward()
+    for rank, (_, _, _, _, grad_M, grad_B, _) in enumerate(results):
+        for slot, j in enumerate((rank, n - 1 - rank)):
+            assert torch.allclose(grad_M.unflatten(0, (rows, 2))[:, slot], M.grad[j], rtol=1e-12, atol=1e-12)
+            assert torch.allclose(grad_B.unflatten(0, (rows, 2))[:, slot], Bs.grad[j], rtol=1e-12, atol=1e-12)
+    summary_bytes = rows * H * K * 2 * K * 8
+    sent = sum(r[-1] for r in results)
+    assert sent == 2 * (15 + 15 + 14 + 12 + 8) * summary_bytes
+    assert sent == 2 * cp * scan_summaries(cp) * summary_bytes
