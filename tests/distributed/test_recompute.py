@@ -120,12 +120,13 @@ MODULES = "train.recompute=attn_res,norms,kda_pre,mla_up,core,expert_act"
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mla", ["ulysses", "latent"])
-def test_recompute_by_module_matches_single_process_float64(tmp_path, mla):
-    """Every module recomputed on cp2 x tp2 x ep2 with paired micro-batches: the regions that hold exchanges
-    (KDA's convolution halos inside kda_pre, Ulysses' head exchanges inside core, the sequence-parallel key
-    gather outside mla_up) run them again in the backward on every rank alike, and three float64 steps match
-    one process (1e-9 relative: losses, gradient norms, every parameter and balancing bias)."""
+def test_recompute_by_module_matches_single_process_float64(tmp_path):
+    """Every module recomputed on cp2 x tp2 x ep2 with paired micro-batches and MLA's latent exchange: the
+    regions that hold exchanges (KDA's convolution halos inside kda_pre; the sequence-parallel gathers stay
+    outside mla_up, whose query region the latent exchange recomputes alone) run them again in the backward on
+    every rank alike, and three float64 steps match one process (1e-9 relative: losses, gradient norms, every
+    parameter and balancing bias). Ulysses' head exchanges inside a recomputed core are full recomputation's
+    case in tests/distributed/test_context_parallel.py."""
     assert_layout_matches_single_process(tmp_path, 4, [
         MODULES, "parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "model.mla.num_heads=4",
-        f"parallel.cp_mla={mla}", "data.micro_batches=2", "parallel.overlap_micro_batches=true"])
+        "parallel.cp_mla=latent", "data.micro_batches=2", "parallel.overlap_micro_batches=true"])
