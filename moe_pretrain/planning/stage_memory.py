@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
+from moe_pretrain.config.recompute import recompute_modules
 from moe_pretrain.config.stage_settings import StageSettings, stage_settings
 from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
@@ -248,16 +249,21 @@ class MemoryPlanner:
         kda = len(layers) - mla
         a, k = m.mla, m.kda
         head_dims = 3 * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.v_head_dim
+        # Under recomputation by module an exchange inside a recomputed region runs again in the backward: KDA's
+        # halos inside kda_pre, its entry states and Ulysses' head exchanges inside core; MLA's latent gather
+        # sits in none.
+        modules = recompute_modules(layout.recompute)
+        core_passes, pre_passes = (3 if name in modules else passes for name in ("core", "kda_pre"))
         if layout.mla == "latent":  # all-gather of the latent forward (and re-forward), reduce-scatter back
             mla_bytes = passes * ring_share(layout.cp, layout.cp * tokens * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
         else:
-            mla_bytes = passes * 2 * ring_share(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
+            mla_bytes = core_passes * 2 * ring_share(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
         # KDA: the entry states' scan of fp32 state summaries [H, K, K + V], and the halos of its q, k, v
         # convolutions.
         rows = tokens * layout.cp / stage.seq_len
         inner = k.num_heads / run.tp * k.head_dim
-        kda_bytes = passes * ring_share(layout.cp, scan_summaries(layout.cp) * rows * inner * 2 * k.head_dim * 4) \
-            + passes * ring_share(layout.cp, 3 * 2 * layout.cp * rows * (k.conv_size - 1) * inner * b)
+        kda_bytes = core_passes * ring_share(layout.cp, scan_summaries(layout.cp) * rows * inner * 2 * k.head_dim * 4) \
+            + pre_passes * ring_share(layout.cp, 3 * 2 * layout.cp * rows * (k.conv_size - 1) * inner * b)
         cp = M * (mla * mla_bytes + kda * kda_bytes)
         # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
         # balancers' statistics all-reduced over tensor x data x context parallel.
