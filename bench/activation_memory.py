@@ -1,6 +1,7 @@
 """The memory plan's activation formulas against measured memory of real CPU forward + backward passes.
 
 Run: .venv/bin/python bench/activation_memory.py [--lengths 2048 8192] [--modes none selective full full-kept]
+(a mode may be any train.recompute value, a module list such as attn_res,norms,kda_pre,mla_up,core,expert_act too)
 Each (recompute, T) runs in a fresh process (a clean allocator): the tiny model (d = 64, KDA chunk 64,
 1000-token documents) in fp32 does one forward, a cross-entropy loss and a backward. Printed, in MB: the
 plan's saved activations and peak (moe_pretrain/planning/step_activations.py, the same arithmetic launch.plan
