@@ -24,6 +24,8 @@ exchanges here:
 Gradients flow back through the same collectives (all-gather <-> reduce-scatter, all-to-all <-> itself).
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -88,6 +90,34 @@ def held_positions(x_BT_: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return fragments[:, [rank, 2 * cp - 1 - rank]].flatten(1, 2)
 
 
+@dataclass(frozen=True)
+class _ScanRoute:
+    """One round of the entry-state scan on one rank: which of its fragments' values it sends where, and which
+    of its fragments each received value belongs to. Rows go to each destination ordered by the destination's
+    slot and arrive from each source ordered by ours, so both ends agree without telling each other."""
+
+    send_slots: tuple[int, ...]
+    input_splits: list[int]
+    output_splits: list[int]
+    receive_slots: tuple[int, ...]
+
+    @staticmethod
+    def of(fragments: tuple[int, int], owner_slot: list[int], distance: int) -> "_ScanRoute":
+        """The route by which each fragment j receives the value of fragment j - distance (owner_slot:
+        ContextParallel's, global fragment -> 2 rank + slot)."""
+        n = len(owner_slot)
+        sends = sorted((divmod(owner_slot[j + distance], 2), slot) for slot, j in enumerate(fragments)
+                       if j + distance < n)
+        receives = sorted((owner_slot[j - distance] // 2, slot) for slot, j in enumerate(fragments) if j >= distance)
+        input_splits, output_splits = [0] * (n // 2), [0] * (n // 2)
+        for (rank, _), _ in sends:
+            input_splits[rank] += 1
+        for rank, _ in receives:
+            output_splits[rank] += 1
+        return _ScanRoute(tuple(slot for _, slot in sends), input_splits, output_splits,
+                          tuple(slot for _, slot in receives))
+
+
 SCAN_FROM_CP = 8
 """KDA's entry states by a scan from this cp on (ContextParallel.entry_states): below it the all-gather moves
 about as many summaries (8 against the scan's 6 at cp 4) in one collective instead of 1 + log2(2 cp)."""
@@ -107,6 +137,7 @@ class ContextParallel(NoContextParallel):
         self.owner_slot = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in range(2 * self.size)]
         # The global fragments each rank holds, rank by rank: what sequence_to_heads sends where.
         self.held = [j for r in range(self.size) for j in (r, 2 * self.size - 1 - r)]
+        self._scan_routes: dict[int, _ScanRoute] = {}
 
     def local(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] (every position) -> [B, T / cp, ...] (this rank's two fragments)."""
@@ -193,24 +224,15 @@ class ContextParallel(NoContextParallel):
 
     def _from_before(self, values: torch.Tensor, distance: int, identity: torch.Tensor) -> torch.Tensor:
         """values [2, ...] of this rank's fragments (front, back) -> [2, ...] the values of the fragments
-        `distance` before each in sequence order (identity where the sequence has none); one all-to-all
-        whose rows go to each destination ordered by its slot, and arrive from each source ordered by ours."""
-        n = 2 * self.size
-
-        def owner(j: int) -> tuple[int, int]:
-            return (j, 0) if j < self.size else (n - 1 - j, 1)
-
-        sends = sorted((owner(j + distance), slot) for slot, j in enumerate(self.fragments) if j + distance < n)
-        receives = sorted((owner(j - distance)[0], slot) for slot, j in enumerate(self.fragments) if j >= distance)
-        input_splits, output_splits = [0] * self.size, [0] * self.size
-        for (rank, _), _ in sends:
-            input_splits[rank] += 1
-        for rank, _ in receives:
-            output_splits[rank] += 1
-        rows = values[[slot for _, slot in sends]].flatten(1) if sends else values[:0].flatten(1)
-        received = all_to_all_rows(rows, output_splits, input_splits, self.group).unflatten(1, values.shape[1:])
+        `distance` before each in sequence order (identity where the sequence has none): one all-to-all along
+        the round's route (_ScanRoute, made once per distance)."""
+        if distance not in self._scan_routes:
+            self._scan_routes[distance] = _ScanRoute.of(self.fragments, self.owner_slot, distance)
+        route = self._scan_routes[distance]
+        rows = values[list(route.send_slots)].flatten(1)
+        received = all_to_all_rows(rows, route.output_splits, route.input_splits, self.group)
         out = [identity, identity]
-        for row, (_, slot) in zip(received.unbind(0), receives, strict=True):
+        for row, slot in zip(received.unflatten(1, values.shape[1:]).unbind(0), route.receive_slots, strict=True):
             out[slot] = row
         return torch.stack(out)
 

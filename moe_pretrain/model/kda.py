@@ -112,10 +112,10 @@ class KimiDeltaAttention(nn.Module):
         g = self.decay(heads(self._rows(f, layout)))
         return q, k, v, g, torch.sigmoid(self._rows(b, layout).to(g.dtype))
 
-    def _pre_and_recur(self, *projected_pos_layout) -> torch.Tensor:
+    def _pre_and_recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                       pos: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """kda_pre and core as one region: from the projections to the op's output."""
-        *projected, pos, layout = projected_pos_layout
-        return self._recur(*self._pre_ops(*projected, pos, layout), pos, layout)
+        return self._recur(*self._pre_ops(q, k, v, f, b, pos, layout), pos, layout)
 
     def _positions(self, layout: DocumentLayout) -> torch.Tensor:
         """[B, T] the offsets in their documents of the positions this layer runs over: every one."""

@@ -20,11 +20,13 @@ from moe_pretrain.data.patches import PlacedImage
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.balancing import reduce_pending
 from moe_pretrain.model.decoder_layer import DecoderLayer
+from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.image_merge import ImageMerge
 from moe_pretrain.model.init import Normal
 from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
+from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.mtp import MTPBlock, tokens_ahead
 from moe_pretrain.model.norm import RMSNorm
@@ -195,15 +197,15 @@ class MoETransformer(nn.Module):
                 layer.mixer.recompute_pre = "kda_pre" in modules
             else:
                 layer.mixer.recompute_up = "mla_up" in modules
-            activations = [layer.mlp]
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.recompute_experts = "experts" in modules
                 layer.mlp.recompute_around_exchanges = mode == "full" and not exchanges
-                # Inside the experts' own region the activation is recomputed with them (no hooks nest there).
-                activations = [layer.mlp.shared] + ([] if "experts" in modules else [layer.mlp.experts])
-            for module in activations:
-                if module is not None:
-                    module.recompute_act = "expert_act" in modules
+            for module in layer.mlp.modules():
+                if isinstance(module, (SiTUGLUMLP, GroupedExperts)):
+                    # Inside the experts' own region their activation is recomputed with them (the region's
+                    # checkpoint hooks would hide any nested inside it).
+                    inside = isinstance(module, GroupedExperts) and "experts" in modules
+                    module.recompute_act = "expert_act" in modules and not inside
         return store
 
     def decoder_layers(self) -> dict[int, DecoderLayer]:

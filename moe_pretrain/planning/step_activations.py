@@ -164,7 +164,8 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
         kept = 0.0 if exchanges or not m.is_moe_layer(index) else exchanges_kept(m)
         return LayerActivations(0.0, 0.0, d, core + mixer + other, core, kept)
     regions = module_savings(m, index, recompute_modules(recompute), latent, core)
-    # A region's transient is what it no longer keeps; KDA's core elements among them are fp32.
+    # A region's transient is what it no longer keeps; the largest is picked by its bytes at bf16 (KDA's core
+    # elements are fp32 in any dtype), the training dtype at full size.
     saved_core = core - sum(r.core for r in regions)
     largest = max(regions, key=lambda r: r.core * 4 + r.rest * 2, default=Region())
     return LayerActivations(saved_core, mixer - sum(r.mixer for r in regions),
