@@ -32,6 +32,13 @@ pre-hook, for the buckets holding its parameters, so the first layers compute wh
 parameters arrive. Anything else that reads parameters must call finish_parameter_gathers() first; the
 model's state_dict (saves, exports) does so by a hook.
 
+Parameters may be held in a lower dtype than they were built in (train.param_dtype=bfloat16: the matmuls'
+weights, megatron-core's bf16 parameters): their buckets' flat buffer is bf16, each rank's range keeps an fp32
+master (the shard AdamW and Muon step on), and the all-gather sends the master rounded to bf16. Their
+gradient buffer is fp32 by default (megatron-core's main_grad: each backward's bf16 .grad is added into it by
+the post-accumulate hook and dropped) or bf16 (held_grad_dtype; autograd accumulates into it directly); the
+reduced slice is cast to the master's dtype for the update. Held in fp32 throughout, nothing changes.
+
 Gradients are summed, not averaged: the trainer already divides every loss by the global token count.
 The global norm counts every element once: within a group the slices are disjoint, dense parameters
 are sliced over all ranks, and each expert's parameters over the ranks that hold that expert.
@@ -64,7 +71,10 @@ class ParamGroupSpec:
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None):
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
+                 held: torch.dtype | None = None, grad_dtype: torch.dtype | None = None):
+        """held: the dtype the parameters are held in from now on (None: their own); below their own, this rank's
+        range keeps a master in their own dtype. grad_dtype: the gradient buffer's (None: their own)."""
         self.params = params
         self.group = group
         self.size = group_size(group)
@@ -75,23 +85,37 @@ class _Bucket:
         self.start = self.rank * self.shard_numel
         """This rank's range of the flat buffer: [start, start + shard_numel) (the tail may be padding)."""
         like = params[0]
-        self.data = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+        self.data = torch.zeros(self.padded, dtype=held or like.dtype, device=like.device)
+        self.grad_dtype = grad_dtype or like.dtype
         self.grad_data: torch.Tensor | None = None
         """Allocated by the first zero_grad (a state only loaded and saved, by tools, never has one)."""
+        self.master: torch.Tensor | None = None
+        """This rank's range in the parameters' own dtype, where they are held in a lower one (None: the range
+        of data is the master)."""
         self.offsets = []
         offset = 0
         with torch.no_grad():
+            if self.data.dtype != like.dtype:
+                self.master = torch.zeros(self.shard_numel, dtype=like.dtype, device=like.device)
             for p in params:
-                self.data[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                flat = p.detach().reshape(-1)
+                self.data[offset:offset + p.numel()].copy_(flat)
+                if self.master is not None:  # the part of p in this rank's range, before it is rounded
+                    lo, hi = max(self.start, offset), min(self.start + self.shard_numel, offset + p.numel())
+                    if lo < hi:
+                        self.master[lo - self.start:hi - self.start].copy_(flat[lo - offset:hi - offset])
                 p.data = self.data[offset:offset + p.numel()].view_as(p)
                 self.offsets.append(offset)
                 offset += p.numel()
-        self.shard = nn.Parameter(self.data[self.start:self.start + self.shard_numel])
+        self.shard = nn.Parameter(self.master if self.master is not None
+                                  else self.data[self.start:self.start + self.shard_numel])
         self.remaining: int | None = None
         """Gradient accumulations still to come this step before the reduce-scatter may start (None: not
         armed, so it starts in reduce_gradients)."""
         self.work: dist.Work | None = None
         self.started = False
+        self.reduced: torch.Tensor | None = None
+        """The slice's summed gradient in the buffer's dtype, from the reduce-scatter under way."""
         self.gathering: tuple[dist.Work, torch.Tensor] | None = None
         """The parameters' all-gather under way, and the shard copy it sends."""
         self.exchange: MuonExchange | None = None
@@ -101,12 +125,22 @@ class _Bucket:
 
     def attach_gradients(self) -> None:
         """Point every parameter's .grad at its view of the zeroed gradient buffer (autograd accumulates
-        into an existing .grad in place)."""
+        into an existing .grad in place). A buffer in another dtype than the parameters' cannot be their .grad:
+        each backward's .grad is added into it by accumulate(), then dropped."""
         if self.grad_data is None:
-            self.grad_data = torch.zeros_like(self.data)
+            self.grad_data = torch.zeros_like(self.data, dtype=self.grad_dtype)
         self.grad_data.zero_()
         for p, offset in zip(self.params, self.offsets):
-            p.grad = self.grad_data[offset:offset + p.numel()].view_as(p)
+            p.grad = self.grad_data[offset:offset + p.numel()].view_as(p) if self.grad_dtype == p.dtype else None
+
+    @torch.no_grad()
+    def accumulate(self, index: int) -> None:
+        """Parameter `index` has its gradient of one backward: into a buffer of another dtype, add and drop it
+        (megatron-core's main_grad; the buffer of the parameters' own dtype is their .grad already)."""
+        p = self.params[index]
+        if self.grad_dtype != p.dtype and p.grad is not None:
+            self.grad_data[self.offsets[index]:self.offsets[index] + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
 
     @property
     def ready(self) -> bool:
@@ -119,24 +153,28 @@ class _Bucket:
                                "backward, so gradients accumulate into the optimizer's buffers")
         self.started = True
         if self.size == 1:
-            self.shard.grad = self.grad_data
+            self.reduced = self.grad_data
             return
-        self.shard.grad = self.grad_data.new_empty(self.shard_numel)
-        self.work = reduce_scatter_into_async(self.shard.grad, self.grad_data, self.group)
+        self.reduced = self.grad_data.new_empty(self.shard_numel)
+        self.work = reduce_scatter_into_async(self.reduced, self.grad_data, self.group)
 
     def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter; the slice's gradient, in the master's dtype, is then shard.grad."""
         if not self.started:
             self.start_reduce_scatter()
         if self.work is not None:
             self.work.wait()
-        self.work, self.started, self.remaining = None, False, None
+        self.shard.grad = self.reduced.to(self.shard.dtype)
+        self.work, self.started, self.remaining, self.reduced = None, False, None, None
 
     @torch.no_grad()
     def start_all_gather(self) -> None:
         """Start gathering every rank's updated shard into the parameter buffer (finish_all_gather waits)."""
         if self.size > 1:
-            source = self.shard.detach().clone()
+            source = self.shard.detach().to(self.data.dtype, copy=True)
             self.gathering = (all_gather_into_async(self.data, source, self.group), source)
+        elif self.master is not None:
+            self.data.copy_(self.master)
 
     def finish_all_gather(self) -> None:
         if self.gathering is not None:
@@ -159,11 +197,16 @@ class ShardedOptimizer:
     def __init__(self, specs: list[ParamGroupSpec], *, lr: float, betas: tuple[float, float], eps: float,
                  bucket_bytes: int, norm_group: dist.ProcessGroup | None,
                  param_order: list[nn.Parameter] | None = None, momentum: float = 0.95,
-                 tp_group: dist.ProcessGroup | None = None):
+                 tp_group: dist.ProcessGroup | None = None, held_in: dict[int, torch.dtype] | None = None,
+                 held_grad_dtype: torch.dtype | None = None):
         """param_order: every parameter in model order (forward order), which sets the order the buckets'
         reduce-scatters start in (reverse); default: the specs' order. momentum: Muon's (Nesterov). tp_group:
-        the tensor-parallel group whose slices a MatrixSpec with a tensor_dim joins."""
+        the tensor-parallel group whose slices a MatrixSpec with a tensor_dim joins. held_in: parameters (by id)
+        held in a lower dtype than their own from now on, their own kept as the master of each rank's slice
+        (train.param_dtype); held_grad_dtype: their gradient buffers' dtype (None: their own)."""
         self.norm_group = norm_group
+        self.held_in = held_in or {}
+        self.held_grad_dtype = held_grad_dtype
         self.momentum = momentum
         self.buckets: list[_Bucket] = []
         adam_groups, self.muon_groups = [], []
@@ -193,8 +236,9 @@ class ShardedOptimizer:
         self._next_to_start = 0
         self._gated = False
         for bucket in self.buckets:
-            for param in bucket.params:
-                param.register_post_accumulate_grad_hook(lambda _, bucket=bucket: self._accumulated(bucket))
+            for index, param in enumerate(bucket.params):
+                param.register_post_accumulate_grad_hook(
+                    lambda _, bucket=bucket, index=index: self._accumulated(bucket, index))
         for bucket in self.buckets:
             if bucket.exchange is None:
                 # Created now (AdamW would at its first step) so a checkpoint can load into them in place.
@@ -202,19 +246,28 @@ class ShardedOptimizer:
                     "step": torch.zeros((), dtype=torch.float32, device=bucket.shard.device),
                     "exp_avg": torch.zeros_like(bucket.shard), "exp_avg_sq": torch.zeros_like(bucket.shard)}
 
-    @staticmethod
-    def _bucketize(spec: ParamGroupSpec, bucket_bytes: int) -> list[_Bucket]:
-        buckets, current, current_bytes = [], [], 0
-        for p in spec.params:
-            if current and (current_bytes + p.numel() * p.element_size() > bucket_bytes
-                            or p.dtype != current[0].dtype):
-                buckets.append(_Bucket(current, spec.group))
-                current, current_bytes = [], 0
-            current.append(p)
-            current_bytes += p.numel() * p.element_size()
-        if current:
-            buckets.append(_Bucket(current, spec.group))
+    def _bucketize(self, spec: ParamGroupSpec, bucket_bytes: int) -> list[_Bucket]:
+        """The spec's parameters in buckets of at most bucket_bytes as held, one held dtype each: those held in a
+        lower dtype first, then the rest, each in the spec's order."""
+        buckets = []
+        low = [p for p in spec.params if id(p) in self.held_in]
+        for params in (low, [p for p in spec.params if id(p) not in self.held_in]):
+            current, current_bytes = [], 0
+            for p in params:
+                held = self.held_in.get(id(p), p.dtype)
+                size = p.numel() * held.itemsize
+                if current and (current_bytes + size > bucket_bytes or p.dtype != current[0].dtype):
+                    buckets.append(self._bucket(current, spec.group))
+                    current, current_bytes = [], 0
+                current.append(p)
+                current_bytes += size
+            if current:
+                buckets.append(self._bucket(current, spec.group))
         return buckets
+
+    def _bucket(self, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> _Bucket:
+        held = self.held_in.get(id(params[0]))
+        return _Bucket(params, group, held, self.held_grad_dtype if held is not None else None)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -235,13 +288,14 @@ class ShardedOptimizer:
         for bucket in self.buckets:
             if bucket.work is not None:  # a step abandoned mid-way: nothing may still read the buffer
                 bucket.work.wait()
-            bucket.work, bucket.started = None, False
+            bucket.work, bucket.started, bucket.reduced = None, False, None
             bucket.attach_gradients()
             bucket.remaining = None if backwards is None else backwards * len(bucket.params)
         self._next_to_start = 0
 
-    def _accumulated(self, bucket: _Bucket) -> None:
-        """A parameter's gradient of one backward has been accumulated into the bucket (autograd's hook)."""
+    def _accumulated(self, bucket: _Bucket, index: int) -> None:
+        """Parameter `index` of the bucket has its gradient of one backward (autograd's hook)."""
+        bucket.accumulate(index)
         if bucket.remaining is None:
             return
         if bucket.started:
@@ -292,6 +346,28 @@ class ShardedOptimizer:
                 update = bucket.exchange.update(grad.add(bucket.momentum, alpha=self.momentum))
                 bucket.shard.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
 
+    @torch.no_grad()
+    def scale_parameter(self, param: nn.Parameter, factor: torch.Tensor) -> None:
+        """param *= factor (broadcast to its shape; every rank holding param calls this alike), in its master
+        slice too where it is held in a lower dtype: an edit outside the optimizer (QK-clip) that the next
+        update and gather keep."""
+        param.mul_(factor)
+        for bucket in self.buckets:
+            if bucket.master is None or not any(p is param for p in bucket.params):
+                continue
+            flat = factor.expand(param.shape).reshape(-1)
+            for p, lo, hi, at in bucket.pieces():
+                if p is param:
+                    bucket.master[at:at + hi - lo].mul_(flat[lo:hi])
+
+    def refresh_parameters(self) -> None:
+        """Set the parameters held in a lower dtype from their masters, after the masters were loaded in place
+        (collective over each such bucket's group)."""
+        for bucket in self.buckets:
+            if bucket.master is not None:
+                bucket.start_all_gather()
+                bucket.finish_all_gather()
+
     def finish_parameter_gathers(self) -> None:
         """Wait until every parameter holds its updated value on this rank."""
         for bucket in self.buckets:
@@ -322,13 +398,15 @@ class ShardedOptimizer:
         return sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buckets if b.grad_data is not None)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: the Adam moments and Muon momenta of its slices (the master
-        slice is a view of the parameters)."""
-        return sum(t.numel() * t.element_size() for bucket in self.buckets for t in self.moments(bucket).values())
+        """Bytes of optimizer state on this rank: the Adam moments and Muon momenta of its slices, and the masters
+        of the slices held in a lower dtype (elsewhere the master slice is a view of the parameters)."""
+        masters = [b.master for b in self.buckets if b.master is not None]
+        return sum(t.numel() * t.element_size()
+                   for t in [*masters, *(t for bucket in self.buckets for t in self.moments(bucket).values())])
 
     def exchange_bytes(self) -> int:
         """Bytes this rank's Muon exchanges send to other ranks per step (0 without Muon)."""
-        return sum(b.exchange.sent_elements * b.data.element_size() for b in self.buckets if b.exchange is not None)
+        return sum(b.exchange.sent_elements * b.shard.element_size() for b in self.buckets if b.exchange is not None)
 
     def moments(self, bucket: "_Bucket") -> dict[str, torch.Tensor]:
         """This rank's slices of a bucket's optimizer state, [shard_numel] each: AdamW's "exp_avg" and

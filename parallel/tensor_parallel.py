@@ -48,6 +48,9 @@ class InputGather:
 
 
 class ColumnParallelLinear(nn.Module):
+    cast_weights = ("weight", "bias")
+    """Read only through autocast_weight, as the Linear it replaces (model/linear.py cast_weight_names)."""
+
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, gather: InputGather | None = None):
         """linear: holding this rank's rows, weight [O/tp, I] and bias [O/tp]; gather: shared by the model's
         column layers (a private one if not given)."""
@@ -62,6 +65,9 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
+    cast_weights = ("weight", "bias")
+    """Read only through autocast_weight, as the Linear it replaces (model/linear.py cast_weight_names)."""
+
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup):
         """linear: holding this rank's columns, weight [O, I/tp]."""
         super().__init__()

@@ -7,7 +7,9 @@ Optimizer moments (AdamW's exp_avg / exp_avg_sq, Muon's momentum) are stored per
 parameter's global shape, but each rank saves only the flat range its ZeRO-1 slice holds, as boxes of the
 global tensor (parallel/flat_shards.py): nothing is gathered or copied at save, and at load DCP fills each
 new layout's boxes, in place, from whichever boxes were saved. The master copy is the parameter itself,
-so it is not stored twice.
+so it is not stored twice; a parameter held in bf16 (train.param_dtype) is saved as its fp32 masters, boxes
+of each rank's slice as for the moments, so that a checkpoint holds fp32 values under either setting and loads
+into the other.
 """
 
 import torch
@@ -62,21 +64,28 @@ class GlobalState:
         state = {}
         for name, tensor in self.model.state_dict().items():  # buffers; per-expert ones sharded like the experts
             state[f"model.{name}"] = self._wrap(name, tensor)
-        held = {id(p): list(self.optimizer.moments(bucket)) for bucket in self.optimizer.buckets for p in bucket.params}
+        held = {id(p): [f"optim.{moment}" for moment in self.optimizer.moments(bucket)]
+                + (["model"] if bucket.master is not None else []) for bucket in self.optimizer.buckets
+                for p in bucket.params}
         for name, param in self.model.named_parameters():
             state[f"model.{name}"] = self._wrap(name, param.detach())
-            for moment in held.get(id(param), ()):  # replaced below by the boxes this rank holds, if any
-                state[f"optim.{moment}.{name}"] = BoxedTensor(torch.Size(self._global(name, param.shape)[0]), [])
+            for prefix in held.get(id(param), ()):  # replaced below by the boxes this rank holds, if any
+                state[f"{prefix}.{name}"] = BoxedTensor(torch.Size(self._global(name, param.shape)[0]), [])
         for bucket in self.optimizer.buckets:
-            for moment, flat in self.optimizer.moments(bucket).items():
+            ranges = {f"optim.{moment}": flat for moment, flat in self.optimizer.moments(bucket).items()}
+            if bucket.master is not None:  # the parameter's value is its master's, held as the moments are
+                ranges["model"] = bucket.master
+            for prefix, flat in ranges.items():
                 for param, lo, hi, at in bucket.pieces():
                     name = self.names[id(param)]
                     global_shape, offsets = self._global(name, tuple(param.shape))
-                    state[f"optim.{moment}.{name}"] = BoxedTensor.from_flat_range(
+                    state[f"{prefix}.{name}"] = BoxedTensor.from_flat_range(
                         global_shape, tuple(param.shape), offsets, lo, flat[at:at + hi - lo])
         return state
 
     @torch.no_grad()
     def after_load(self, step: int) -> None:
-        """The state was loaded in place: only AdamW's step count is left to set."""
+        """The state was loaded in place: AdamW's step count is left to set, and the parameters held in bf16 to
+        take their masters' values (collective)."""
         self.optimizer.set_step(step)
+        self.optimizer.refresh_parameters()

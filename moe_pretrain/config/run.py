@@ -148,6 +148,16 @@ class TrainConfig:
     """Seed of the parameters' initialisation (the data order has data.seed)."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Parameter and activation dtype; router and nonlinearities always run in >= fp32."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the matmuls' weights are held in between steps (model/linear.py's cast_weights: every linear
+    layer's but the routers', and the routed experts'). bfloat16 (megatron-core's bf16 parameters) holds them
+    in bf16 and the optimizer keeps an fp32 master of its ZeRO-1 slice (parallel/optimizer.py): the forward
+    reads the same bf16 values autocast would have cast, the state holds half the bytes and no step copy.
+    Needs train.dtype=bfloat16."""
+    grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype those weights' gradients accumulate over the micro-batches and reduce in (megatron-core's
+    main_grads_dtype). bfloat16 halves the gradient buffers and rounds every accumulation (lossy: the sum of
+    M micro-batches' gradients to bf16's 8 bits at each add). Needs train.param_dtype=bfloat16."""
     run_dir: str = "runs/smoke"
     """Where the run writes its metrics, logs and (checkpoint.dir empty) checkpoints."""
     resume: str = "auto"
@@ -184,6 +194,10 @@ class TrainConfig:
         require(self.hang_multiple >= 0 and self.hang_min_s >= 0 and self.hang_timeout_s >= 0,
                 "train.hang_multiple, train.hang_min_s and train.hang_timeout_s must be >= 0")
         require(self.max_skipped_steps >= 1, f"train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
+        require(self.param_dtype == "float32" or self.dtype == "bfloat16",
+                f"train.param_dtype={self.param_dtype} needs train.dtype=bfloat16, not {self.dtype}")
+        require(self.grad_dtype == "float32" or self.param_dtype == "bfloat16",
+                f"train.grad_dtype={self.grad_dtype} needs train.param_dtype=bfloat16, not {self.param_dtype}")
         problem = recompute_problem(self.recompute)
         require(problem is None, f"train.recompute={problem}")
         require(0 <= self.exit_at_step <= self.steps,

@@ -23,6 +23,9 @@ from moe_pretrain.step_reuse import autocast_weight
 
 
 class GroupedExperts(nn.Module):
+    cast_weights = ("w_gate", "w_up", "w_down")
+    """Read only through autocast_weight (compute_weights) or as FP8 copies (model/linear.py cast_weight_names)."""
+
     def __init__(self, num_experts: int, latent: int, intermediate: int, *, beta: float,
                  linear_beta: float, init_std: float, out_std: float, kernels: Kernels = REFERENCES):
         super().__init__()

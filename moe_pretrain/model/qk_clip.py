@@ -61,10 +61,14 @@ def start_recording(model: nn.Module) -> None:
 
 @torch.no_grad()
 def clip_heads(model: nn.Module, threshold: float,
-               reduce: Callable[[torch.Tensor], torch.Tensor] = lambda maxima: maxima) -> torch.Tensor | None:
+               reduce: Callable[[torch.Tensor], torch.Tensor] = lambda maxima: maxima,
+               scale: Callable[[nn.Parameter, torch.Tensor], None] = lambda weight, factor: weight.mul_(factor)
+               ) -> torch.Tensor | None:
     """Scale the weights of every head whose step maximum exceeded `threshold`; `reduce` takes this rank's
     maxima [MLA layers here, heads here] to the step's (the trainer's: a max over the data x context parallel
-    ranks, training/step_hooks.py). Returns the reduced maxima (None: no MLA layer recorded)."""
+    ranks, training/step_hooks.py); `scale` multiplies a weight by a factor of its shape (the trainer's: the
+    optimizer's, which scales a bf16-held weight's fp32 master too). Returns the reduced maxima (None: no MLA
+    layer recorded)."""
     layers = [layer for layer in _mla_layers(model)
               if layer.max_logits is not None and layer.max_logits.value is not None]
     if not layers:
@@ -74,9 +78,12 @@ def clip_heads(model: nn.Module, threshold: float,
     for layer, g in zip(layers, gamma):
         cfg, heads = layer.cfg, g.shape[0]
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        root = g.sqrt().to(layer.q_up.weight.dtype)[:, None, None]
-        q = layer.q_up.weight.view(heads, nope + rope, -1)
-        q[:, :nope] *= root
-        q[:, nope:] *= g.to(q.dtype)[:, None, None]
-        layer.kv_up.weight.view(heads, nope + cfg.v_head_dim, -1)[:, :nope] *= root
+        root = g.sqrt()[:, None, None]
+        q_factor = torch.cat([root.expand(heads, nope, 1), g[:, None, None].expand(heads, rope, 1)], dim=1)
+        scale(layer.q_up.weight, q_factor.expand(heads, nope + rope, layer.q_up.weight.shape[-1])
+              .reshape(layer.q_up.weight.shape))
+        kv_factor = torch.cat([root.expand(heads, nope, 1), torch.ones_like(root).expand(heads, cfg.v_head_dim, 1)],
+                              dim=1)
+        scale(layer.kv_up.weight, kv_factor.expand(heads, nope + cfg.v_head_dim, layer.kv_up.weight.shape[-1])
+              .reshape(layer.kv_up.weight.shape))
     return maxima

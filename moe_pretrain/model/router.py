@@ -21,6 +21,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = make_linear(dim, cfg.num_experts, init_std=init_std)
+        self.gate.cast_weights = ()  # read in fp32 below: held in fp32 under any train.param_dtype
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         self.register_buffer("load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         # Health counters since the last take_health: summed per-token routing entropy, and (int64, exact at

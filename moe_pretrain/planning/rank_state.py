@@ -13,6 +13,9 @@ autocast's cast cache, which lives as long as the trainer's autocast region arou
 routed experts' stacked weights (step_reuse.py: cast once, reused by every
 micro-batch), with their FP8 copies besides under FP8: "compute_copy_bytes", apart from the state because
 they are dropped before the optimizer step (in effect megatron-core's bf16 parameters beside fp32 masters).
+Under train.param_dtype=bfloat16 those weights are held in bf16 and take no step copy (FP8's stay): their
+parameters cost 2 bytes an element, their gradients train.grad_dtype's, and the optimizer holds the fp32
+master of its slice beside the moments; the edp / dp all-gathers send bf16.
 The reduce-scattered gradient shards the optimizer steps with ("grad_shard_bytes") live from the last
 backward to the step's end. Activations, communication buffers and the allocator's
 slack are not counted. Within a stage every rank holds the same amounts (even splits), so a stage's worst
@@ -24,10 +27,10 @@ import copy
 import math
 
 import torch
-from torch import nn
 
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.model import MoETransformer
+from moe_pretrain.model.linear import cast_weight_names
 from moe_pretrain.ops.newton_schulz import STEPS
 from moe_pretrain.training.muon_params import as_matrices, muon_rule
 from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks, pipeline_rank_of
@@ -86,9 +89,7 @@ def _model_facts(cfg: Config) -> tuple[dict[str, tuple[int, ...]], frozenset[str
         with torch.device("meta"):
             model = MoETransformer(cfg.model)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        linear = frozenset(f"{path}.weight" for path, module in model.named_modules()
-                           if isinstance(module, nn.Linear) and not path.endswith("router.gate"))
-        _MODEL_FACTS[key] = shapes, linear
+        _MODEL_FACTS[key] = shapes, cast_weight_names(model)
     return _MODEL_FACTS[key]
 
 
@@ -98,8 +99,8 @@ def parameter_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
 
 def autocast_weights(cfg: Config) -> frozenset[str]:
-    """Names of the parameters autocast casts (and caches) for the matmuls: every nn.Linear's weight but the
-    routers' (see the module docstring)."""
+    """Names of the parameters the matmuls read as autocast's copies (model/linear.py cast_weight_names): every
+    linear layer's weight and bias but the routers', the routed experts' (see the module docstring)."""
     return _model_facts(cfg)[1]
 
 
@@ -110,13 +111,20 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
     group_size = {"dp_group": layout.dp * layout.cp, "tp_dp_group": layout.tp * layout.dp * layout.cp,
                   "edp_group": layout.edp}
     width = PARAM_BYTES[cfg.train.dtype]
+    held = 2 if cfg.train.param_dtype == "bfloat16" else width
+    """Bytes of a cast weight's element as held (train.param_dtype), and of its gradient (train.grad_dtype)."""
+    grad = 2 if cfg.train.grad_dtype == "bfloat16" else width
     chunks = pipeline_chunks(cfg)
     params = [0] * layout.pp
     experts = [0] * layout.pp
     """Per stage: routed-expert weight elements (their compute copies)."""
     copied = [0] * layout.pp
-    """Per stage: linear weights' elements (autocast's copies)."""
-    linear = autocast_weights(cfg) if cfg.train.dtype == "bfloat16" else frozenset()
+    """Per stage: the other cast weights' elements (autocast's copies)."""
+    cast = autocast_weights(cfg) if cfg.train.dtype == "bfloat16" else frozenset()
+    linear = cast if held == width else frozenset()
+    """Weights copied for each step: the cast ones, unless they are held in the compute dtype already."""
+    low = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
+    """Per stage and reduction group: elements held in bf16 (an fp32 master of the slice in the optimizer)."""
     reduced = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
     muon = [dict.fromkeys(group_size, 0) for _ in range(layout.pp)]
     """Per stage and reduction group: elements Muon takes (one momentum instead of two moments)."""
@@ -131,8 +139,9 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
         numel = math.prod(local)
         params[pp_rank] += numel
         experts[pp_rank] += numel if placement.expert_dim is not None else 0
-        copied[pp_rank] += numel if name in linear else 0
+        copied[pp_rank] += numel if name in linear and placement.expert_dim is None else 0
         reduced[pp_rank][placement.reduce_group] += numel
+        low[pp_rank][placement.reduce_group] += numel if held != width and name in cast else 0
         rule = muon_rule(name, torch.empty(local, device="meta"), cfg.model) if cfg.optim.name == "muon" else None
         if rule is not None:
             muon[pp_rank][placement.reduce_group] += numel
@@ -153,15 +162,23 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
         # column); the joins (the tp column) all-gather the tp slices of the whole-matrix rules' matrices it owns.
         exchange = sum(2 * math.ceil(n / size) * (size - 1) / size
                        for g, n in muon[pp_rank].items() if (size := group_size[g]) > 1)
+        lows = sum(low[pp_rank].values())
+        masters = sum(math.ceil(n / group_size[g]) for g, n in low[pp_rank].items())
+        # The routed experts' step copies: bf16 unless held in bf16, and FP8's beside either.
+        expert_copy = compute_copy_width(cfg) - (2 if held != width else 0)
         stage = {"pp_rank": pp_rank, "rank": pp_rank * layout.world_size // layout.pp,
                  "layers": [i for c in chunks_of_rank(len(chunks), layout.pp, pp_rank) for i in chunks[c]],
-                 "params": params[pp_rank], "param_bytes": params[pp_rank] * width,
-                 "grad_bytes": params[pp_rank] * width, "optimizer_bytes": moments * width,
+                 "params": params[pp_rank], "param_bytes": (params[pp_rank] - lows) * width + lows * held,
+                 "grad_bytes": (params[pp_rank] - lows) * width + lows * grad,
+                 "optimizer_bytes": (moments + masters) * width,
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
                  "muon_join_bytes": joins[pp_rank] * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
-                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg) + copied[pp_rank] * 2,
-                 "reduce_groups": [(group_size[g], n * width) for g, n in reduced[pp_rank].items()],
+                 "compute_copy_bytes": experts[pp_rank] * expert_copy + copied[pp_rank] * 2,
+                 # Per group: (size, bytes reduce-scattered, bytes all-gathered) a step.
+                 "reduce_groups": [(group_size[g], (n - low[pp_rank][g]) * width + low[pp_rank][g] * grad,
+                                    (n - low[pp_rank][g]) * width + low[pp_rank][g] * held)
+                                   for g, n in reduced[pp_rank].items()],
                  "grad_shard_bytes": sum(math.ceil(n / group_size[g]) for g, n in reduced[pp_rank].items()) * width}
         stage["total_bytes"] = stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"]
         stages.append(stage)

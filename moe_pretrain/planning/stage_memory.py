@@ -267,7 +267,8 @@ class MemoryPlanner:
         cp = M * (mla * mla_bytes + kda * kda_bytes)
         # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
         # balancers' statistics all-reduced over tensor x data x context parallel.
-        dp = sum(2 * ring_share(size, nbytes) for size, nbytes in state["reduce_groups"]) + state["muon_exchange_bytes"]
+        dp = sum(ring_share(size, scattered) + ring_share(size, gathered)
+                 for size, scattered, gathered in state["reduce_groups"]) + state["muon_exchange_bytes"]
         dp += 2 * ring_share(run.gpus // run.pp, reduced_bytes(m.moe, moe))
         return {"tp": tp, **ep, "pp": pp, "cp": cp, "dp": dp}
 

@@ -9,14 +9,18 @@ parallel, tensor-parallel slices over data parallel, replicated parameters over 
 With optim.name=muon each of those groups splits in two: the parameters training/muon_params.py gives to Muon
 (with the view Muon takes of each: per-head blocks, experts as a batch, the tensor-parallel dimension to join)
 and the rest, AdamW's.
+With train.param_dtype=bfloat16 the matmuls' weights (model/linear.py cast_weight_names) are held in bf16 and
+the optimizer keeps their fp32 masters (parallel/optimizer.py).
 """
 
 import math
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.config import Config, OptimConfig
+from moe_pretrain.model.linear import cast_weight_names
 from moe_pretrain.training.muon_params import as_matrices, muon_rule
 from parallel.muon import MatrixSpec
 from parallel.optimizer import ParamGroupSpec, ShardedOptimizer
@@ -44,11 +48,14 @@ def build_optimizer(model: nn.Module, cfg: Config, ctx: ParallelContext, plan: S
                 muon = [(p, matrix[name]) for name, p in chosen if matrix[name] is not None]
                 if muon:
                     specs.append(ParamGroupSpec([p for p, _ in muon], *settings, matrices=[m for _, m in muon]))
+    low = cast_weight_names(model) if cfg.train.param_dtype == "bfloat16" else frozenset()
     optimizer = ShardedOptimizer(specs, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                  bucket_bytes=int(cfg.parallel.bucket_mb * 2**20),
                                  norm_group=dist.group.WORLD if ctx.distributed else None,
                                  param_order=[p for p in model.parameters() if p.requires_grad],
-                                 momentum=o.muon_momentum, tp_group=ctx.tp_group)
+                                 momentum=o.muon_momentum, tp_group=ctx.tp_group,
+                                 held_in={id(p): torch.bfloat16 for name, p in named if name in low},
+                                 held_grad_dtype=torch.bfloat16 if cfg.train.grad_dtype == "bfloat16" else None)
     if cfg.parallel.overlap_param_gather:
         optimizer.gate_parameter_use(model, parameter_units(model))
     return optimizer

@@ -48,25 +48,35 @@ def allocated_state(rank, world_size, overrides):
         params = sum(p.numel() for p in trainer.model.parameters())
         grads = sum(b.grad_data.numel() for b in trainer.optimizer.buckets)
         exchanged = trainer.optimizer.exchange_bytes()
-        return [(ctx.pp_rank, params, grads, trainer.optimizer.state_bytes(), exchanged)]
+        held = (trainer.optimizer.param_bytes(), trainer.optimizer.grad_bytes())
+        return [(ctx.pp_rank, params, grads, trainer.optimizer.state_bytes(), exchanged, held)]
     finally:
         destroy_parallel()
 
 
+BF16_HELD = ["train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.grad_dtype=bfloat16"]
+"""The matmuls' weights held in bf16 with fp32 masters in the optimizer, their gradients in bf16."""
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_sizing_per_rank_matches_what_the_layout_allocates(optimizer):
+@pytest.mark.parametrize(("optimizer", "precision"), [("adamw", []), ("muon", []), ("muon", BF16_HELD)],
+                         ids=["adamw", "muon", "muon-bf16-held"])
+def test_sizing_per_rank_matches_what_the_layout_allocates(optimizer, precision):
     """With Muon the plan's state is one momentum for Muon's parameters (checked against what the optimizer
     allocates), and its exchange bytes against what the all-to-alls' splits send (the plan prices (size - 1) /
     size of each slice as owned elsewhere; the owners' balance moves the real figure: measured 0.77 of the plan
-    on pipeline stage 0; 39.4 MB of state against AdamW's 78.7 MB)."""
-    overrides = ["parallel.pp=2", "parallel.ep=2", f"optim.name={optimizer}"]
-    pp_rank, params, grads, optimizer_bytes, exchanged = run_distributed(allocated_state, 4, overrides)[0]
-    plan = per_rank_bytes(load_config(PROBE, [*SMALL, f"optim.name={optimizer}"]), "pp=2,ep=2,dp=2")
+    on pipeline stage 0; 39.4 MB of state against AdamW's 78.7 MB). With the weights held in bf16 the parameters
+    and gradients the plan prices are the bytes the buckets hold, and the masters join the optimizer's state."""
+    overrides = ["parallel.pp=2", "parallel.ep=2", f"optim.name={optimizer}", *precision]
+    pp_rank, params, grads, optimizer_bytes, exchanged, held = run_distributed(allocated_state, 4, overrides)[0]
+    plan = per_rank_bytes(load_config(PROBE, [*SMALL, f"optim.name={optimizer}", *precision]), "pp=2,ep=2,dp=2")
     stage = plan["stages"][pp_rank]
     assert stage["params"] == params
     # Buckets pad to a multiple of the group size: a few elements per bucket at most.
     assert 0 <= grads - params < 100 and abs(stage["optimizer_bytes"] - optimizer_bytes) <= 8 * 100
+    assert 0 <= held[0] - stage["param_bytes"] < 4 * 100 and 0 <= held[1] - stage["grad_bytes"] < 4 * 100
+    if precision:  # 98% of the parameters are routed experts: about half the bytes of fp32
+        assert held[0] < 0.55 * 4 * params and held[1] < 0.55 * 4 * params
     if optimizer == "adamw":
         assert exchanged == stage["muon_exchange_bytes"] == stage["muon_flops"] == 0
     else:

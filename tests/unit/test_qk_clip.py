@@ -1,6 +1,7 @@
 """QK-clip (model/qk_clip.py): the recorded maxima against explicit logits, and a head forced above the
 threshold clipped to it with the other heads untouched. (Layouts: tests/distributed/test_parallel_training.py.)"""
 
+import copy
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.qk_clip import clip_heads, document_max_logits, start_recording
 from moe_pretrain.ops.latent_attention import latent_causal_attention
+from parallel.optimizer import ParamGroupSpec, ShardedOptimizer
 from tests.models import F64, make_layer
 
 
@@ -101,3 +103,34 @@ def test_a_recomputed_layer_does_not_pass_over_the_logits_again(monkeypatch):
         recorded[recompute] = layer.max_logits.value
         assert len(calls) == 1, recompute
     assert torch.equal(recorded[True], recorded[False])
+
+
+def test_the_clip_scales_a_bf16_held_weights_master_as_it_scales_an_fp32_weight():
+    """train.param_dtype=bfloat16: q_up and kv_up held in bf16 with fp32 masters in the optimizer. The clip,
+    through the optimizer's scale_parameter, scales the masters bitwise as it scales fp32 weights (the next
+    update and gather keep it), and the held weights to within bf16's rounding until the masters are gathered."""
+    layer, cfg = make_layer("rope")
+    layer.float()
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    with torch.no_grad():
+        layer.q_up.weight.view(cfg.num_heads, nope + rope, -1)[1] *= 30.0
+    model = nn.ModuleDict({"mixer": layer})
+    start_recording(model)
+    layer(torch.randn(2, 9, 16), DocumentLayout.from_doc_ids(torch.tensor([[0] * 4 + [1] * 5, [0] * 9])))
+    threshold = float(layer.max_logits.value[[0, 2]].max()) * 2
+    held = copy.deepcopy(model)  # with the same recorded maxima
+    clip_heads(model, threshold)
+    weights = [held["mixer"].q_up.weight, held["mixer"].kv_up.weight]
+    optimizer = ShardedOptimizer([ParamGroupSpec(list(held.parameters()), None, 0.0)], lr=1e-3, betas=(0.9, 0.95),
+                                 eps=1e-8, bucket_bytes=2**30, norm_group=None,
+                                 held_in={id(w): torch.bfloat16 for w in weights})
+    clip_heads(held, threshold, scale=optimizer.scale_parameter)
+    bucket = next(b for b in optimizer.buckets if b.master is not None)
+    for weight, clipped in zip(weights, [layer.q_up.weight, layer.kv_up.weight]):
+        offset = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is weight)]
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(bucket.master[offset:offset + weight.numel()].view_as(weight), clipped.detach())
+        assert torch.allclose(weight.float(), clipped.detach(), rtol=2**-7, atol=0)
+    optimizer.refresh_parameters()
+    assert all(torch.equal(w, c.detach().to(torch.bfloat16)) for w, c in zip(weights, [layer.q_up.weight,
+                                                                                       layer.kv_up.weight]))
