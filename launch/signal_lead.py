@@ -34,8 +34,8 @@ def signal_lead(cfg: Config, layout: ParallelLayout) -> SignalLead:
     if cfg.launch.signal_lead_s:
         return SignalLead(cfg.launch.signal_lead_s, f"launch.signal_lead_s={cfg.launch.signal_lead_s}")
     stages = stage_state_bytes(cfg, parameter_shapes(cfg), layout)
-    largest = max(stages, key=lambda s: s["param_bytes"] + s["optimizer_bytes"])
-    saved = largest["param_bytes"] + largest["optimizer_bytes"]
+    largest = max(stages, key=lambda s: s["checkpoint_bytes"])
+    saved = largest["checkpoint_bytes"]
     floor = cfg.checkpoint.io_floor_mb_s * 1e6
     seconds = max(MIN_LEAD_S, 60 * math.ceil((STEP_MARGIN_S + saved / floor) / 60))
     return SignalLead(seconds, f"{STEP_MARGIN_S} s for a step and the commit + rank {largest['rank']}'s "

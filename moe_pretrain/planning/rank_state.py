@@ -171,6 +171,8 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                  "params": params[pp_rank], "param_bytes": (params[pp_rank] - lows) * width + lows * held,
                  "grad_bytes": (params[pp_rank] - lows) * width + lows * grad,
                  "optimizer_bytes": (moments + masters) * width,
+                 # What a save writes: the parameters held in their own dtype, the masters of the others, moments.
+                 "checkpoint_bytes": (params[pp_rank] - lows + moments + masters) * width,
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
                  "muon_join_bytes": joins[pp_rank] * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,

@@ -136,15 +136,16 @@ def test_a_four_by_eight_script_carries_the_multi_node_flags():
 
 def test_the_signal_lead_follows_the_checkpoint_size():
     """launch.signal_lead_s=0 (default): one step's margin plus the largest rank's save at checkpoint.io_floor_mb_s.
-    At full size on 2048 GPUs a rank writes 48.3 GB: 240 + 483 s, rounded up to 780 s (the fixed 300 s would have
-    cut that save short); a slower floor lengthens it; the same model on 4 x 8 GPUs could never save in 4 hours and
+    At full size on 2048 GPUs a rank writes at most 12.4 GB (the fp32 masters of its slices of the weights held in
+    bf16, its other parameters, the Muon momenta): 240 + 124 s, rounded up to 420 s (the fixed 300 s would have cut
+    that save short); a slower floor lengthens it; the same model on 4 x 8 GPUs could never save in 4 hours and
     is refused, naming the figures; the smoke model keeps the 300 s floor."""
     stages = ["configs/full.yaml", "configs/stages/full.yaml"]
     full = render(JobRequest(stages, [], 256, 8, "48:00:00"), load_config(stages))
-    assert "#SBATCH --signal=B:USR2@780" in full.splitlines()
-    assert "rank 512's 48.3 GB at checkpoint.io_floor_mb_s=100" in full
+    assert "#SBATCH --signal=B:USR2@420" in full.splitlines()
+    assert "rank 512's 12.4 GB at checkpoint.io_floor_mb_s=100" in full
     slow = ["checkpoint.io_floor_mb_s=50"]
-    assert "#SBATCH --signal=B:USR2@1260" in render(JobRequest(stages, slow, 256, 8, "48:00:00"),
+    assert "#SBATCH --signal=B:USR2@540" in render(JobRequest(stages, slow, 256, 8, "48:00:00"),
                                                     load_config(stages, slow)).splitlines()
     with pytest.raises(ValueError, match=r"signal lead of 116160 s .* leaves no time to train within --time=04:00:00"):
         render(JobRequest(["configs/full.yaml"], [], 4, 8, "04:00:00"), load_config("configs/full.yaml"))
