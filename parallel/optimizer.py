@@ -44,6 +44,7 @@ The global norm counts every element once: within a group the slices are disjoin
 are sliced over all ranks, and each expert's parameters over the ranks that hold that expert.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_gather_into_async, all_reduce_sum, group_size, reduce_scatter_into_async
+from parallel.flat_shards import flat_range_boxes
 from parallel.muon import MatrixSpec, MuonExchange
 
 
@@ -92,21 +94,15 @@ class _Bucket:
         self.master: torch.Tensor | None = None
         """This rank's range in the parameters' own dtype, where they are held in a lower one (None: the range
         of data is the master)."""
-        self.offsets = []
-        offset = 0
+        self.offsets = list(itertools.accumulate((p.numel() for p in params[:-1]), initial=0))
         with torch.no_grad():
-            if self.data.dtype != like.dtype:
+            if self.data.dtype != like.dtype:  # this rank's range of the values as built, before they are rounded
                 self.master = torch.zeros(self.shard_numel, dtype=like.dtype, device=like.device)
-            for p in params:
-                flat = p.detach().reshape(-1)
-                self.data[offset:offset + p.numel()].copy_(flat)
-                if self.master is not None:  # the part of p in this rank's range, before it is rounded
-                    lo, hi = max(self.start, offset), min(self.start + self.shard_numel, offset + p.numel())
-                    if lo < hi:
-                        self.master[lo - self.start:hi - self.start].copy_(flat[lo - offset:hi - offset])
+                for p, lo, hi, at in self.pieces():
+                    self.master[at:at + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+            for p, offset in zip(params, self.offsets):
+                self.data[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = self.data[offset:offset + p.numel()].view_as(p)
-                self.offsets.append(offset)
-                offset += p.numel()
         self.shard = nn.Parameter(self.master if self.master is not None
                                   else self.data[self.start:self.start + self.shard_numel])
         self.remaining: int | None = None
@@ -233,6 +229,8 @@ class ShardedOptimizer:
         # The backward completes the buckets of the model's later parameters first: start those first.
         position = {id(p): i for i, p in enumerate(param_order or [p for b in self.buckets for p in b.params])}
         self.start_order = sorted(self.buckets, key=lambda b: -min(position[id(p)] for p in b.params))
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        """Each parameter's bucket, by id."""
         self._next_to_start = 0
         self._gated = False
         for bucket in self.buckets:
@@ -347,18 +345,22 @@ class ShardedOptimizer:
                 bucket.shard.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
 
     @torch.no_grad()
-    def scale_parameter(self, param: nn.Parameter, factor: torch.Tensor) -> None:
-        """param *= factor (broadcast to its shape; every rank holding param calls this alike), in its master
-        slice too where it is held in a lower dtype: an edit outside the optimizer (QK-clip) that the next
-        update and gather keep."""
-        param.mul_(factor)
-        for bucket in self.buckets:
-            if bucket.master is None or not any(p is param for p in bucket.params):
+    def scale_rows(self, param: nn.Parameter, factor: torch.Tensor) -> None:
+        """Row i of param (its first dimension) times factor[i], on every rank holding param alike, and in its
+        master slice too where it is held in a lower dtype: an edit outside the optimizer (QK-clip) that the
+        next update and gather keep. The slice's part of param is cut into boxes (flat_range_boxes), each
+        scaled in place: no tensor of param's size is made."""
+        rows = param.view(param.shape[0], -1)
+        rows.mul_(factor[:, None])
+        bucket = self.bucket_of[id(param)]
+        if bucket.master is None:
+            return
+        for p, lo, hi, at in bucket.pieces():
+            if p is not param:
                 continue
-            flat = factor.expand(param.shape).reshape(-1)
-            for p, lo, hi, at in bucket.pieces():
-                if p is param:
-                    bucket.master[at:at + hi - lo].mul_(flat[lo:hi])
+            for (row, _), (height, width) in flat_range_boxes(tuple(rows.shape), lo, hi):
+                bucket.master[at:at + height * width].view(height, width).mul_(factor[row:row + height, None])
+                at += height * width
 
     def refresh_parameters(self) -> None:
         """Set the parameters held in a lower dtype from their masters, after the masters were loaded in place
@@ -366,7 +368,7 @@ class ShardedOptimizer:
         for bucket in self.buckets:
             if bucket.master is not None:
                 bucket.start_all_gather()
-                bucket.finish_all_gather()
+        self.finish_parameter_gathers()
 
     def finish_parameter_gathers(self) -> None:
         """Wait until every parameter holds its updated value on this rank."""
@@ -377,7 +379,7 @@ class ShardedOptimizer:
         """Let the parameter all-gathers run into the next forward: each unit waits, before its forward, for
         the buckets holding its parameters; root's state_dict waits for all. Every parameter must be in some
         unit, and a unit's forward must be the only reader of its parameters (module docstring)."""
-        bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        bucket_of = self.bucket_of
         covered = set()
         for unit in units:
             buckets = list({id(bucket_of[id(p)]): bucket_of[id(p)] for p in unit.parameters()

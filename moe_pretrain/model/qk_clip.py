@@ -62,11 +62,11 @@ def start_recording(model: nn.Module) -> None:
 @torch.no_grad()
 def clip_heads(model: nn.Module, threshold: float,
                reduce: Callable[[torch.Tensor], torch.Tensor] = lambda maxima: maxima,
-               scale: Callable[[nn.Parameter, torch.Tensor], None] = lambda weight, factor: weight.mul_(factor)
-               ) -> torch.Tensor | None:
+               scale_rows: Callable[[nn.Parameter, torch.Tensor], None] = (
+                   lambda weight, factor: weight.mul_(factor[:, None]))) -> torch.Tensor | None:
     """Scale the weights of every head whose step maximum exceeded `threshold`; `reduce` takes this rank's
     maxima [MLA layers here, heads here] to the step's (the trainer's: a max over the data x context parallel
-    ranks, training/step_hooks.py); `scale` multiplies a weight by a factor of its shape (the trainer's: the
+    ranks, training/step_hooks.py); `scale_rows` multiplies each row of a weight by its factor (the trainer's: the
     optimizer's, which scales a bf16-held weight's fp32 master too). Returns the reduced maxima (None: no MLA
     layer recorded)."""
     layers = [layer for layer in _mla_layers(model)
@@ -78,12 +78,11 @@ def clip_heads(model: nn.Module, threshold: float,
     for layer, g in zip(layers, gamma):
         cfg, heads = layer.cfg, g.shape[0]
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        root = g.sqrt()[:, None, None]
-        q_factor = torch.cat([root.expand(heads, nope, 1), g[:, None, None].expand(heads, rope, 1)], dim=1)
-        scale(layer.q_up.weight, q_factor.expand(heads, nope + rope, layer.q_up.weight.shape[-1])
-              .reshape(layer.q_up.weight.shape))
-        kv_factor = torch.cat([root.expand(heads, nope, 1), torch.ones_like(root).expand(heads, cfg.v_head_dim, 1)],
-                              dim=1)
-        scale(layer.kv_up.weight, kv_factor.expand(heads, nope + cfg.v_head_dim, layer.kv_up.weight.shape[-1])
-              .reshape(layer.kv_up.weight.shape))
+        # Per output row, head by head: the query's nope rows by sqrt(g), its rope rows by g; the key's nope rows
+        # by sqrt(g), the value's rows kept.
+        root = g.sqrt()[:, None]
+        query = torch.cat([root.expand(heads, nope), g[:, None].expand(heads, rope)], 1)
+        key_value = torch.cat([root.expand(heads, nope), torch.ones_like(root).expand(heads, cfg.v_head_dim)], 1)
+        scale_rows(layer.q_up.weight, query.flatten())
+        scale_rows(layer.kv_up.weight, key_value.flatten())
     return maxima

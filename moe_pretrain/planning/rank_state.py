@@ -43,10 +43,11 @@ the backward's dx = dy W reads (fp8/experts.py); scales are ignored. Not yet che
 
 
 def compute_copy_width(cfg: Config) -> int:
-    """Bytes each routed-expert weight element's per-step compute copies take (see the module docstring)."""
+    """Bytes each routed-expert weight element's per-step compute copies take (see the module docstring): a bf16
+    copy unless the weights are held in bf16 already (train.param_dtype), and FP8's beside either."""
     if cfg.train.dtype != "bfloat16":
         return 0
-    return 2 + (FP8_COPY_BYTES if cfg.precision.fp8 != "off" else 0)
+    return (2 if cfg.train.param_dtype == "float32" else 0) + (FP8_COPY_BYTES if cfg.precision.fp8 != "off" else 0)
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -164,8 +165,6 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                        for g, n in muon[pp_rank].items() if (size := group_size[g]) > 1)
         lows = sum(low[pp_rank].values())
         masters = sum(math.ceil(n / group_size[g]) for g, n in low[pp_rank].items())
-        # The routed experts' step copies: bf16 unless held in bf16, and FP8's beside either.
-        expert_copy = compute_copy_width(cfg) - (2 if held != width else 0)
         stage = {"pp_rank": pp_rank, "rank": pp_rank * layout.world_size // layout.pp,
                  "layers": [i for c in chunks_of_rank(len(chunks), layout.pp, pp_rank) for i in chunks[c]],
                  "params": params[pp_rank], "param_bytes": (params[pp_rank] - lows) * width + lows * held,
@@ -176,7 +175,7 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
                  "muon_flops": flops[pp_rank], "muon_exchange_bytes": exchange * width,
                  "muon_join_bytes": joins[pp_rank] * width,
                  "muon_momentum_bytes": sum(math.ceil(n / group_size[g]) for g, n in muon[pp_rank].items()) * width,
-                 "compute_copy_bytes": experts[pp_rank] * expert_copy + copied[pp_rank] * 2,
+                 "compute_copy_bytes": experts[pp_rank] * compute_copy_width(cfg) + copied[pp_rank] * 2,
                  # Per group: (size, bytes reduce-scattered, bytes all-gathered) a step.
                  "reduce_groups": [(group_size[g], (n - low[pp_rank][g]) * width + low[pp_rank][g] * grad,
                                     (n - low[pp_rank][g]) * width + low[pp_rank][g] * held)

@@ -54,7 +54,7 @@ class QKClip(StepHook):
         self.trainer.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
         group = self.trainer.ctx.dp_group
         self.max_logits = clip_heads(self.trainer.model, self.threshold, lambda m: all_reduce_max(m, group),
-                                     self.trainer.optimizer.scale_parameter)
+                                     self.trainer.optimizer.scale_rows)
 
     def metrics(self) -> dict[str, float]:
         """The step's largest MLA attention logit over every layer and head (before the clip): a maximum over all

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.training import Trainer
+from parallel.collectives import gather_objects
+from parallel.optimizer import ParamGroupSpec, ShardedOptimizer
 from parallel.parallelize import gather_full_state
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
@@ -77,3 +79,32 @@ def test_a_checkpoint_resumes_under_either_parameter_dtype(tmp_path):
         assert all(torch.equal(resumed[name], tensor) for name, tensor in straight.items()), first
         assert all(torch.equal(a, b) for rank_a, rank_b in zip(resumed_masters, straight_masters)
                    for a, b in zip(rank_a, rank_b, strict=True)), first
+
+
+def scaled_slices(rank, world_size):
+    """Every rank's (master slice, its start) of a [5, 6] weight held in bf16 after scale_rows, with the weight's
+    rows scaled in fp32 and the held weight."""
+    init_parallel(tiny_config())
+    try:
+        weight = torch.nn.Parameter(torch.randn(5, 6, generator=torch.Generator().manual_seed(0)))
+        expected = weight.detach() * torch.arange(1.0, 6.0)[:, None]
+        optimizer = ShardedOptimizer([ParamGroupSpec([weight], dist.group.WORLD, 0.0)], lr=1e-3, betas=(0.9, 0.95),
+                                     eps=1e-8, bucket_bytes=2**20, norm_group=dist.group.WORLD,
+                                     held_in={id(weight): torch.bfloat16})
+        optimizer.scale_rows(weight, torch.arange(1.0, 6.0))
+        bucket = optimizer.buckets[0]
+        return gather_objects((bucket.master.clone(), bucket.start), dist.group.WORLD), expected, weight.detach()
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.timeout(120)
+def test_scaling_rows_reaches_a_slice_that_starts_and_ends_inside_rows():
+    """QK-clip's edit of a bf16-held weight: on 2 ranks each holds 15 of its 30 elements (row 2 cut after its
+    third element); each slice of the master is the fp32 weight's rows scaled, and the held weight the
+    rounding of its bf16 values scaled."""
+    slices, expected, held = run_distributed(scaled_slices, 2)
+    assert [start for _, start in slices] == [0, 15]
+    for master, start in slices:
+        assert torch.equal(master, expected.flatten()[start:start + 15])
+    assert held.dtype == torch.bfloat16 and torch.allclose(held.float(), expected, rtol=2**-7, atol=0)

@@ -107,7 +107,7 @@ def test_a_recomputed_layer_does_not_pass_over_the_logits_again(monkeypatch):
 
 def test_the_clip_scales_a_bf16_held_weights_master_as_it_scales_an_fp32_weight():
     """train.param_dtype=bfloat16: q_up and kv_up held in bf16 with fp32 masters in the optimizer. The clip,
-    through the optimizer's scale_parameter, scales the masters bitwise as it scales fp32 weights (the next
+    through the optimizer's scale_rows, scales the masters bitwise as it scales fp32 weights (the next
     update and gather keep it), and the held weights to within bf16's rounding until the masters are gathered."""
     layer, cfg = make_layer("rope")
     layer.float()
@@ -124,7 +124,7 @@ def test_the_clip_scales_a_bf16_held_weights_master_as_it_scales_an_fp32_weight(
     optimizer = ShardedOptimizer([ParamGroupSpec(list(held.parameters()), None, 0.0)], lr=1e-3, betas=(0.9, 0.95),
                                  eps=1e-8, bucket_bytes=2**30, norm_group=None,
                                  held_in={id(w): torch.bfloat16 for w in weights})
-    clip_heads(held, threshold, scale=optimizer.scale_parameter)
+    clip_heads(held, threshold, scale_rows=optimizer.scale_rows)
     bucket = next(b for b in optimizer.buckets if b.master is not None)
     for weight, clipped in zip(weights, [layer.q_up.weight, layer.kv_up.weight]):
         offset = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is weight)]
