@@ -49,7 +49,6 @@ def main() -> int:
     print(HEADER)
     for name in names:
         index = [s.name for s in cfg.stages].index(name)
-        planned, pricing = plan_of_traced_step(cfg, run, index, micro)
         with tempfile.TemporaryDirectory() as tmp:
             out = (args.traces or Path(tmp)) / f"{name}.json"
             if not out.exists():
@@ -59,6 +58,8 @@ def main() -> int:
                                 "--micro-batches", str(micro), "--gpu", args.gpu, "--json", str(out)],
                                check=True, stdout=subprocess.DEVNULL)
             traces = json.loads(out.read_text())
+        planned, pricing = plan_of_traced_step(cfg, run, index, micro,
+                                               [(trace["cp_rank"], trace["dp_rank"]) for trace in traces])
         print("\n".join(comparison_lines(name, planned, traces)))
         print(f"  ({pricing})")
     return 0

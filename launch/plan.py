@@ -209,7 +209,8 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
         print("\nthe plan beside the dry run (ratios traced / plan; the plan of the traced step's micro-batches)")
         print(HEADER)
         for index, traced in traced_stages:
-            ranks, pricing = plan_of_traced_step(cfg, run, index, traced[0]["micro_batches"])
+            ranks, pricing = plan_of_traced_step(cfg, run, index, traced[0]["micro_batches"],
+                                                 [(trace["cp_rank"], trace["dp_rank"]) for trace in traced])
             print("\n".join(comparison_lines(cfg.stages[index].name, ranks, traced)))
             print(f"  ({pricing})")
 

@@ -9,10 +9,12 @@ position-wise (embeddings, norms, MLPs, routing, the loss) just runs on the loca
 sequence mixers talk across ranks, through their cp variants (context_parallel_mixers.py) and the
 exchanges here:
 - MLA by the latent (parallel.cp_mla=latent): the per-token latent MLA's keys and values come from
-  (kv_lora_rank + rope dims: 576 values at full size, against H x 320 expanded) is all-gathered in sequence
-  order; each rank expands keys and values block by block for its own queries (ops.latent_attention:
-  online softmax, the expansion recomputed in the backward), so any cp works and no rank holds the
-  expanded K / V of the whole sequence.
+  (kv_lora_rank + rope dims: 576 values at full size, against H x 320 expanded) goes to each rank whose
+  queries see it: a rank receives the fragments from its documents' starts up to its own, in sequence order,
+  in one all-to-all issued before its queries are made and waited for after (latent_route.py: with one
+  document per row the gather less the future, with short documents a few fragments); each rank expands
+  keys and values block by block for its own queries (ops.latent_attention: online softmax, the expansion
+  recomputed in the backward), so any cp works and no rank holds the expanded K / V of the whole sequence.
 - MLA, Ulysses style (parallel.cp_mla=ulysses): an all-to-all trades heads for positions, so each rank
   attends over the whole sequence (documents intact, in global order) with H / cp of the heads, and a
   second all-to-all trades back. Needs the heads on a tensor-parallel rank divisible by cp.
@@ -30,7 +32,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel.collectives import all_gather_stacked, all_to_all_rows
+from moe_pretrain.model.layout import DocumentLayout
+from parallel.collectives import RowExchange, all_gather_stacked, all_to_all_rows, finish_rows, start_rows
+from parallel.latent_route import LatentRoute
+
+StartedRows = tuple[torch.Tensor, RowExchange | None]
+"""start_rows' output and exchange, for finish_rows."""
+
+
+@dataclass(frozen=True)
+class RouteOnDevice:
+    """A LatentRoute with the index tensors its exchange uses, made once per forward on the latent's device."""
+
+    route: LatentRoute
+    send: torch.Tensor
+    order: torch.Tensor
+    fragments: torch.Tensor
+    """route.needed: the rows of [B x 2 cp, F] the compact keys come from."""
+
+    @staticmethod
+    def of(route: LatentRoute, device: torch.device) -> "RouteOnDevice":
+        def index(values: tuple[int, ...]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+        return RouteOnDevice(route, index(route.send_slots), index(route.order), index(route.needed))
 
 
 def mla_exchange(method: str, cp: int, heads: int) -> str:
@@ -71,12 +95,20 @@ class NoContextParallel:
         positions of the row)."""
         return np.zeros_like(positions), positions
 
+    def latent_route(self, layout: DocumentLayout, device: torch.device) -> "RouteOnDevice":
+        """This rank's latent exchange over the layout's documents (parallel/latent_route.py), worked out once
+        per forward and shared by every MLA layer."""
+        B, T = layout.position_in_doc.shape
+        bounds = layout.document_bounds
+        return layout.derived((self, "latent route"),
+                              lambda: RouteOnDevice.of(LatentRoute.of(bounds, B, T, self.size, self.rank), device))
 
-def local_positions(rows: int, seq_len: int, cp: int, rank: int) -> list[int]:
-    """Where each of cp rank `rank`'s local positions lies in the flattened [rows x seq_len] sequence: in
-    order, its fragments rank and 2 cp - 1 - rank of every row (the plan reads it too: planning/documents.py)."""
-    F = seq_len // (2 * cp)
-    return [row * seq_len + j * F + t for row in range(rows) for j in (rank, 2 * cp - 1 - rank) for t in range(F)]
+    def start_latent(self, x_BTC: torch.Tensor, route: "RouteOnDevice") -> StartedRows:
+        """Every position is here: nothing to send."""
+        return x_BTC, None
+
+    def finish_latent(self, x_BTC: torch.Tensor, started: StartedRows, route: "RouteOnDevice") -> torch.Tensor:
+        return x_BTC.flatten(0, 1)
 
 
 def held_positions(x_BT_: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -131,7 +163,6 @@ class ContextParallel(NoContextParallel):
         self.rank = dist.get_rank(group)
         self.mla = mla
         self.exchanges_latent = mla == "latent"
-        self._global_index: dict[tuple[int, int], list[int]] = {}
         self.fragments = (self.rank, 2 * self.size - 1 - self.rank)
         # Global fragment j is slot owner_slot[j] of the stacked [rank, 2] local fragments.
         self.owner_slot = [2 * min(j, 2 * self.size - 1 - j) + (j >= self.size) for j in range(2 * self.size)]
@@ -149,19 +180,17 @@ class ContextParallel(NoContextParallel):
         second = fragment >= self.size  # the rank's second fragment, 2 cp - 1 - rank
         return np.where(second, 2 * self.size - 1 - fragment, fragment), np.where(second, F, 0) + positions % F
 
-    def gather_sequence(self, x_BT_: torch.Tensor) -> torch.Tensor:
-        """Local [B, T / cp, ...] -> every position [B, T, ...] in sequence order (differentiable: the
-        backward returns each rank the gradient of its own positions, summed over the ranks)."""
-        B, T_local = x_BT_.shape[:2]
-        fragments = x_BT_.reshape(B, 2, T_local // 2, *x_BT_.shape[2:])
-        return self._global_order(all_gather_stacked(fragments, self.group)).flatten(1, 2)
+    def start_latent(self, x_BTC: torch.Tensor, route: RouteOnDevice) -> StartedRows:
+        """Start sending the local fragments of x [B, T / cp, C] to the ranks that see them (route); finish_latent
+        waits, so what runs between the two hides the exchange (and beside a pair, the other pass runs first)."""
+        return start_rows(self.pieces(x_BTC).flatten(1)[route.send], route.route.output_splits,
+                          route.route.input_splits, self.group)
 
-    def global_index(self, rows: int, seq_len: int) -> list[int]:
-        """Where each local position lies in the flattened [rows x seq_len] sequence (host integers); built
-        once per shape, not per MLA layer and micro-batch."""
-        if (rows, seq_len) not in self._global_index:
-            self._global_index[rows, seq_len] = local_positions(rows, seq_len, self.size, self.rank)
-        return self._global_index[rows, seq_len]
+    def finish_latent(self, x_BTC: torch.Tensor, started: StartedRows, route: RouteOnDevice) -> torch.Tensor:
+        """The keys this rank's queries see, [len(needed) x F, C] in sequence order (differentiable: each
+        fragment's gradient goes back to its owner and adds up there)."""
+        local = self.pieces(x_BTC).flatten(1)
+        return torch.cat([local, finish_rows(*started)])[route.order].reshape(-1, x_BTC.shape[-1])
 
     def pieces(self, x_BT_: torch.Tensor) -> torch.Tensor:
         """Local [B, T / cp, ...] -> [B * 2, F, ...]: each local fragment a row of its own."""

@@ -85,17 +85,23 @@ class LatentExchangeMLA(ContextPositions, GatedMLA):
     """ContextParallel, or the identity for a one-rank reference of what the exchange saves."""
 
     def _attend(self, q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """This rank's queries [B, T / cp, H, Dn + Dr] (recomputed from their latent under mla_up) over every
-        position's latent, expanded here and again in the backward: the core saves only its output and
+        """This rank's queries [B, T / cp, H, Dn + Dr] (recomputed from their latent under mla_up) over the
+        latent of every position they can see (parallel/latent_route.py), which arrives while the queries are
+        made; keys and values are expanded here and again in the backward: the core saves only its output and
         log-sum-exp, so recomputing the core has nothing to add."""
         cfg = self.cfg
+        mine = self._whole_sequence(latent)  # [B, T / cp, kv_lora_rank + Dr]
+        route = self.context.latent_route(layout, latent.device)
+        started = self.context.start_latent(mine, route)
         q = maybe_recompute(self.recompute_up, self._queries, q_latent, layout)
         B, T_local, H = q.shape[:3]
         Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        every = self.context.gather_sequence(self._whole_sequence(latent))  # [B, T, kv_lora_rank + Dr]
-        T = every.shape[1]
+        keys = self.context.finish_latent(mine, started, route)  # [keys seen, kv_lora_rank + Dr]
         # each key's offset in its document, for its rotation (built once per forward, shared by the layers)
-        key_positions = layout.sequence_positions.to(q.device) if cfg.position == "rope" and Dr > 0 else None
+        key_positions = layout.derived(
+            (self.context, "latent key positions"),
+            lambda: layout.sequence_positions.view(-1, T_local // 2)[route.fragments].flatten().to(q.device)) \
+            if cfg.position == "rope" and Dr > 0 else None
         up = self.kv_up.weight  # this rank's heads (a column-parallel shard under tp)
 
         def expand(block: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +112,9 @@ class LatentExchangeMLA(ContextPositions, GatedMLA):
             return torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, H, Dr)], dim=-1), v
 
         record = self._records_max_logits()
-        out = latent_causal_attention(q.reshape(B * T_local, H, Dn + Dr), self.context.global_index(B, T),
-                                      every.reshape(B * T, -1), layout.document_bounds, expand,
-                                      (up, self.kv_norm.weight), self.scale, max_logits=record)
+        out = latent_causal_attention(q.reshape(B * T_local, H, Dn + Dr), route.route.query_index, keys,
+                                      route.route.bounds, expand, (up, self.kv_norm.weight), self.scale,
+                                      max_logits=record)
         if record:
             out, maxima = out
             self.max_logits.note(maxima)

@@ -50,9 +50,10 @@ class ParallelConfig:
     (torchrun's LOCAL_WORLD_SIZE; the dry run's cluster.gpus_per_node). Set it to declare "nodes" of a few
     processes on one machine."""
     cp_mla: Literal["auto", "latent", "ulysses"] = "auto"
-    """How MLA attends across cp ranks: latent (all-gather the per-token latent, expand keys block by block:
-    any cp), ulysses (all-to-all trading heads for positions: needs the heads of a tensor-parallel rank
-    divisible by cp); auto = ulysses where the heads allow it, else latent. Stages may set their own."""
+    """How MLA attends across cp ranks: latent (send each rank the per-token latent of the positions its
+    queries see, expand keys block by block: any cp), ulysses (all-to-all trading heads for positions: needs
+    the heads of a tensor-parallel rank divisible by cp); auto = ulysses where the heads allow it, else latent.
+    Stages may set their own."""
     vpp: int = 1
     """Virtual pipeline stages per rank (interleaved_1f1b or zero_bubble schedules)."""
     pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"] = "1f1b"

@@ -8,8 +8,9 @@ attends over the whole sequence that cu_seqlens and document_bounds describe.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -34,7 +35,7 @@ class DocumentLayout:
     """[B, T] offset of each position from its document's start (RoPE positions, conv validity)."""
     cu_seqlens: torch.Tensor
     """[N + 1] int64 offsets of the N documents in the flattened [1, B*T] sequence (fla convention)."""
-    _held: dict = field(default_factory=dict, compare=False, repr=False)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocumentLayout":
@@ -57,10 +58,15 @@ class DocumentLayout:
     def positions_held_by(self, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """position_in_doc of the positions `keep` selects from a [B, T] tensor (a context-parallel rank's:
         its `local`), computed once per forward for every layer that asks with the same `keep`."""
-        if keep not in self._held:
+        return self.derived(keep, lambda: keep(self.position_in_doc))
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """make(), a value the data decides (real in a dry run as well), computed once per forward under `key`
+        and shared by every layer that asks for it: a rank's positions, its latent exchange's route."""
+        if key not in self._derived:
             with data_values():
-                self._held[keep] = keep(self.position_in_doc)
-        return self._held[keep]
+                self._derived[key] = make()
+        return self._derived[key]
 
     @functools.cached_property
     def document_bounds(self) -> list[int]:

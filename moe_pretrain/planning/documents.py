@@ -17,56 +17,59 @@ from moe_pretrain.config import Config
 from moe_pretrain.data.batch import PretrainingData
 from moe_pretrain.model.layout import document_starts
 from moe_pretrain.planning.sizing import LATENT_KEY_BLOCK, ExchangeSpan
+from parallel.latent_route import LatentRoute
 
 SAMPLE_ROWS = 64
 """Rows of the stage's first step read for the figure (the packer plans them from document lengths alone)."""
 
 
-def _rank_span(bounds: list[int], rows: int, seq_len: int, cp: int, rank: int, block: int) -> tuple[int, int]:
-    """(keys expanded, keys met summed over the queries) of cp rank `rank` on one micro-batch of `rows` rows.
-    Its local positions are fragments rank and 2 cp - 1 - rank of each row (parallel/context_parallel.py),
-    tiled by `block` in local order; a tile may see the key blocks from the one holding its earliest query's
-    document start to the one holding its latest query (ops/latent_attention.py's visibility, in closed form)."""
+def _rank_span(bounds: list[int], rows: int, seq_len: int, cp: int, rank: int, block: int
+               ) -> tuple[int, int, int, int]:
+    """(keys expanded, keys met summed over the queries, keys sent, keys received) of cp rank `rank` on one
+    micro-batch of `rows` rows. Its keys are the compact sequence of the fragments its queries see (parallel/
+    latent_route.py), its queries tiled by `block` in local order, which is that sequence's order too; a tile
+    may see the key blocks from the one holding its first query's document start to the one holding its last
+    query (ops/latent_attention.py's visibility, in closed form)."""
+    route = LatentRoute.of(bounds, rows, seq_len, cp, rank)
     F = seq_len // (2 * cp)
-    fragments = (rank, 2 * cp - 1 - rank)
-    local = rows * 2 * F
-
-    def position(i: int) -> int:
-        row, within = divmod(i, 2 * F)
-        return row * seq_len + fragments[within // F] * F + within % F
-
-    keys = rows * seq_len
+    keys, index, compact = len(route.needed) * F, route.query_index, route.bounds
     expanded: set[int] = set()
     met = 0
-    for q0 in range(0, local, block):
-        q1 = min(q0 + block, local)
-        # positions rise within each fragment: a tile's extremes lie at its ends and its fragments' ends
-        edges = [q0, q1 - 1] + [e for k in range(q0 // F + 1, (q1 - 1) // F + 1) for e in (k * F - 1, k * F)]
-        positions = [position(i) for i in edges]
-        start = bounds[bisect.bisect_right(bounds, min(positions)) - 1]
-        seen = range(start // block, max(positions) // block + 1)
+    for q0 in range(0, len(index), block):
+        q1 = min(q0 + block, len(index))
+        start = compact[bisect.bisect_right(compact, index[q0]) - 1]
+        seen = range(start // block, index[q1 - 1] // block + 1)
         expanded.update(seen)
         met += (q1 - q0) * sum(min((b + 1) * block, keys) - b * block for b in seen)
-    return sum(min((b + 1) * block, keys) - b * block for b in expanded), met
+    return (sum(min((b + 1) * block, keys) - b * block for b in expanded), met, sum(route.input_splits) * F,
+            sum(route.output_splits) * F)
 
 
-def exchange_span(doc_ids: torch.Tensor, rows: int, cp: int, block: int = LATENT_KEY_BLOCK) -> ExchangeSpan:
-    """MLA's latent exchange over rows doc_ids [B, T] taken `rows` at a time as micro-batches, per local token
-    and averaged over the cp ranks (sizing.ExchangeSpan)."""
+def exchange_spans(doc_ids: torch.Tensor, rows: int, cp: int, block: int = LATENT_KEY_BLOCK
+                   ) -> tuple[ExchangeSpan, ...]:
+    """MLA's latent exchange over rows doc_ids [B, T] taken `rows` at a time as micro-batches, per local token of
+    each cp rank (sizing.ExchangeSpan)."""
     B, T = doc_ids.shape
-    expanded = met = 0
+    totals = [[0, 0, 0, 0] for _ in range(cp)]
     for first in range(0, B - rows + 1, rows):
         bounds = document_starts(doc_ids[first:first + rows]).tolist()
         for rank in range(cp):
-            e, m = _rank_span(bounds, rows, T, cp, rank, block)
-            expanded, met = expanded + e, met + m
-    local = (B // rows) * cp * rows * T / cp
-    return ExchangeSpan(expanded / local, met / local)
+            totals[rank] = [a + b for a, b in zip(totals[rank], _rank_span(bounds, rows, T, cp, rank, block),
+                                                  strict=True)]
+    local = (B // rows) * rows * T / cp  # one rank's local tokens over the micro-batches
+    return tuple(ExchangeSpan(*(value / local for value in total)) for total in totals)
 
 
 def stage_doc_ids(cfg: Config, stage: int, rows: int = SAMPLE_ROWS) -> torch.Tensor:
     """The document numbers [rows, seq_len] of the first `rows` rows stage `stage` (an index into cfg.stages)
     draws from its data."""
+    return rank_doc_ids(cfg, stage, rows, 1, 0, 1)
+
+
+def rank_doc_ids(cfg: Config, stage: int, rows: int, micro_batches: int, shard: int, shards: int) -> torch.Tensor:
+    """The document numbers [micro_batches x rows / shards, seq_len] a data-parallel rank (shard of shards)
+    reads in stage `stage`'s first step of `micro_batches` micro-batches of `rows` rows each, as the trainer
+    asks for them (training/trainer.py's batch request): the rows a traced rank ran."""
     data = PretrainingData(cfg)
     data.set_stage(stage)
-    return data.next_batch(rows, with_patches=False).doc_ids
+    return torch.cat([data.next_batch(rows, shard, shards, with_patches=False).doc_ids for _ in range(micro_batches)])

@@ -62,6 +62,11 @@ class StepTrace:
     """Its place in the pipeline: first / middle / last stage, or the whole model."""
     pipeline_rank: int
     """Its pipeline stage (the plan's row: MemoryPlanner.stage(...)["ranks"][pipeline_rank])."""
+    cp_rank: int
+    """Its place in the step's context-parallel group: which fragments of each row it holds, and so what MLA's
+    latent exchange sends it (the plan prices that rank's: StageDocuments.cp_rank)."""
+    dp_rank: int
+    """Which rows of the step's batches it ran (the plan beside it prices their documents)."""
     kernels: dict[str, str]
     """Each fast path's state as the model was built (gpu_kernels/fast_paths.fast_paths)."""
     micro_batches: int
@@ -191,7 +196,8 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     model_flops = (count(cfg.model, plan.seq_len, result.attended_keys)["flops_per_token"] * plan.rows * plan.seq_len
                    / ctx.layout.world_size)
     step_s = timeline.finish(plan.micro_batches)
-    return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank, fast_paths(trainer.model),
+    return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank,
+                     ctx.context(plan.cp).rank, ctx.context(plan.cp).dp_rank, fast_paths(trainer.model),
                      plan.micro_batches, build_peak, state, live.peak,
                      live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
                      optimizer.grad_bytes(),

@@ -100,8 +100,9 @@ def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageL
 
 
 TRACE_KEYS = frozenset({"micro_batches", "compute_s", "compute_once_s", "attended_keys", "exposed_s",
-                        "exposed_paired_s", "pairs"})
-"""What traced_stage_step reads of a trace (planning/dry_run.StepTrace's fields)."""
+                        "exposed_paired_s", "pairs", "cp_rank", "dp_rank"})
+"""What launch.plan reads of a trace (planning/dry_run.StepTrace's fields): traced_stage_step's, and the cp and dp
+ranks whose rows and exchange the plan beside it prices (plan_vs_dry_run.py)."""
 
 
 def _scaled_waits(trace: dict, micro_batches: int) -> float:

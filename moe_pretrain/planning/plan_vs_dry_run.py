@@ -7,13 +7,16 @@ first_micro_batches) and for the documents the dry run attended over (planning/d
 bound, one document per row, is not what the stage's loader packs.
 """
 
+from collections.abc import Iterable
+
 from moe_pretrain.config import Config
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
-from moe_pretrain.planning.documents import exchange_span, stage_doc_ids
+from moe_pretrain.planning.documents import exchange_spans, rank_doc_ids
 from moe_pretrain.planning.dry_run import first_micro_batches
 from moe_pretrain.planning.sizing import StageDocuments
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, micro_batch_rows, stage_layouts_of
+from parallel.state import ParallelLayout
 
 
 def ratio(traced: float, planned: float) -> str:
@@ -25,29 +28,39 @@ HEADER = (f"{'stage':6s} {'rank':>5s} {'role':13s} {'GB plan':>8s} {'traced':>8s
           + f" | {'TFLOP':>8s} {'ratio':>6s} | {'step s':>7s} {'MFU':>6s} | {'here s':>6s}")
 
 
-def plan_of_traced_step(cfg: Config, run: RunLayout, stage: int, micro_batches: int) -> tuple[list[dict], str]:
-    """MemoryPlanner.stage(...)["ranks"] of stage `stage`'s first `micro_batches` micro-batches, its MLA
-    attention (and latent exchange) priced by the documents of the stage's data; and a line saying so."""
+def plan_of_traced_step(cfg: Config, run: RunLayout, stage: int, micro_batches: int,
+                        traced: Iterable[tuple[int, int]]) -> tuple[dict[tuple[int, int], list[dict]], str]:
+    """MemoryPlanner.stage(...)["ranks"] of stage `stage`'s first `micro_batches` micro-batches for each traced
+    rank's (cp rank, dp rank): its MLA attention (and latent exchange) priced by the documents of the rows that
+    rank ran, what the latent exchange sends by its cp rank; and a line saying so."""
     cut = first_micro_batches(cfg, stage, micro_batches)
     config, layout = cut.stages[stage], stage_layouts_of(cut)[stage]
-    doc_ids = stage_doc_ids(cut, stage)
-    keys = attended_keys(doc_ids)
-    span = exchange_span(doc_ids, micro_batch_rows(run, config, layout), layout.cp) \
-        if layout.cp > 1 and layout.mla == "latent" else None
-    ranks = MemoryPlanner(cut).stage(run, config, layout, StageDocuments(keys, span))["ranks"]
-    line = (f"{config.name}: the plan prices attention at the {keys:.0f} keys a query sees in the stage's data "
-            f"(one document per row: {config.seq_len / 2:.0f})")
-    if span:
-        line += (f"; the latent exchange expands {span.expanded_keys:.1f} keys a local position (one document "
-                 f"per row: {layout.cp}) and a query's tiles meet {span.tile_keys:.0f} keys")
-    return ranks, line
+    dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
+    planner, ranks, lines = MemoryPlanner(cut), {}, []
+    for cp_rank, dp_rank in sorted(set(traced)):
+        doc_ids = rank_doc_ids(cut, stage, config.rows // micro_batches, micro_batches, dp_rank, dp)
+        keys = attended_keys(doc_ids)
+        spans = exchange_spans(doc_ids, micro_batch_rows(run, config, layout), layout.cp) \
+            if layout.cp > 1 and layout.mla == "latent" else ()
+        documents = StageDocuments(keys, spans, cp_rank)
+        ranks[cp_rank, dp_rank] = planner.stage(run, config, layout, documents)["ranks"]
+        line = (f"{config.name}, cp rank {cp_rank}, dp rank {dp_rank}: the plan prices attention at the {keys:.0f} "
+                f"keys a query sees in the rows it ran (one document per row: {config.seq_len / 2:.0f})")
+        if span := documents.span():
+            line += (f"; its latent exchange expands {span.expanded_keys:.1f} keys a local position (one document "
+                     f"per row: up to {layout.cp}), its tiles meet {span.tile_keys:.0f} keys a query, and it sends "
+                     f"{span.sent_keys:.2f} and receives {span.received_keys:.2f} keys a local position (one "
+                     f"document per row: up to {layout.cp - 1})")
+        lines.append(line)
+    return ranks, "\n  ".join(lines)
 
 
-def comparison_lines(stage: str, planned_ranks: list[dict], traces: list[dict]) -> list[str]:
-    """One line per trace under HEADER; planned_ranks: MemoryPlanner.stage(...)["ranks"] of the traced step."""
+def comparison_lines(stage: str, planned_ranks: dict[tuple[int, int], list[dict]], traces: list[dict]
+                     ) -> list[str]:
+    """One line per trace under HEADER; planned_ranks: plan_of_traced_step's, by cp rank."""
     lines = []
     for trace in traces:
-        row = planned_ranks[trace["pipeline_rank"]]
+        row = planned_ranks[trace["cp_rank"], trace["dp_rank"]][trace["pipeline_rank"]]
         sent, comm = plan_columns(trace["sent_bytes"]), plan_columns(row["communication"])
         lines.append(f"{stage:6s} {trace['rank']:5d} {trace['role']:13s} {row['total_bytes'] / 1e9:8.2f} "
                      f"{trace['peak_bytes'] / 1e9:8.2f} {ratio(trace['peak_bytes'], row['total_bytes'])} | "

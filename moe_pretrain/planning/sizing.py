@@ -44,20 +44,33 @@ LATENT_KEY_BLOCK = 1024
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeSpan:
-    """What MLA's latent exchange does under a stage's documents (planning/documents.exchange_span), per local
-    token of a cp rank: the keys it expands (the key blocks some query tile of its may see), and the keys of
-    the blocks its query's tile meets. Without documents (one per row) these are cp and about half the row."""
+    """What MLA's latent exchange does for one cp rank under a stage's documents (planning/documents.
+    exchange_spans), per local token: the keys it expands (the key blocks of its compact key sequence some
+    query tile of its may see), the keys of the blocks its query's tile meets, and the keys it sends (its
+    fragments to each rank that sees them) and receives (parallel/latent_route.py). With one document per row
+    the busiest ranks expand cp keys a local token and send and receive cp - 1."""
     expanded_keys: float
     tile_keys: float
+    sent_keys: float
+    received_keys: float
 
 
 @dataclasses.dataclass(frozen=True)
 class StageDocuments:
     """What a stage's documents make of MLA's attention (planning/documents.py), for the plan set beside a dry
     run: the keys a query attends to (attention stays inside a document), and under the latent exchange what
-    the exchange does (None: no exchange). Without it the plan prices one document per row, the bound."""
+    the exchange does on each cp rank (empty: no exchange). Without it the plan prices one document per row, the
+    bound. cp_rank: whose exchange the plan prices (a traced rank's); None: the busiest figures of any rank."""
     keys: float
-    span: ExchangeSpan | None = None
+    spans: tuple[ExchangeSpan, ...] = ()
+    cp_rank: int | None = None
+
+    def span(self) -> ExchangeSpan | None:
+        if not self.spans:
+            return None
+        if self.cp_rank is not None:
+            return self.spans[self.cp_rank]
+        return ExchangeSpan(*(max(values) for values in zip(*(dataclasses.astuple(s) for s in self.spans))))
 
 
 def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, recompute: str, rows: int,
@@ -72,7 +85,7 @@ def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, rec
     a = cfg.mla
     up = a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
     passes = 10 if recompute == "full" else 8
-    span = documents.span if documents else None
+    span = documents.span() if documents else None
     expanded = span.expanded_keys if span else cp
     expand = passes * expanded * up - (8 if recompute == "full" else 6) * up
     if span:

@@ -192,7 +192,7 @@ class MemoryPlanner:
                    "grad_shard_bytes": shards, "total_bytes": total,
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
                    "muon_step_bytes": muon_step,
-                   "communication": self.communication(cfg, run, stage, layout, tokens, state),
+                   "communication": self.communication(cfg, run, stage, layout, tokens, state, documents),
                    # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
                    "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
                        m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows,
@@ -225,10 +225,11 @@ class MemoryPlanner:
         return patches * (saved * act_bytes * in_flight + transient * 4)
 
     def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
-                      tokens: int, state: dict) -> dict:
+                      tokens: int, state: dict, documents: StageDocuments | None = None) -> dict:
         """Bytes one GPU of a pipeline rank (its state: rank_state.stage_state_bytes) sends per optimizer step,
         per column (collective_traffic.PLAN_COLUMNS; the node dispatch's two groups in place of ep:
-        plan_columns folds them)."""
+        plan_columns folds them). documents: MLA's latent exchange priced by the stage's documents for one cp
+        rank (None: one document per row, the busiest rank)."""
         m, M = cfg.model, layout.micro_batches
         b = ACTIVATION_BYTES[cfg.train.dtype]
         p = state["pp_rank"]
@@ -254,8 +255,11 @@ class MemoryPlanner:
         # sits in none.
         modules = recompute_modules(layout.recompute)
         core_passes, pre_passes = (3 if name in modules else passes for name in ("core", "kda_pre"))
-        if layout.mla == "latent":  # all-gather of the latent forward (and re-forward), reduce-scatter back
-            mla_bytes = passes * ring_share(layout.cp, layout.cp * tokens * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
+        if layout.mla == "latent":  # the fragments seen, sent forward (and re-forward), their gradients back
+            span = documents.span() if documents else None
+            sent, received = (span.sent_keys, span.received_keys) if span else (layout.cp - 1, layout.cp - 1)
+            mla_bytes = ring_share(layout.cp, ((passes - 1) * sent + received) * tokens
+                                   * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
         else:
             mla_bytes = core_passes * 2 * ring_share(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
         # KDA: the entry states' scan of fp32 state summaries [H, K, K + V], and the halos of its q, k, v

@@ -19,7 +19,8 @@ from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
 from moe_pretrain.planning.plan_step_time import column_seconds, plan_groups
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+from moe_pretrain.planning.plan_vs_dry_run import plan_of_traced_step
+from moe_pretrain.planning.stage_memory import RunLayout
 from parallel.collectives import gather_objects
 from parallel.parallelize import DTYPES
 from parallel.state import derive_micro_batches, destroy_parallel, init_parallel
@@ -59,15 +60,16 @@ def dry_traces(tmp_path, overrides: list[str], ranks: list[int], gpu_kernels: bo
     return {trace["rank"]: trace for trace in json.loads(out.read_text())}
 
 
-def planned_ranks(cfg: Config) -> list[dict]:
-    """The plan of the unstaged run as its one stage: each pipeline rank's row (MemoryPlanner.stage)."""
+def planned_ranks(cfg: Config, traced: list[tuple[int, int]]) -> dict[tuple[int, int], list[dict]]:
+    """The plan of the unstaged run as its one stage, priced at the documents each traced rank ran: by (cp rank,
+    dp rank), each pipeline rank's row (MemoryPlanner.stage)."""
     batch = cfg.data.batch_size * cfg.data.seq_len
+    micro_batches = derive_micro_batches(cfg)[0][0]
     stage = StageConfig(name="run", tokens=batch * cfg.train.steps, seq_len=cfg.data.seq_len, batch_tokens=batch,
-                        micro_batches=derive_micro_batches(cfg)[0][0])
-    staged = dataclasses.replace(cfg, stages=[stage])
+                        micro_batches=micro_batches)
     p = cfg.parallel
-    return MemoryPlanner(staged).stage(RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp), stage,
-                                       stage_layouts_of(staged)[0])["ranks"]
+    return plan_of_traced_step(dataclasses.replace(cfg, stages=[stage]), RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp),
+                               0, micro_batches, traced)[0]
 
 
 @pytest.mark.slow
@@ -87,9 +89,11 @@ def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
             assert got[state] == want[state], (rank, state)
         assert got["peak_bytes"] == pytest.approx(want["peak_bytes"], rel=PEAK_TOLERANCE), rank
         assert got["state_bytes"] == pytest.approx(want["state_bytes"], rel=PEAK_TOLERANCE), rank
-    plan = planned_ranks(load_config("configs/smoke.yaml", [*BASE, *overrides]))
+    plan = planned_ranks(load_config("configs/smoke.yaml", [*BASE, *overrides]),
+                         [(t["cp_rank"], t["dp_rank"]) for t in dry.values()])
     for rank in ranks:
-        row, sent = plan[rank // (WORLD // (2 if "pp2" in layout else 1))], dry[rank]["sent_bytes"]
+        row = plan[dry[rank]["cp_rank"], dry[rank]["dp_rank"]][dry[rank]["pipeline_rank"]]
+        sent = dry[rank]["sent_bytes"]
         planned = row["communication"]
         for column, size in plan_columns(sent).items():
             assert size == pytest.approx(plan_columns(planned)[column], rel=PLAN_TOLERANCE), (rank, column)
@@ -102,7 +106,7 @@ def test_a_dry_run_counts_what_a_real_run_of_the_layout_does(tmp_path, layout):
     p = cfg.parallel
     groups = plan_groups(cfg, RunLayout(WORLD, p.tp, p.pp, p.ep, p.vpp), p.cp)
     for rank in ranks:
-        row = plan[rank // (WORLD // p.pp)]
+        row = plan[dry[rank]["cp_rank"], dry[rank]["dp_rank"]][dry[rank]["pipeline_rank"]]
         planned = plan_columns(column_seconds(row["communication"], groups, cfg.cluster))
         traced = plan_columns(dry[rank]["collective_s"])
         for column in PLAN_COLUMNS:

@@ -1,6 +1,6 @@
 """The keys an MLA query attends to, from the documents a row packs, and the plan's attention priced at them
 (planning/documents.py, sizing.mixing_flops_per_token); what MLA's latent exchange expands and meets under
-the same documents (documents.exchange_span against ops/latent_attention.py's own tiling)."""
+the same documents (documents.exchange_spans against ops/latent_attention.py's own tiling)."""
 
 import pytest
 import torch
@@ -9,9 +9,9 @@ from moe_pretrain.config import load_config
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.layout import document_starts
 from moe_pretrain.ops.latent_attention import _Visibility
-from moe_pretrain.planning.documents import exchange_span, stage_doc_ids
+from moe_pretrain.planning.documents import exchange_spans, stage_doc_ids
 from moe_pretrain.planning.sizing import ExchangeSpan, StageDocuments, stage_flops_per_token
-from parallel.context_parallel import local_positions
+from parallel.latent_route import LatentRoute
 
 
 def test_a_query_attends_to_the_keys_of_its_document_up_to_itself():
@@ -38,24 +38,32 @@ def test_the_plan_prices_mla_attention_at_the_keys_the_stages_data_gives():
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_the_exchange_span_follows_the_latent_attentions_own_tiling(rows):
-    """documents.exchange_span (closed form, host integers) against ops/latent_attention.py's visibility built
-    from each cp rank's real query positions (parallel/context_parallel.py): the key blocks a rank expands and
-    the keys its tiles meet, exactly, on rows of random documents; one document per row gives rank 0 every
-    block (the plan's bound: cp keys a local position)."""
+def test_the_exchange_spans_follow_the_latent_attentions_own_tiling(rows):
+    """documents.exchange_spans (closed form, host integers) against ops/latent_attention.py's visibility built
+    from each cp rank's compact keys and query positions (parallel/latent_route.py): the key blocks a rank
+    expands, the keys its tiles meet and the keys it sends and receives, exactly, on rows of random documents;
+    one document per row gives rank 0 every key (the plan's bound: cp keys a local position) and rank r sends
+    its front fragment to cp - 1 ranks and its back one to r."""
     seq_len, cp, block = 256, 4, 16
+    F, local = seq_len // (2 * cp), rows * seq_len / cp
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 80, (rows * seq_len,), generator=generator)
     doc_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[:rows * seq_len].view(rows, seq_len)
     bounds = document_starts(doc_ids).tolist()
-    expanded = met = 0
+    spans = exchange_spans(doc_ids, rows, cp, block)
     for rank in range(cp):
-        seen = _Visibility(local_positions(rows, seq_len, cp, rank), bounds, block, block, rows * seq_len)
-        for (k0, k1), tiles in zip(seen.key_blocks, seen.tiles_seeing):
+        route = LatentRoute.of(bounds, rows, seq_len, cp, rank)
+        seen = _Visibility(route.query_index, route.bounds, block, block, len(route.needed) * F)
+        expanded = met = 0
+        for (k0, k1), tiles in zip(seen.key_blocks, seen.tiles_seeing, strict=True):
             expanded += (k1 - k0) * bool(tiles)
             met += (k1 - k0) * sum(q1 - q0 for q0, q1 in (seen.query_tiles[t] for t in tiles))
-    local = rows * seq_len
-    assert exchange_span(doc_ids, rows, cp, block) == pytest.approx(ExchangeSpan(expanded / local, met / local))
-    assert 1 < exchange_span(doc_ids, rows, cp, block).expanded_keys < cp  # short documents: fewer than all
-    one_document = torch.zeros(rows, seq_len, dtype=torch.long)
-    assert exchange_span(one_document, rows, cp, block).expanded_keys < cp  # the bound, reached by rank 0 only
+        want = ExchangeSpan(expanded / local, met / local, sum(route.input_splits) * F / local,
+                            sum(route.output_splits) * F / local)
+        assert spans[rank] == pytest.approx(want), rank
+        assert spans[rank].expanded_keys < cp  # short documents: some fragments, never all of them
+    one_document = exchange_spans(torch.zeros(rows, seq_len, dtype=torch.long), rows, cp, block)
+    assert one_document[0].expanded_keys == cp
+    assert [s.sent_keys for s in one_document] == [(cp - 1 + r) / 2 for r in range(cp)]
+    assert [s.received_keys for s in one_document] == [(2 * cp - 2 - r) / 2 for r in range(cp)]
+    assert StageDocuments(1.0, one_document).span().sent_keys == cp - 1  # the busiest: the plan's bound
