@@ -95,7 +95,7 @@ class NoContextParallel:
         positions of the row)."""
         return np.zeros_like(positions), positions
 
-    def latent_route(self, layout: DocumentLayout, device: torch.device) -> "RouteOnDevice":
+    def latent_route(self, layout: DocumentLayout, device: torch.device) -> RouteOnDevice:
         """This rank's latent exchange over the layout's documents (parallel/latent_route.py), worked out once
         per forward and shared by every MLA layer."""
         B, T = layout.position_in_doc.shape
@@ -103,11 +103,11 @@ class NoContextParallel:
         return layout.derived((self, "latent route"),
                               lambda: RouteOnDevice.of(LatentRoute.of(bounds, B, T, self.size, self.rank), device))
 
-    def start_latent(self, x_BTC: torch.Tensor, route: "RouteOnDevice") -> StartedRows:
+    def start_latent(self, x_BTC: torch.Tensor, route: RouteOnDevice) -> StartedRows:
         """Every position is here: nothing to send."""
         return x_BTC, None
 
-    def finish_latent(self, x_BTC: torch.Tensor, started: StartedRows, route: "RouteOnDevice") -> torch.Tensor:
+    def finish_latent(self, x_BTC: torch.Tensor, started: StartedRows, route: RouteOnDevice) -> torch.Tensor:
         return x_BTC.flatten(0, 1)
 
 

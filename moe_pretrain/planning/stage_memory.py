@@ -266,7 +266,8 @@ class MemoryPlanner:
         # convolutions.
         rows = tokens * layout.cp / stage.seq_len
         inner = k.num_heads / run.tp * k.head_dim
-        kda_bytes = core_passes * ring_share(layout.cp, scan_summaries(layout.cp) * rows * inner * 2 * k.head_dim * 4) \
+        sent, received = scan_summaries(layout.cp, documents.cp_rank if documents else None)
+        kda_bytes = ring_share(layout.cp, ((core_passes - 1) * sent + received) * rows * inner * 2 * k.head_dim * 4) \
             + pre_passes * ring_share(layout.cp, 3 * 2 * layout.cp * rows * (k.conv_size - 1) * inner * b)
         cp = M * (mla * mla_bytes + kda * kda_bytes)
         # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
@@ -353,16 +354,22 @@ EP_CANDIDATES = 6
 """The search tries the largest few expert-parallel sizes (smaller ones only add expert memory per GPU)."""
 
 
-def scan_summaries(cp: int) -> float:
-    """The state summaries one cp rank hands its collectives for KDA's entry states (parallel/context_parallel
-    .entry_states): below SCAN_FROM_CP the all-gather's 2 cp; from it, on average over the ranks (each within
-    one summary a round of it), the scan's: over 2 cp fragments, a shift by one, then rounds at distance 1, 2,
-    4, ... below 2 cp, each fragment sending to the one `distance` after it where there is one."""
+def scan_summaries(cp: int, rank: int | None = None) -> tuple[float, float]:
+    """(sent, received): the state summaries cp rank `rank` hands its collectives for KDA's entry states, and those
+    it receives (parallel/context_parallel.entry_states), in one pass; rank None: the average over the ranks.
+    Below SCAN_FROM_CP the all-gather's 2 cp each way. From it the scan's: over 2 cp fragments, a shift by one,
+    then rounds at distance 1, 2, 4, ... below 2 cp, each fragment sending to the one `distance` after it where
+    there is one (rank r's fragments r and 2 cp - 1 - r)."""
     n = 2 * cp
     if cp < SCAN_FROM_CP:
-        return n
+        return n, n
     distances = [1, *(2**i for i in range((n - 1).bit_length()))]
-    return sum(n - d for d in distances) / cp
+    if rank is None:
+        each = sum(n - d for d in distances) / cp
+        return each, each
+    fragments = (rank, n - 1 - rank)
+    return (sum(j + d < n for d in distances for j in fragments),
+            sum(j - d >= 0 for d in distances for j in fragments))
 
 
 def _powers_of_two(limit: int) -> list[int]:

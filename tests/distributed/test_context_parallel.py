@@ -117,7 +117,8 @@ def test_entry_state_scan_matches_the_fold_and_sends_what_the_plan_counts():
     gradient equal the sequence-order fold S_{j+1} = M_j S_j + B_j of all summaries in one process (1e-12), and
     the all-to-alls' payloads summed over the ranks are the forward's and the backward's 16 - d summaries per
     round d of the shift (1) and the scan (1, 2, 4, 8), two rows each: 64 summaries a pass, against the
-    all-gather's 8 x 16 x 7 / 8 = 112 sent (the plan's scan_summaries is this count over the ranks)."""
+    all-gather's 8 x 16 x 7 / 8 = 112 sent (the plan's scan_summaries is this count over the ranks); each rank
+    sends what its fragments pass on forward and what they received backward (scan_summaries of that rank)."""
     from moe_pretrain.planning.stage_memory import scan_summaries
 
     cp = 8
@@ -147,4 +148,6 @@ def test_entry_state_scan_matches_the_fold_and_sends_what_the_plan_counts():
     summary_bytes = rows * H * K * 2 * K * 8
     sent = sum(r[-1] for r in results)
     assert sent == 2 * (15 + 15 + 14 + 12 + 8) * summary_bytes
-    assert sent == 2 * cp * scan_summaries(cp) * summary_bytes
+    assert sent == 2 * cp * scan_summaries(cp)[0] * summary_bytes
+    for rank, result in enumerate(results):  # rank by rank: what it sends forward and, backward, what it received
+        assert result[-1] == sum(scan_summaries(cp, rank)) * summary_bytes, rank
