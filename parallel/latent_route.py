@@ -44,43 +44,60 @@ class LatentRoute:
     @staticmethod
     def of(bounds: list[int], rows: int, seq_len: int, cp: int, rank: int) -> "LatentRoute":
         """The route of cp rank `rank` over rows whose flattened documents start at `bounds` (cu_seqlens)."""
-        n = 2 * cp
-        F = seq_len // n
+        return _route(rank, _seen(bounds, rows, seq_len, cp), bounds, rows, seq_len, cp)
 
-        def seen_by(s: int) -> list[int]:
-            """The global fragments rank s's queries see, ascending."""
-            seen: set[int] = set()
-            for row in range(rows):
-                for j in (s, n - 1 - s):
-                    first = row * seq_len + j * F
-                    start = bounds[bisect.bisect_right(bounds, first) - 1]
-                    seen.update(range(row * n + (start - row * seq_len) // F, row * n + j + 1))
-            return sorted(seen)
+    @staticmethod
+    def every(bounds: list[int], rows: int, seq_len: int, cp: int) -> list["LatentRoute"]:
+        """Every cp rank's route (the plan's), what each rank sees worked out once for them all."""
+        seen = _seen(bounds, rows, seq_len, cp)
+        return [_route(rank, seen, bounds, rows, seq_len, cp) for rank in range(cp)]
 
-        def owner(g: int) -> tuple[int, int]:
-            """(rank, local fragment) holding global fragment g."""
-            row, j = divmod(g, n)
-            return min(j, n - 1 - j), row * 2 + (j >= cp)
 
-        needed = seen_by(rank)
-        send_slots, input_splits = [], [0] * cp
-        for s in range(cp):
-            if s != rank:
-                mine = [owner(g)[1] for g in seen_by(s) if owner(g)[0] == rank]
-                send_slots += mine
-                input_splits[s] = len(mine)
-        by_source: list[list[int]] = [[] for _ in range(cp)]
-        for g in needed:
-            source, _ = owner(g)
-            if source != rank:
-                by_source[source].append(g)
-        received = [g for source in by_source for g in source]
-        arrival = {g: rows * 2 + i for i, g in enumerate(received)}
-        order = tuple(owner(g)[1] if owner(g)[0] == rank else arrival[g] for g in needed)
-        place = {g: i * F for i, g in enumerate(needed)}
-        query_index = [place[row * n + j] + t for row in range(rows) for j in (rank, n - 1 - rank) for t in range(F)]
-        return LatentRoute(tuple(needed), tuple(send_slots), input_splits, [len(s) for s in by_source], order,
-                           query_index, _compact_bounds(bounds, needed, F))
+def _seen(bounds: list[int], rows: int, seq_len: int, cp: int) -> list[list[int]]:
+    """Per cp rank, the global fragments its queries see, ascending: each of its fragments sees back to the one
+    holding its first position's document start."""
+    n = 2 * cp
+    F = seq_len // n
+    every = []
+    for s in range(cp):
+        seen: set[int] = set()
+        for row in range(rows):
+            for j in (s, n - 1 - s):
+                start = bounds[bisect.bisect_right(bounds, row * seq_len + j * F) - 1]
+                seen.update(range(row * n + (start - row * seq_len) // F, row * n + j + 1))
+        every.append(sorted(seen))
+    return every
+
+
+def _route(rank: int, seen: list[list[int]], bounds: list[int], rows: int, seq_len: int, cp: int) -> LatentRoute:
+    """cp rank `rank`'s route, from what every rank sees (_seen): what it receives, and what it sends to whom."""
+    n = 2 * cp
+    F = seq_len // n
+
+    def owner(g: int) -> tuple[int, int]:
+        """(rank, local fragment) holding global fragment g."""
+        row, j = divmod(g, n)
+        return min(j, n - 1 - j), row * 2 + (j >= cp)
+
+    needed = seen[rank]
+    send_slots, input_splits = [], [0] * cp
+    for s in range(cp):
+        if s != rank:
+            mine = [owner(g)[1] for g in seen[s] if owner(g)[0] == rank]
+            send_slots += mine
+            input_splits[s] = len(mine)
+    by_source: list[list[int]] = [[] for _ in range(cp)]
+    for g in needed:
+        source, _ = owner(g)
+        if source != rank:
+            by_source[source].append(g)
+    received = [g for source in by_source for g in source]
+    arrival = {g: rows * 2 + i for i, g in enumerate(received)}
+    order = tuple(owner(g)[1] if owner(g)[0] == rank else arrival[g] for g in needed)
+    place = {g: i * F for i, g in enumerate(needed)}
+    query_index = [place[row * n + j] + t for row in range(rows) for j in (rank, n - 1 - rank) for t in range(F)]
+    return LatentRoute(tuple(needed), tuple(send_slots), input_splits, [len(s) for s in by_source], order,
+                       query_index, _compact_bounds(bounds, needed, F))
 
 
 def _compact_bounds(bounds: list[int], needed: list[int], F: int) -> list[int]:

@@ -23,15 +23,12 @@ SAMPLE_ROWS = 64
 """Rows of the stage's first step read for the figure (the packer plans them from document lengths alone)."""
 
 
-def _rank_span(bounds: list[int], rows: int, seq_len: int, cp: int, rank: int, block: int
-               ) -> tuple[int, int, int, int]:
-    """(keys expanded, keys met summed over the queries, keys sent, keys received) of cp rank `rank` on one
-    micro-batch of `rows` rows. Its keys are the compact sequence of the fragments its queries see (parallel/
-    latent_route.py), its queries tiled by `block` in local order, which is that sequence's order too; a tile
-    may see the key blocks from the one holding its first query's document start to the one holding its last
-    query (ops/latent_attention.py's visibility, in closed form)."""
-    route = LatentRoute.of(bounds, rows, seq_len, cp, rank)
-    F = seq_len // (2 * cp)
+def _rank_span(route: LatentRoute, F: int, block: int) -> tuple[int, int, int, int]:
+    """(keys expanded, keys met summed over the queries, keys sent, keys received) of a cp rank on one
+    micro-batch, by its route (parallel/latent_route.py; fragments of F positions). Its keys are the compact
+    sequence of the fragments its queries see, its queries tiled by `block` in local order, which is that
+    sequence's order too; a tile may see the key blocks from the one holding its first query's document start
+    to the one holding its last query (ops/latent_attention.py's visibility, in closed form)."""
     keys, index, compact = len(route.needed) * F, route.query_index, route.bounds
     expanded: set[int] = set()
     met = 0
@@ -53,9 +50,8 @@ def exchange_spans(doc_ids: torch.Tensor, rows: int, cp: int, block: int = LATEN
     totals = [[0, 0, 0, 0] for _ in range(cp)]
     for first in range(0, B - rows + 1, rows):
         bounds = document_starts(doc_ids[first:first + rows]).tolist()
-        for rank in range(cp):
-            totals[rank] = [a + b for a, b in zip(totals[rank], _rank_span(bounds, rows, T, cp, rank, block),
-                                                  strict=True)]
+        for rank, route in enumerate(LatentRoute.every(bounds, rows, T, cp)):
+            totals[rank] = [a + b for a, b in zip(totals[rank], _rank_span(route, T // (2 * cp), block), strict=True)]
     local = (B // rows) * rows * T / cp  # one rank's local tokens over the micro-batches
     return tuple(ExchangeSpan(*(value / local for value in total)) for total in totals)
 

@@ -196,8 +196,9 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     model_flops = (count(cfg.model, plan.seq_len, result.attended_keys)["flops_per_token"] * plan.rows * plan.seq_len
                    / ctx.layout.world_size)
     step_s = timeline.finish(plan.micro_batches)
+    context = ctx.context(plan.cp)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank,
-                     ctx.context(plan.cp).rank, ctx.context(plan.cp).dp_rank, fast_paths(trainer.model),
+                     context.rank, context.dp_rank, fast_paths(trainer.model),
                      plan.micro_batches, build_peak, state, live.peak,
                      live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
                      optimizer.grad_bytes(),
