@@ -18,7 +18,7 @@ import multiprocessing
 import sys
 import traceback
 
-from moe_pretrain.config import EX_CONFIG, ConfigError, add_config_arguments, load_config_or_exit
+from moe_pretrain.config import EX_CONFIG, Config, ConfigError, add_config_arguments, load_config_or_exit
 
 GB = 1e9
 
@@ -36,6 +36,14 @@ def _play(args: tuple) -> dict:
         return dataclasses.asdict(dry_run(cfg, gpus, rank, stage, GPUS[gpu], kernels == "gpu"))
     except Exception as err:  # torch's errors may not pickle back to the parent: send the text
         raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
+
+
+def play(cfg: Config, gpus: int, ranks: list[int], stage: int, gpu: str = "h200", kernels: str = "gpu"
+         ) -> list[dict]:
+    """The traces (planning/dry_run.StepTrace as dicts) of `ranks` of a `gpus`-GPU job running the first step of
+    stage index `stage`, each rank in a fresh process: the fake world is a process's default group."""
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        return pool.map(_play, [(cfg, gpus, rank, stage, gpu, kernels) for rank in ranks])
 
 
 def print_trace(trace: dict) -> None:
@@ -115,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"--rank {bad[0]} is not a rank of {args.gpus} GPUs", file=sys.stderr)
         return 2
-    # Each rank in a fresh process: the fake world is a process's default group.
-    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        traces = pool.map(_play, [(cfg, args.gpus, r, stage, args.gpu, args.kernels)
-                                  for r in ranks])
+    traces = play(cfg, args.gpus, ranks, stage, args.gpu, args.kernels)
     for trace in traces:
         print_trace(trace)
     if args.json:

@@ -2,6 +2,7 @@
 
     python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --gpu h200
     python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 4096 --propose
+    python -m launch.plan --config configs/full.yaml --config configs/stages/full.yaml --gpus 2048 --propose --trace 2
 
 Per stage: tokens, steps, sequence length, global batch, micro-batches, learning-rate range, and with
 --gpus the training FLOPs per token (which grow with the attention span); then the memory plan
@@ -10,7 +11,9 @@ micro-batches): the worst pipeline rank's GB per GPU, flagged when it does not f
 sends per step per group; then each stage's step time, MFU and days from the plan's step-time model
 (planning/plan_step_time.py: no assumed MFU). --traces DIR sets the dry run's figures (launch.dryrun, kept
 by bench/dry_run.py --traces DIR) beside the plan's, and takes its step time too. --propose searches layouts
-and prints the smallest that fits every stage with 10% headroom.
+and prints the smallest that fits every stage with 10% headroom, and the three fastest by the plan's model;
+--trace N then plays the first N of those and the configured layout with the dry run on one stage (at each of
+--dispatch-chunks) and ranks them by the traced step (planning/traced_ranking.py).
 """
 
 import argparse
@@ -18,8 +21,10 @@ import dataclasses
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
+from launch.dryrun import play
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
 from moe_pretrain.model.counts import count, total_parts
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
@@ -42,6 +47,7 @@ from moe_pretrain.planning.stage_memory import (
     within,
 )
 from moe_pretrain.planning.step_time import GPUS, GpuSpec
+from moe_pretrain.planning.traced_ranking import TRACED_HEADROOM, candidates, layout_overlay, traced_ranking
 from moe_pretrain.training.schedule import plan
 
 
@@ -57,11 +63,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-gb", type=float, default=0.0, help="override the GPU's memory (GB, 1e9 bytes)")
     parser.add_argument("--propose", action="store_true",
                         help="search the smallest layout that fits each stage, and the three fastest that fit them all")
+    parser.add_argument("--trace", type=int, default=0, metavar="N",
+                        help="with --propose: play the first N fastest layouts and the configured one with the dry "
+                             "run on one stage and rank them by the traced step")
+    parser.add_argument("--trace-stage", default="", help="the stage --trace plays (default: the one the plan's "
+                        "fastest layout spends the most days on)")
+    parser.add_argument("--dispatch-chunks", default="", metavar="LIST",
+                        help="parallel.dispatch_chunks values each traced layout is played at, e.g. 1,2,4 "
+                             "(default: the config's)")
+    parser.add_argument("--trace-roles", action="store_true",
+                        help="play one rank of each pipeline role per layout (default: the middle rank)")
+    parser.add_argument("--trace-json", type=Path, default=None, metavar="FILE",
+                        help="write the traced ranking to FILE: each layout's config layer (its \"config\": "
+                             "layer it last to take it), figures and traces")
     args = parser.parse_intermixed_args(argv)
+    if args.trace and not args.propose:
+        parser.error("--trace needs --propose")
     cfg = load_config_or_exit(args)
     if not cfg.stages:
         print("config error: the config has no stages section", file=sys.stderr)
         return EX_CONFIG
+    traced_choices = trace_choices(cfg, args) if args.trace else (None, [])
     sizes = count(cfg.model, cfg.stages[0].seq_len)
     print(f"model: {sizes['total_params']:.4g} parameters ({total_parts(cfg.model, cfg.stages[0].seq_len)}), "
           f"{sizes['active_params']:.4g} active per token")
@@ -84,16 +106,72 @@ def main(argv: list[str] | None = None) -> int:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
     print_step_times(cfg, args.gpus, planned, gpu, args.traces)
     if args.propose:
-        print_fastest(cfg, args.gpus, args.gpu_gb * 1e9 or GPU_BYTES[args.gpu], gpu)
+        capacity = args.gpu_gb * 1e9 or GPU_BYTES[args.gpu]
+        ranked = print_fastest(cfg, args.gpus, capacity, gpu, max(3, args.trace))
+        if args.trace:
+            print_traced(cfg, args, ranked[:args.trace], gpu, capacity, *traced_choices)
     return code
 
 
-def print_fastest(cfg, gpus: int, capacity: float, gpu: GpuSpec) -> None:
-    """The three run layouts on which every stage fits, fewest planned days first, each stage at its fastest
-    fitting layout (planning/fastest_layouts.py)."""
-    ranked = fastest_layouts(cfg, gpus, capacity, gpu)
+def trace_choices(cfg, args) -> tuple[int | None, list[int]]:
+    """--trace-stage's stage index (None: the one the plan's winner spends the most days on) and --dispatch-chunks'
+    values, checked before any planning (a config error exits EX_CONFIG in one line)."""
+    names = [stage.name for stage in cfg.stages]
+    if args.trace_stage and args.trace_stage not in names:
+        print(f"config error: --trace-stage {args.trace_stage} is not a stage of the config ({', '.join(names)})",
+              file=sys.stderr)
+        sys.exit(EX_CONFIG)
+    try:
+        chunks = [int(c) for c in args.dispatch_chunks.split(",")] if args.dispatch_chunks else \
+            [cfg.parallel.dispatch_chunks]
+    except ValueError:
+        chunks = [0]
+    if min(chunks) < 1:
+        print(f"config error: --dispatch-chunks {args.dispatch_chunks} must be positive integers, e.g. 1,2",
+              file=sys.stderr)
+        sys.exit(EX_CONFIG)
+    return (names.index(args.trace_stage) if args.trace_stage else None), chunks
+
+
+def print_traced(cfg, args, ranked: list, gpu: GpuSpec, capacity: float, stage: int | None, chunks: list[int]
+                 ) -> None:
+    """The first of the plan's ranking and the configured layout played by the dry run on `stage` (None: the
+    one the plan's winner spends the most days on), fastest traced step first (planning/traced_ranking.py)."""
+    names = [s.name for s in cfg.stages]
+    if stage is None:
+        stage = max(range(len(names)), key=lambda i: ranked[0].stages[i][1].days) if ranked else 0
+    found = candidates(cfg, args.gpus, stage, ranked, chunks, gpu)
+    rank_note = "one rank of each pipeline role" if args.trace_roles else "the middle pipeline rank"
+    print(f"\nthe stage {names[stage]} traced ({rank_note} of each layout, the stage's first micro-batches scaled "
+          f"to its step), fitting with {TRACED_HEADROOM:.0%} headroom first, then by the traced step:")
+    traced, refused = traced_ranking(cfg, args.gpus, stage, found, partial(play, gpu=args.gpu), gpu, capacity,
+                                     args.trace_roles)
+    width = max([len(t.candidate.describe(stage)) for t in traced] + [6])
+    print(f"   {'layout':{width}s} {'from':>10s} | plan: {'step s':>7s} {'MFU':>6s} | traced: {'cut':>3s} "
+          f"{'compute':>8s} {'exposed':>8s} {'peak GB':>8s} {'fits':>4s} {'step s':>7s} {'MFU':>6s} {'days':>7s}")
+    for place, t in enumerate(traced, start=1):
+        slowest = max(t.traces, key=lambda trace: trace["step_s"])
+        print(f"{place:2d}. {t.candidate.describe(stage):{width}s} {t.candidate.source:>10s} | "
+              f"{t.candidate.planned.step_s:13.4g} {t.candidate.planned.mfu:6.1%} | {t.cut_micro_batches:11d} "
+              f"{slowest['compute_s']:8.4g} {sum(slowest['exposed_s'].values()):8.4g} {t.peak_bytes / 1e9:8.2f} "
+              f"{'yes' if t.fits(capacity) else 'NO':>4s} {t.step.step_s:7.4g} {t.step.mfu:6.1%} {t.step.days:7.4g}")
+    for line in refused:
+        print(f"    refused by the start-up checks: {line}")
+    if args.trace_json:
+        args.trace_json.write_text(json.dumps([{
+            "layout": t.candidate.describe(stage), "source": t.candidate.source, "stage": names[stage],
+            "config": layout_overlay(cfg, t.candidate), "cut_micro_batches": t.cut_micro_batches,
+            "fits": t.fits(capacity), "step_s": t.step.step_s, "mfu": t.step.mfu, "days": t.step.days,
+            "traces": t.traces} for t in traced], indent=1))
+
+
+def print_fastest(cfg, gpus: int, capacity: float, gpu: GpuSpec, count: int = 3) -> list:
+    """The `count` run layouts on which every stage fits, fewest planned days first, each stage at its fastest
+    fitting layout (planning/fastest_layouts.py); returned."""
+    ranked = fastest_layouts(cfg, gpus, capacity, gpu, count)
     print(f"\nfastest layouts that fit every stage with {HEADROOM:.0%} headroom, by the plan's step time (FLOPs at "
-          f"the peak, the all-to-all counted whole): trace the first two with the dry run before taking one")
+          f"the peak, the all-to-all counted whole): trace the first two with the dry run before taking one "
+          f"(--trace 2)")
     if not ranked:
         print(f"none: no run layout of {gpus} GPUs fits every stage")
     for place, layout in enumerate(ranked, start=1):
@@ -101,6 +179,7 @@ def print_fastest(cfg, gpus: int, capacity: float, gpu: GpuSpec) -> None:
         for stage, (stage_layout, step) in zip(cfg.stages, layout.stages, strict=True):
             print(f"   {stage.name:8s} {stage_layout.describe():29s} step {step.step_s:9.4g} s  MFU {step.mfu:6.1%} "
                   f"{step.days:9.4g} days")
+    return ranked
 
 
 def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> tuple[int, dict]:

@@ -1,0 +1,137 @@
+"""The plan's fastest layouts re-ranked by the dry run's step (`launch.plan --propose --trace N`).
+
+fastest_layouts ranks run layouts by the plan's model: FLOPs at the peak, the all-to-all counted whole. A GPU's
+step also pays the memory-bound kernels and the launches, and waits only for the exchanges the code leaves
+exposed: dispatch chunks (parallel.dispatch_chunks) and paired micro-batches (parallel.overlap_micro_batches) hide
+some, context parallelism's chunk forms add launches. Only the dry run sees those; traced, the plan's winner has
+lost to the configured layout before (docs/planning.md). So the plan's first N for one stage, and the config's own
+layout beside them, each at every dispatch chunk count asked, are played by the dry run on the stage's first
+micro-batches and scaled to its whole step as `launch.plan --traces` does (plan_step_time.traced_stage_step).
+They are ranked by that step, those whose traced peak leaves TRACED_HEADROOM of the GPU first.
+
+What it cannot tell is what the dry run cannot: kernels' real speed, numerics. One rank per candidate by default
+(the middle pipeline rank, a step's usual slowest); the first and last ranks hold more or less state and may
+not fit where the middle one does (roles=True plays all three, at three times the cost).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.planning.dry_run import first_micro_batches, role_ranks
+from moe_pretrain.planning.fastest_layouts import RankedLayout
+from moe_pretrain.planning.plan_step_time import PlannedStep, planned_step, traced_stage_step
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, StageLayout, stage_layouts_of
+from moe_pretrain.planning.step_time import GpuSpec
+from parallel.state import resolve_layout
+
+TRACED_HEADROOM = 0.08
+"""The share of the GPU a traced peak leaves free to count as fitting: the plan asks 10% (HEADROOM) of a count
+that runs 8-17% above the trace; the allocator's fragmentation and the NCCL buffers live in the rest."""
+
+Play = Callable[[Config, int, list[int], int], list[dict]]
+"""Plays ranks of a job: (config, GPUs, ranks, stage index) -> their traces (launch.dryrun.play)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    run: RunLayout
+    stages: list[StageLayout]
+    """Every stage's layout (the run's other stages must be valid too: start-up checks them all)."""
+    dispatch_chunks: int
+    planned: PlannedStep
+    """The plan's step of the traced stage."""
+    source: str
+    """Where it comes from: its place in the plan's ranking, or "configured"."""
+
+    def describe(self, stage: int) -> str:
+        return f"{self.run.describe()} {self.stages[stage].describe()} chunks={self.dispatch_chunks}"
+
+
+@dataclass(frozen=True)
+class TracedCandidate:
+    candidate: Candidate
+    traces: list[dict]
+    step: PlannedStep
+    """The stage's step from the traces (traced_stage_step)."""
+    cut_micro_batches: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(trace["peak_bytes"] for trace in self.traces)
+
+    def fits(self, gpu_bytes: float) -> bool:
+        return self.peak_bytes <= (1 - TRACED_HEADROOM) * gpu_bytes
+
+
+def candidates(cfg: Config, gpus: int, stage: int, ranked: list[RankedLayout], chunks: list[int], gpu: GpuSpec
+               ) -> list[Candidate]:
+    """The ranked run layouts, then the config's own where it is not among them, each at every chunk count."""
+    layouts = [(r.run, [layout for layout, _ in r.stages], r.stages[stage][1], f"plan #{place}")
+               for place, r in enumerate(ranked, start=1)]
+    p = cfg.parallel
+    run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
+    own = stage_layouts_of(cfg)
+    if all((r, s) != (run, own) for r, s, _, _ in layouts):
+        planner = MemoryPlanner(cfg)
+        if not planner.problems(run, cfg.stages[stage], own[stage]):
+            result = planner.stage(run, cfg.stages[stage], own[stage])
+            layouts.append((run, own, planned_step(cfg, run, cfg.stages[stage], own[stage], result["ranks"], gpu,
+                                                   cfg.cluster), "configured"))
+    return [Candidate(run, stages, c, planned, source) for run, stages, planned, source in layouts for c in chunks]
+
+
+def candidate_config(cfg: Config, candidate: Candidate) -> Config:
+    """cfg with the candidate's run layout, dispatch chunks and every stage's layout. The config's
+    pipeline_layers split holds where it fits the run's pp x vpp; other runs split evenly."""
+    run = candidate.run
+    layers = cfg.parallel.pipeline_layers if len(cfg.parallel.pipeline_layers) == run.pp * run.vpp else []
+    parallel = dataclasses.replace(cfg.parallel, tp=run.tp, pp=run.pp, ep=run.ep, vpp=run.vpp,
+                                   dispatch_chunks=candidate.dispatch_chunks, pipeline_layers=layers)
+    stages = [dataclasses.replace(stage, cp=layout.cp, recompute=layout.recompute, micro_batches=layout.micro_batches,
+                                  cp_mla=layout.mla if layout.cp > 1 else "",  # (what has no effect is refused)
+                                  saved_inputs=layout.saved_inputs if layout.recompute == "full" else "")
+              for stage, layout in zip(cfg.stages, candidate.stages, strict=True)]
+    return dataclasses.replace(cfg, parallel=parallel, stages=stages)
+
+
+def layout_overlay(cfg: Config, candidate: Candidate) -> dict:
+    """The config layer that gives cfg the candidate's layout (YAML-ready: layer it over cfg's files last)."""
+    chosen = candidate_config(cfg, candidate)
+    return {"parallel": {key: getattr(chosen.parallel, key)
+                         for key in ("tp", "pp", "ep", "vpp", "dispatch_chunks", "pipeline_layers")},
+            "stages": [dataclasses.asdict(stage) for stage in chosen.stages]}
+
+
+def cut_micro_batches(micro_batches: int, pp: int) -> int:
+    """The micro-batches a candidate's trace runs: the fewest that fill its pipeline (a multiple of pp) and, at
+    two or more, pair a forward with a backward (parallel.overlap_micro_batches), dividing the stage's."""
+    for count in range(pp, micro_batches + 1, pp):
+        if count >= 2 and micro_batches % count == 0:
+            return count
+    return micro_batches
+
+
+def traced_ranking(cfg: Config, gpus: int, stage: int, found: list[Candidate], play: Play, gpu: GpuSpec,
+                   gpu_bytes: float, roles: bool = False) -> tuple[list[TracedCandidate], list[str]]:
+    """Each candidate played (its middle pipeline rank, or one of each role), fastest fitting first, then
+    those that do not fit; and a line for each candidate the run's start-up checks refuse."""
+    traced, refused = [], []
+    for candidate in found:
+        layout = candidate.stages[stage]
+        cut = cut_micro_batches(layout.micro_batches, candidate.run.pp)
+        try:
+            played = first_micro_batches(candidate_config(cfg, candidate), stage, cut)
+            resolve_layout(played, gpus)
+        except (ConfigError, ValueError) as err:
+            refused.append(f"{candidate.describe(stage)}: {err}")
+            continue
+        ranks = role_ranks(gpus, candidate.run.pp)
+        if not roles:
+            ranks = [gpus // candidate.run.pp * (candidate.run.pp // 2)]
+        traces = play(played, gpus, ranks, stage)
+        step = traced_stage_step(cfg, candidate.run, cfg.stages[stage], layout, traces, gpu)
+        traced.append(TracedCandidate(candidate, traces, step, cut))
+    traced.sort(key=lambda t: (not t.fits(gpu_bytes), t.step.step_s))
+    return traced, refused
