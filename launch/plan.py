@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu = GPUS[args.gpu]
     if args.peak_tflops:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
-    print_step_times(cfg, args.gpus, planned, gpu, args.traces)
+    capacity = args.gpu_gb * 1e9 or GPU_BYTES[args.gpu]
+    print_step_times(cfg, args.gpus, planned, gpu, args.traces, capacity)
+    print(verdict(cfg, args.gpus, planned, capacity))
     if args.propose:
-        capacity = args.gpu_gb * 1e9 or GPU_BYTES[args.gpu]
         ranked = print_fastest(cfg, args.gpus, capacity, gpu, max(3, args.trace))
         if args.trace:
             print_traced(cfg, args, ranked[:args.trace], gpu, capacity, *traced_choices)
@@ -131,6 +132,26 @@ def trace_choices(cfg, args) -> tuple[int | None, list[int]]:
               file=sys.stderr)
         sys.exit(EX_CONFIG)
     return (names.index(args.trace_stage) if args.trace_stage else None), chunks
+
+
+def verdict(cfg, gpus: int, planned: dict, capacity: float) -> str:
+    """One line: whether the config's layout fits every stage (planned: each valid stage's plan by name), and
+    where it does not, the smallest layout that fits (MemoryPlanner.propose's)."""
+    worst = {name: result["worst"]["total_bytes"] for name, result in planned.items()}
+    problems = [f"{stage.name} has no valid layout" if stage.name not in planned else
+                f"{stage.name} needs {worst[stage.name] / 1e9:.4g} GB of {capacity / 1e9:.4g}" for stage in cfg.stages
+                if stage.name not in planned or not within(planned[stage.name], capacity)]
+    if not problems:
+        return (f"verdict: fits: every stage within {capacity / 1e9:.4g} GB a GPU (the most, "
+                f"{max(worst.values()) / 1e9:.4g} GB, at {max(worst, key=worst.get)})")
+    found = MemoryPlanner(cfg).propose(gpus, capacity)
+    if found is None or any(stage is None for stage in found[1]):
+        nearest = f"no layout of {gpus} GPUs fits every stage with {HEADROOM:.0%} headroom"
+    else:
+        run, stages = found
+        nearest = f"the smallest that fits with {HEADROOM:.0%} headroom is {run.describe()} with " + ", ".join(
+            f"{stage.name} {layout.describe()}" for stage, (layout, _) in zip(cfg.stages, stages, strict=True))
+    return f"verdict: does not fit: {'; '.join(problems)}; {nearest} (--propose)"
 
 
 def print_traced(cfg, args, ranked: list, gpu: GpuSpec, capacity: float, stage: int | None, chunks: list[int]
@@ -237,8 +258,8 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
         sizes += [result["first"]["vision_bytes"], w["total_bytes"], result["host_bytes"]]
         print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} " + " ".join(map(gigabytes, sizes))
               + f" {'yes' if fits else 'NO':>5s} |               "
-              + " ".join(gigabytes(c[k])[1:] for k in PLAN_COLUMNS) + " | "
-              + " ".join(gigabytes(x)[1:] for x in (nvlink, nic)))
+              + " ".join(gigabytes(c[k], 6) for k in PLAN_COLUMNS) + " | "
+              + " ".join(gigabytes(x, 6) for x in (nvlink, nic)))
         if w["muon_flops"]:
             print(f"{'':8s} Muon: {w['muon_flops'] / 1e12:.1f} TFLOP of Newton-Schulz per GPU and step (in the step's "
                   f"FLOPs), its exchange in dp's column and its tp slices' joins in tp's; its step holds "
@@ -246,10 +267,11 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: floa
     return all_fit, planned
 
 
-def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path | None) -> None:
+def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path | None, capacity: float) -> None:
     """Each stage's step time, MFU and days on the config's layout: the plan's model (on planned, each valid
     stage's plan by name), and with traces the dry run's (its predicted rank times scaled to the stage's
-    micro-batches, with the same bubble)."""
+    micro-batches, with the same bubble). A stage that does not fit in `capacity` bytes says so on its line, and
+    the total says how many."""
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     print(f"\nstep time on {gpus} x {gpu.name} ({gpu.peak_flops / 1e12:.0f} TFLOP/s dense peak), layout "
@@ -267,6 +289,8 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
         step = planned_step(cfg, run, stage, layout, planned[stage.name]["ranks"], gpu, cfg.cluster)
         days["plan"] += step.days
         line = f"{stage.name:8s} {step.step_s:8.2f} {step.mfu:6.1%} {step.days:7.1f}"
+        if not within(planned[stage.name], capacity):
+            line += " (does not fit)"
         found = traces / f"{stage.name}.json" if traces else None
         if found and found.exists():
             traced = json.loads(found.read_text())
@@ -279,7 +303,13 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
             traced_stages.append((index, traced))
             line += f" |          {dry.step_s:8.2f} {dry.mfu:6.1%} {dry.days:7.1f}"
         print(line)
+    if not planned:
+        print("total days: - (no stage has a valid layout)")
+        return
     summary = f"total days: {days['plan']:.1f} (plan)"
+    unfit = len(cfg.stages) - sum(within(result, capacity) for result in planned.values())
+    if unfit:
+        summary += f", though {unfit} of {len(cfg.stages)} stages do not fit or have no valid layout"
     if traced_stages:
         names = ", ".join(cfg.stages[i].name for i, _ in traced_stages)
         summary += f", {days['dry run']:.1f} (dry run, stages {names})"

@@ -403,5 +403,6 @@ def stage_layouts_of(cfg: Config) -> list[StageLayout]:
     return layouts
 
 
-def gigabytes(value: float) -> str:
-    return f"{value / 1e9:7.1f}"
+def gigabytes(value: float, width: int = 7) -> str:
+    """value bytes as GB right-aligned in width characters; a wider number widens its column, never loses digits."""
+    return f"{value / 1e9:{width}.1f}"

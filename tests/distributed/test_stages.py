@@ -175,6 +175,7 @@ def test_plan_prints_the_schedule_and_its_memory(capsys):
                                                                rows.values()), times
     total = float(times[6].split("total days: ")[1].split()[0])
     assert total == pytest.approx(sum(days for _, _, days in rows.values()), abs=0.2)
+    assert times[7].startswith("verdict: fits: every stage within 141 GB a GPU")
 
 
 @pytest.mark.timeout(120)
