@@ -20,8 +20,8 @@
   reshard DIR OUT --tp A --pp B --ep C [--dp D] [--set key=value ...]
                                    rewrite as that layout would save it (all 1 = consolidate), locally
 
-DIR is a checkpoint (step_<N>) or a checkpoint root, in which case `latest` is used (verify checks
-every committed checkpoint of a root).
+DIR is a checkpoint (step_<N>) or a checkpoint root, in which case `latest` is used, or without `latest` the
+newest committed checkpoint, as training resumes (verify checks every committed checkpoint of a root).
 """
 
 import argparse
@@ -52,14 +52,26 @@ class ToolError(Exception):
     """What is wrong with the command's input, in one line naming the path (exit 2, no traceback)."""
 
 
+def is_root(path: Path) -> bool:
+    """A checkpoint root: `latest` in it, or step_<N> directories and no manifest of its own (training resumes
+    from a root whose `latest` is gone: the newest checkpoint that verifies)."""
+    return (path / LATEST).is_file() or (not (path / MANIFEST).is_file() and bool(committed_checkpoints(path)))
+
+
 def resolve(path: Path) -> Path:
-    """The checkpoint a path means: itself, or the one a checkpoint root's `latest` names; it must have
-    committed (a manifest), else ToolError."""
-    root = path if (path / LATEST).is_file() else None
+    """The checkpoint a path means: itself, or the one a checkpoint root's `latest` names (without `latest`, the
+    newest that committed, said on stderr); it must have committed (a manifest), else ToolError."""
+    root = path if is_root(path) else None
+    committed = [p for _, p in committed_checkpoints(root) if (p / MANIFEST).is_file()] if root else []
+    if root is not None and not (root / LATEST).is_file():
+        if not committed:
+            raise ToolError(f"{root} holds no committed checkpoint: no step_<N> directory in it has a {MANIFEST}")
+        print(f"{root} has no `{LATEST}`: taking the newest committed checkpoint, {committed[0]} (training resumes "
+              f"from the newest that verifies)", file=sys.stderr)
+        return committed[0]
     if root is not None:
         path = root / (root / LATEST).read_text().strip()
     if not (path / MANIFEST).is_file():
-        committed = [p for _, p in committed_checkpoints(root) if (p / MANIFEST).is_file()] if root else []
         older = (f"; the newest checkpoint with a manifest is {committed[0]} (inspect it, and run verify on "
                  f"{root})" if committed else "")
         raise ToolError(f"{path} is not a checkpoint: no {MANIFEST} (not a step_<N> directory or a root with "
@@ -105,7 +117,10 @@ def inspect(path: Path) -> int:
 
 
 def verify_command(path: Path) -> int:
-    targets = [p for _, p in committed_checkpoints(path)] if (path / LATEST).is_file() else [path]
+    targets = [p for _, p in committed_checkpoints(path)] if is_root(path) else [path]
+    if is_root(path) and not (path / LATEST).is_file():
+        print(f"{path} has no `{LATEST}`: verifying every checkpoint in it (training resumes from the newest that "
+              "verifies)")
     bad = 0
     for target in targets:
         problems = verify(target)

@@ -37,6 +37,19 @@ def test_inspect_of_a_root_whose_latest_did_not_commit_names_the_intact_older_on
     assert f"the newest checkpoint with a manifest is {root / 'step_00000003'}" in done.stderr
 
 
+def test_a_root_whose_latest_was_deleted_is_a_root_as_training_takes_it(checkpoints):
+    """Training resumes from such a root (the newest checkpoint that verifies); verify and inspect agree."""
+    root, _ = checkpoints
+    (root / "latest").unlink()
+    done = tool("verify", root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [line.split()[0] for line in done.stdout.splitlines()[1:]] == ["OK"] * 4, done.stdout
+    assert "has no `latest`: verifying every checkpoint" in done.stdout.splitlines()[0]
+    done = tool("inspect", root)
+    assert done.returncode == 0 and "step        4" in done.stdout, done.stderr
+    assert f"taking the newest committed checkpoint, {root / 'step_00000004'}" in done.stderr
+
+
 def test_verify_exit_codes_name_bad_files(checkpoints):
     root, _ = checkpoints
     assert tool("verify", root).returncode == 0
