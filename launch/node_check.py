@@ -11,12 +11,13 @@ not answer in time, is excluded from the requeued job (launch/slurm_outcome.py).
 """
 
 import argparse
-import os
 import socket
 import sys
 from pathlib import Path
 
 import torch
+
+from moe_pretrain.writable import write_problem
 
 SIDE = 512
 TOLERANCE = 1e-3
@@ -49,17 +50,8 @@ def check_gpus(expected: int) -> list[str]:
 
 def check_directory(path: Path) -> list[str]:
     """The run directory takes a small write and an fsync (a stale mount or a full disk fails)."""
-    probe = path / f".node_check.{socket.gethostname()}.{os.getpid()}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with probe.open("wb") as file:
-            file.write(b"x" * 4096)
-            file.flush()
-            os.fsync(file.fileno())
-        probe.unlink()
-    except OSError as err:
-        return [f"{path}: {err}"]
-    return []
+    problem = write_problem(path)
+    return [f"{path} {problem}"] if problem else []
 
 
 def main(argv: list[str] | None = None) -> int:

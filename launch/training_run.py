@@ -4,6 +4,7 @@ this module only then, so that a config error is reported before torch and megat
 
 import json
 import logging
+import socket
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from moe_pretrain.training.outcome import (
 )
 from moe_pretrain.training.run_lock import RunDirBusyError, RunDirLock
 from moe_pretrain.training.trainer import NonFiniteError
+from moe_pretrain.writable import write_problem
 from parallel.collectives import gather_objects
 from parallel.state import ParallelContext, destroy_parallel, init_parallel
 
@@ -74,6 +76,21 @@ def own_run_dir(cfg: Config, ctx: ParallelContext) -> RunDirLock | None:
     return lock
 
 
+def check_output_directories(cfg: Config, ctx: ParallelContext) -> None:
+    """Every directory the run writes to takes a write on every rank, before anything is built (writable.py):
+    train.run_dir (every rank's hang dumps, rank 0's status, metrics and logs) and checkpoint.dir (every rank's
+    shards), so an unwritable checkpoint directory is found now, not at the first save. Raises the same
+    ConfigError on every rank, naming the key, the path and the first rank and host it failed on (exit 78)."""
+    directories = {"train.run_dir": Path(cfg.train.run_dir),
+                   "checkpoint.dir": Path(cfg.checkpoint.dir or Path(cfg.train.run_dir) / "checkpoints")}
+    problem = next((f"{key}={path} {why} (rank {ctx.rank} on {socket.gethostname()})"
+                    for key, path in directories.items() if (why := write_problem(path))), None)
+    if ctx.distributed:
+        problem = next((p for p in gather_objects(problem, dist.group.WORLD) if p), None)
+    if problem:
+        raise ConfigError(problem)
+
+
 def start_line(cfg: Config, trainer: Trainer) -> str:
     ctx = trainer.ctx
     steps = (f"{len(cfg.stages)} stages (seq_len {' -> '.join(str(s.seq_len) for s in cfg.stages)})"
@@ -105,6 +122,7 @@ def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int
     trainer, lock = None, None
     try:
         lock = own_run_dir(cfg, ctx)
+        check_output_directories(cfg, ctx)
         trainer = Trainer(cfg, ctx)
         log.info(start_line(cfg, trainer))
         log.info(describe_fast_paths(trainer.model))

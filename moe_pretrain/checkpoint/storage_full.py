@@ -8,7 +8,8 @@ device" only deep in thread tracebacks, and its partial step_<N>.tmp kept the di
   need), so a save that cannot fit fails at once, naming both figures;
 - a write that fails anyway (quotas that statvfs does not show, other writers filling the disk meanwhile) is
   recognised by its errno (ENOSPC, EDQUOT) anywhere in the exception's chain or DCP's per-rank failures, or, when
-  the errno was lost on the way, by the file system having less than NEARLY_FULL_BYTES free after the failure.
+  no errno survived on the way, by the file system having less than NEARLY_FULL_BYTES free after the failure (an
+  errno of another kind, such as EROFS, is that kind however little is free).
 store.py then removes the partial directory and raises StorageFullError, which the launcher classes apart
 (exit 74, state `storage_full`): a requeue would fail the same way, and an operator must free space.
 """
@@ -62,7 +63,7 @@ def full_cause(err: BaseException, directory: Path, rank: int) -> str | None:
     """'ENOSPC, <message> (rank r)' when err (or anything it wraps) is a full file system or quota, else None;
     r is the rank the error arose on (DCP hands one rank's failure to all). When no errno survives, a file
     system left with under NEARLY_FULL_BYTES free counts as full."""
-    seen, stack = set(), [(err, rank)]
+    seen, stack, other_errno = set(), [(err, rank)], False
     while stack:
         current, origin = stack.pop()
         if current is None or id(current) in seen:
@@ -72,10 +73,13 @@ def full_cause(err: BaseException, directory: Path, rank: int) -> str | None:
             where = f" at {current.filename}" if current.filename else ""
             message = current.strerror or os.strerror(current.errno)
             return f"{FULL_ERRNOS[current.errno]}, {message}{where} (rank {origin})"
+        other_errno |= isinstance(current, OSError) and current.errno is not None
         failures = getattr(current, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
         if isinstance(failures, dict):
             stack += [(cause[0] if isinstance(cause, tuple) else cause, failed) for failed, cause in failures.items()]
         stack += [(current.__cause__, origin), (current.__context__, origin)]
+    if other_errno:  # the errno says what it was (read-only, no permission): not a full disk, however little is free
+        return None
     free = free_bytes(directory)
     if free < NEARLY_FULL_BYTES:
         return (f"ENOSPC inferred: {type(err).__name__}: {str(err)[:200]}, with {size_text(free)} left free on "

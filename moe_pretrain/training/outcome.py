@@ -15,18 +15,26 @@ Exit codes (every rank exits with the same one):
                 a person asked for the stop, so nothing requeues it (128 + SIGINT, the shell's convention).
 - anything else: a crash (a bug, a lost node): torchrun --max-restarts may restart it.
 
-Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint"}), which
-the SLURM job script reads to decide whether to requeue: torchrun does not pass its workers' exit codes on.
+Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint", "launch"}),
+which the SLURM job script reads to decide whether to requeue: torchrun does not pass its workers' exit codes on.
 A launch refused before it became the run (another live run holds the directory; the checkpoint belongs to
 another model) exits 78 but leaves status.json to the run it describes: it writes run_dir/refused.json
-instead ({"state": "refused", "exit_code", "message"}), which the job script also reads.
+instead ({"state": "refused", "exit_code", "message", "launch"}). Both carry the launch that wrote them
+($MOE_PRETRAIN_LAUNCH_ID, which the job script sets for each of its runs; null elsewhere), and the job script reads
+only the record of its own launch: a second launch by hand, refused beside the live run, never decides that run's
+job.
 """
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from moe_pretrain.config.errors import EX_CONFIG
+
+log = logging.getLogger(__name__)
+LAUNCH_ID_VARIABLE = "MOE_PRETRAIN_LAUNCH_ID"
+"""The launch a status or refusal record belongs to (launch/slurm.py sets it: the job and its restart count)."""
 
 FINISHED = 0
 REQUEUE = 75
@@ -63,17 +71,26 @@ def _replace(path: Path, record: dict) -> None:
 
 
 def write_status(run_dir: str | Path, exit_code: int, step: int, message: str, checkpoint: Path | None) -> None:
-    """Atomically replace run_dir/status.json (rank 0 only)."""
+    """Atomically replace run_dir/status.json (rank 0 only). A run directory that cannot be written gets a
+    warning: the exit code and the log line still say how the run ended."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _replace(run_dir / "status.json", {"state": STATES.get(exit_code, "crashed"), "exit_code": exit_code,
-                                       "step": step, "message": message,
-                                       "checkpoint": str(checkpoint) if checkpoint else None})
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _replace(run_dir / "status.json", {"state": STATES.get(exit_code, "crashed"), "exit_code": exit_code,
+                                           "step": step, "message": message,
+                                           "checkpoint": str(checkpoint) if checkpoint else None,
+                                           "launch": os.environ.get(LAUNCH_ID_VARIABLE)})
+    except OSError as err:
+        log.warning(f"status.json not written in train.run_dir={run_dir}: {err.strerror or err}")
 
 
 def write_refusal(run_dir: str | Path, message: str) -> None:
     """Record a refused launch in run_dir/refused.json (rank 0 only; status.json is left as it was). A run
-    directory that is not a directory gets nothing: the log line is all there is."""
+    directory that is not a directory, or cannot be written, gets nothing: the log line is all there is."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
-        _replace(run_dir / REFUSED_FILE, {"state": REFUSED, "exit_code": PERMANENT, "message": message})
+        try:
+            _replace(run_dir / REFUSED_FILE, {"state": REFUSED, "exit_code": PERMANENT, "message": message,
+                                              "launch": os.environ.get(LAUNCH_ID_VARIABLE)})
+        except OSError:
+            pass

@@ -101,6 +101,8 @@ class RunDirLock:
                         f"one run per run directory. If that run is dead, remove {self.path}") from None
                 self._take_over(holder, age_s, reason)
                 continue
+            except OSError as err:  # read-only, no permission: one line, not the traceback of a crash
+                raise ConfigError(f"train.run_dir={self.run_dir} cannot be written: {err.strerror or err}") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(mine, f)
                 f.flush()

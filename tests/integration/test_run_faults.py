@@ -1,6 +1,6 @@
 """Faults a run must survive, through the launcher (launch.train): a second run on one run directory, a resume
-with a changed model, a run directory that is a file. A refused launch exits 78 in one line and leaves the run's
-status.json as it was."""
+with a changed model, a run directory that is a file, directories that cannot be written, a full disk. A refused
+launch exits 78 in one line and leaves the run's status.json as it was."""
 
 import errno
 import json
@@ -131,18 +131,48 @@ def test_a_second_run_on_a_live_run_directory_is_refused(tmp_path):
     assert launch(run_dir, "train.steps=40") == 0  # a relaunch of the finished run: nothing to do, exit 0
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 3 MiB tmpfs: room for one tiny checkpoint (about 2.2 MB), not two (root can mount one; elsewhere the test
+def mounted_tmpfs(tmp_path, name: str, options: str):
+    """A tmpfs at tmp_path/name mounted with options, unmounted after the test (root can mount one; elsewhere the test
     says why it cannot run)."""
-    mount = tmp_path / "disk"
+    mount = tmp_path / name
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True,
                           text=True)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MiB tmpfs: room for one tiny checkpoint (about 2.2 MB), not two."""
+    yield from mounted_tmpfs(tmp_path, "disk", "size=3m")
+
+
+@pytest.fixture
+def read_only_tmpfs(tmp_path):
+    """A read-only tmpfs (root's permission bits would not stop root; a read-only mount does)."""
+    yield from mounted_tmpfs(tmp_path, "read-only", "ro,size=1m")
+
+
+def test_an_unwritable_checkpoint_dir_is_found_before_anything_is_built(tmp_path, read_only_tmpfs, monkeypatch,
+                                                                         capsys):
+    """Not at the first save, 30 minutes in at full size, as a traceback the job script would requeue."""
+    run_dir, root = tmp_path / "run", read_only_tmpfs / "ckpt"
+    monkeypatch.setattr(training_run, "Trainer", lambda *a: pytest.fail("the model was built"))
+    assert launch(run_dir, f"checkpoint.dir={root}") == 78
+    line = f"checkpoint.dir={root} cannot be written: Read-only file system (rank 0 on {socket.gethostname()})"
+    assert errors(capsys) == [f"config error (rank 0): {line}"]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["exit_code"], status["message"]) == ("failed", 78, f"config error: {line}")
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(read_only_tmpfs, monkeypatch, capsys):
+    monkeypatch.setattr(training_run, "Trainer", lambda *a: pytest.fail("the model was built"))
+    assert launch(read_only_tmpfs) == 78
+    assert errors(capsys) == [f"refused (rank 0): train.run_dir={read_only_tmpfs} cannot be written: Read-only "
+                              "file system"]
 
 
 def test_a_full_file_system_is_named_and_the_partial_save_removed(tmp_path, small_tmpfs, capsys):
@@ -178,3 +208,16 @@ def test_a_failed_write_without_its_errno_is_still_named_when_the_disk_is_full(t
     wrapped = RuntimeError("write failed")
     wrapped.__cause__ = quota
     assert storage_full.full_cause(wrapped, tmp_path, 3) == "EDQUOT, Disk quota exceeded at /ckpt/x (rank 3)"
+    monkeypatch.setattr(storage_full, "free_bytes", lambda path: 4096)  # a small read-only file system
+    read_only = RuntimeError("write failed")
+    read_only.__context__ = OSError(errno.EROFS, "Read-only file system", "/ckpt/x")
+    assert storage_full.full_cause(read_only, tmp_path, 3) is None
+
+
+def test_a_load_error_without_a_message_still_says_what_it_means():
+    """A truncated shard's EOFError has no message: 'does not load (rank 0: EOFError: )' said nothing."""
+    from moe_pretrain.checkpoint.store import _describe
+
+    assert _describe(EOFError(), 0) == ["rank 0: EOFError (a file ends before its data)"]
+    assert _describe(RuntimeError(), 3) == ["rank 3: RuntimeError (without a message)"]
+    assert _describe(OSError("bad shard"), 1) == ["rank 1: OSError: bad shard"]
