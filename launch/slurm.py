@@ -36,6 +36,7 @@ from launch.signal_lead import signal_lead
 from launch.slurm_outcome import outcome_lines
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, LaunchConfig, add_config_arguments, load_config
 from moe_pretrain.config.cli import config_sources
+from moe_pretrain.training.outcome import LAUNCH_ID_VARIABLE
 from moe_pretrain.training.preemption import STOP_AT_VARIABLE
 from moe_pretrain.training.watchdog import FR_TRACE_PREFIX
 from parallel.state import resolve_layout
@@ -192,7 +193,7 @@ def render(request: JobRequest, cfg: Config) -> str:
     train_args += "".join(" " + q(override) for override in request.overrides)
     numa = f"--numa-binding={launch.numa_binding} " if request.gpus_per_node and launch.numa_binding != "off" else ""
     container = container_flags(launch, request.workdir)
-    torchrun = (f"{q(launch.python)} -m torch.distributed.run --nnodes={request.nodes} --nproc-per-node={procs} "
+    torchrun = (f"{q(launch.python)} -m launch.torchrun --nnodes={request.nodes} --nproc-per-node={procs} "
                 f"--rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" --rdzv-endpoint=\"$head:$port\" "
                 f"--rdzv-conf=join_timeout={join_timeout_s(request.nodes)} "
                 f"--max-restarts={launch.max_restarts} {numa}--signals-to-handle={TORCHRUN_SIGNALS},SIG{launch.signal} "
@@ -210,6 +211,9 @@ def render(request: JobRequest, cfg: Config) -> str:
              'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST (rendezvous on '
              '$head:$port)"',
              'rm -f "$run_dir/status.json" "$run_dir/refused.json"  # written again by this run: its end, or a refusal',
+             "# This run's records carry its launch id; the outcome reads only those (a launch by hand beside it",
+             "# writes its own refusal, which must not decide this job).",
+             f'export {LAUNCH_ID_VARIABLE}="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"',
              "# The run also stops by the clock, the lead before the job's end (squeue's, which follows a changed",
              "# time limit; else from --time): should SLURM's signal come late or not at all, it still saves in time.",
              'end=$(SLURM_TIME_FORMAT=standard squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null | head -n 1)',

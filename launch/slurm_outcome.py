@@ -1,10 +1,12 @@
 """What the job script does once training has ended: the lines of shell after srun (launch/slurm.py renders them).
 
 The state comes from <run_dir>/status.json, read by the shell alone (a container setup may have no Python on the
-batch host): finished -> exit 0; preempted (a signal or the clock stop) -> requeue, without limit; failed (bad
+batch host), when the record is this launch's own ($MOE_PRETRAIN_LAUNCH_ID, set by the script for each run):
+finished -> exit 0; preempted (a signal or the clock stop) -> requeue, without limit; failed (bad
 config or data: permanent) -> exit 78; storage_full (the checkpoint file system) -> exit 74; interrupted (Ctrl-C) ->
-exit 130; a refused launch (run_dir/refused.json: the directory is another live run's, or the checkpoint another
-model's) -> exit 78, status.json being the run's own. Anything else (hung, a crash torchrun could not restart away,
+exit 130; this launch refused (run_dir/refused.json of its launch id: the directory is another live run's, or the
+checkpoint another model's) -> exit 78, status.json being the run's own; a refusal of another launch (by hand beside
+the live run) does not count. Anything else (hung, a crash torchrun could not restart away,
 no status at all) may be a sick node, and the same allocation would meet it again: every node runs the node check
 (launch.node_check, by default launch/node_check.py) under srun, and a node that fails it or does not answer within
 NODE_CHECK_TIMEOUT_S joins the job's ExcNodeList as it requeues (held while the list changes: SLURM refuses to
@@ -20,6 +22,7 @@ from moe_pretrain.config import LaunchConfig
 from moe_pretrain.training.outcome import (
     FINISHED,
     INTERRUPTED,
+    LAUNCH_ID_VARIABLE,
     PERMANENT,
     REFUSED,
     REFUSED_FILE,
@@ -94,8 +97,15 @@ def outcome_lines(launch: LaunchConfig, gpus_per_node: int, run_dir: Path, conta
         f'    grep -qx "$host" "$run_dir/{SLOW_HOSTS_FILE}" && printf "%s\\n" "$host"',
         "  done | paste -sd, -",
         "}",
-        'state=$(sed -n \'s/^ *"state": *"\\([a-z]*\\)".*/\\1/p\' "$run_dir/status.json" 2>/dev/null | head -n 1)',
-        f'[ -e "$run_dir/{REFUSED_FILE}" ] && state={REFUSED}  # a launch refused before it became the run',
+        "# A field of a record (status.json and refused.json hold one '\"key\": value' line each), quotes removed.",
+        "field() {",
+        r'  sed -n "s/^ *\"$2\": *\"\{0,1\}\([^\",]*\).*/\1/p" "$1" 2>/dev/null | head -n 1',
+        "}",
+        "# Only this launch's records count: another launch refused beside this run wrote its own.",
+        f'launch_id="${LAUNCH_ID_VARIABLE}"',
+        'state=',
+        '[ "$(field "$run_dir/status.json" launch)" = "$launch_id" ] && state=$(field "$run_dir/status.json" state)',
+        f'[ "$(field "$run_dir/{REFUSED_FILE}" launch)" = "$launch_id" ] && state={REFUSED}  # refused: not the run',
         'echo "job $SLURM_JOB_ID: training ended with state ${state:-unknown} (srun exit $code)"',
         'case "$state" in',
         f"  {STATES[FINISHED]}) exit 0 ;;",

@@ -28,7 +28,7 @@ HOSTILE = "$(touch {marker}); `touch {marker}` ' \" ; touch {marker} \n #SBATCH 
 
 def training_step(body: str) -> str:
     """A stand-in srun that runs body for the training step only (not for the node check after it)."""
-    return f'#!/bin/bash\ncase "$*" in *torch.distributed.run*) {body} ;; esac\n'
+    return f'#!/bin/bash\ncase "$*" in *launch.torchrun*) {body} ;; esac\n'
 
 
 ECHO_NODE1 = "#!/bin/bash\necho node1\n"
@@ -160,7 +160,7 @@ def test_containers_go_on_the_srun_line_only():
     lines = render(job, cfg).splitlines()
     srun = next(line for line in lines if line.startswith("srun "))
     assert ("--container-image='nvcr.io#nvidia/pytorch:25.12-py3' --container-workdir=/lustre/moe "
-            "--container-mounts=/lustre:/lustre,/data:/data --no-container-mount-home python -m torch.distributed.run"
+            "--container-mounts=/lustre:/lustre,/data:/data --no-container-mount-home python -m launch.torchrun"
             ) in srun
     assert not [line for line in lines if line.startswith("#SBATCH") and "container" in line]
     assert "--container" not in next(line for line in render(*request()).splitlines() if line.startswith("srun "))
@@ -177,7 +177,7 @@ STAND_IN_SRUN = """#!/bin/bash
 on_signal() {
   echo "srun got $1" > TMP/signal
   mkdir -p RUN
-  printf '{\\n "state": "preempted",\\n "exit_code": 75\\n}\\n' > RUN/status.json
+  STATUS
   exit 75
 }
 trap 'on_signal USR2' USR2
@@ -195,7 +195,8 @@ def test_the_script_forwards_the_signal_and_requeues_without_python(tmp_path, si
     and the job requeues itself, after SIGUSR2 (the time-limit signal) or SIGTERM (GraceTime preemption, which
     reaches srun as SIGUSR2)."""
     run_dir = tmp_path / "run"
-    programs = {"srun": STAND_IN_SRUN.replace("TMP", str(tmp_path)).replace("RUN", str(run_dir)),
+    stand_in = STAND_IN_SRUN.replace("STATUS", record("status.json", "preempted"))
+    programs = {"srun": stand_in.replace("TMP", str(tmp_path)).replace("RUN", str(run_dir)),
                 "scontrol": f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol\necho node1\n'}
     script, env = stand_in_job(tmp_path, programs, f"train.run_dir={run_dir}", "launch.python=/nonexistent/python")
     shell = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -214,7 +215,7 @@ def test_the_script_forwards_the_signal_and_requeues_without_python(tmp_path, si
 
 CHECKING_SRUN = """#!/bin/bash
 case "$*" in
-  *torch.distributed.run*) exit 1 ;;  # the run crashes: no status
+  *launch.torchrun*) exit 1 ;;  # the run crashes: no status
   *) for fit in FIT; do touch "${@: -1}/$fit"; done; echo "$*" > TMP/check ;;  # the node check, per node
 esac
 """
@@ -264,6 +265,38 @@ def test_a_crashed_run_excludes_the_nodes_that_fail_the_check(tmp_path, fit, exc
         f"restart 0: state unknown, srun exit 1, excluded: {excluded or 'none'}\n")
 
 
+def record(file: str, state: str, this_launch: bool = True) -> str:
+    """Shell writing RUN/<file> as a launch does: its state, and its launch id ($MOE_PRETRAIN_LAUNCH_ID, which the
+    job script sets for its runs) or none (a launch by hand)."""
+    value, argument = ('"%s"', ' "$MOE_PRETRAIN_LAUNCH_ID"') if this_launch else ("null", "")
+    return f"""printf ' "state": "{state}",\\n "launch": {value},\\n'{argument} > RUN/{file}"""
+
+
+PREEMPTED = f"{record('status.json', 'preempted')}; exit 75"
+"""The training step as preempted workers end it."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("refused", ["by hand", "this launch"])
+def test_only_this_launchs_own_refusal_decides_the_job(tmp_path, refused):
+    """A launch refused by hand beside the live run leaves refused.json in its run directory; the run is then
+    preempted, and the job requeues as the run's own status says. The job's own launch refused exits 78."""
+    run_dir = tmp_path / "run"
+    body = (f"{record('refused.json', 'refused', this_launch=False)}; {PREEMPTED}" if refused == "by hand" else
+            f"{record('refused.json', 'refused')}; exit 78")
+    programs = {"srun": training_step(body.replace("RUN", str(run_dir))), "scontrol": HOLDING_SCONTROL.replace(
+        "TMP", str(tmp_path))}
+    script, env = stand_in_job(tmp_path, programs, f"train.run_dir={run_dir}")
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
+    calls = (tmp_path / "scontrol").read_text().splitlines()
+    if refused == "by hand":
+        assert done.returncode == 0 and "requeue 7" in calls, done.stdout + done.stderr
+        assert "job 7: training ended with state preempted (srun exit 75)" in done.stdout
+    else:
+        assert done.returncode == EX_CONFIG and "requeue 7" not in calls, done.stdout + done.stderr
+        assert "job 7: launch refused, not requeued" in done.stdout
+
+
 @pytest.mark.timeout(60)
 def test_a_host_marked_slow_is_excluded_as_the_preempted_job_requeues(tmp_path):
     """logging.straggler.action=exclude marked node2 (RUN_DIR/slow_hosts, node9 not this job's); the run is
@@ -272,7 +305,7 @@ def test_a_host_marked_slow_is_excluded_as_the_preempted_job_requeues(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "slow_hosts").write_text("node9\nnode2\n")
-    preempted = training_step(f"echo '  \"state\": \"preempted\",' > {run_dir}/status.json; exit 75")
+    preempted = training_step(PREEMPTED.replace("RUN", str(run_dir)))
     programs = {"srun": preempted, "scontrol": HOLDING_SCONTROL.replace("TMP", str(tmp_path))}
     script, env = stand_in_job(tmp_path, programs, f"train.run_dir={run_dir}", nodes="node[1-3]")
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=50)
@@ -287,7 +320,7 @@ def test_a_host_marked_slow_is_excluded_as_the_preempted_job_requeues(tmp_path):
 
 TRAINING_SRUN = f"""#!/bin/bash
 case "$*" in
-  *torch.distributed.run*) while [ "$1" != launch.train ]; do shift; done; shift
+  *launch.torchrun*) while [ "$1" != launch.train ]; do shift; done; shift
                            exec {sys.executable} -m launch.train "$@" ;;
 esac
 """
