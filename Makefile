@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 # Each smoke run gets its own run directory: earlier runs' metrics are never overwritten.
 smoke: $(STAMP)
 	OMP_NUM_THREADS=$$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )) \
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m launch.train \
+	$(VENV)/bin/python -m launch.torchrun --standalone --nproc-per-node $(NPROC) -m launch.train \
 		--config configs/smoke.yaml --require-loss-drop 2.0 parallel.tp=$(TP) parallel.ep=$(EP) \
 		train.run_dir=runs/smoke-$$(date +%Y%m%d-%H%M%S) $(SMOKE_ARGS)
 

@@ -26,13 +26,17 @@ from moe_pretrain.log import setup_logging
 log = logging.getLogger("launch.train")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="moe-pretrain pretraining")
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launch.train", description="moe-pretrain pretraining")
     add_config_arguments(parser)
     parser.add_argument("--require-loss-drop", type=float, default=None, metavar="NATS",
                         help="exit 1 unless the mean loss of the run's last 10 steps is at least NATS below its "
                              "first step's (from metrics.jsonl: across resumes)")
-    args = parser.parse_intermixed_args(argv)
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
         setup_logging(rank)
