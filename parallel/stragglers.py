@@ -85,6 +85,7 @@ class RankIdentity:
     node: int
     """Which node: consecutive blocks of the launcher's ranks per node (parallel/state.ranks_per_node)."""
     local_gpu: int
+    """LOCAL_RANK: on a GPU node the index of its GPU, on a CPU run its place among the node's processes."""
     tp: int
     pp: int
     ep: int
@@ -95,7 +96,7 @@ class RankIdentity:
     """The global ranks of its expert-parallel group (expert load is compared within it)."""
 
     def describe(self) -> str:
-        return (f"rank {self.rank} (host {self.host}, local GPU {self.local_gpu}; tp {self.tp} pp {self.pp} "
+        return (f"rank {self.rank} (host {self.host}, local rank {self.local_gpu}; tp {self.tp} pp {self.pp} "
                 f"ep {self.ep} dp {self.dp} cp {self.cp})")
 
 

@@ -50,4 +50,5 @@ def point_latest(root: Path, resumed: Path) -> None:
     current = latest.read_text().strip() if latest.is_file() else None
     if resumed.parent == root and current != resumed.name:
         write_durably(latest, resumed.name + "\n")
-        log.warning(f"checkpoint: {latest} now names {resumed.name} (was {current})")
+        was = f"it named {current}" if current else "it was missing"
+        log.warning(f"checkpoint: {latest} now names {resumed.name} ({was})")

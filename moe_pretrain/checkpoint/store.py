@@ -79,9 +79,17 @@ def _describe(err: BaseException, rank: int) -> list[str]:
         lines = []
         for failed_rank, cause in sorted(failures.items()):
             exc = cause[0] if isinstance(cause, tuple) else cause
-            lines.append(f"rank {failed_rank}: {type(exc).__name__}: {exc}{_optimizer_hint(exc)}")
+            lines.append(f"rank {failed_rank}: {_said(exc)}{_optimizer_hint(exc)}")
         return lines
-    return [f"rank {rank}: {type(err).__name__}: {err}{_optimizer_hint(err)}"]
+    return [f"rank {rank}: {_said(err)}{_optimizer_hint(err)}"]
+
+
+def _said(err: BaseException) -> str:
+    """'Type: message', or what an error without a message means (an EOFError: a file ends before its data)."""
+    if str(err):
+        return f"{type(err).__name__}: {err}"
+    return f"{type(err).__name__}" + (" (a file ends before its data)" if isinstance(err, EOFError) else
+                                      " (without a message)")
 
 
 def _optimizer_hint(err: BaseException) -> str:

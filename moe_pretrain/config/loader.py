@@ -56,6 +56,9 @@ def load_config(paths: str | Path | list[str | Path] | None, overrides: list[str
     except UnknownKeyError as err:
         sources = [name for name, layer in layers if _holds(layer, err.key)]
         raise ConfigError(f"{err} (from {' and '.join(sources) or 'a program-set value'})") from None
+    except KeyedConfigError as err:  # the value in force is the last layer's that holds the key
+        sources = [name for name, layer in layers if _holds(layer, err.key)]
+        raise ConfigError(f"{err} (from {sources[-1]})" if sources else str(err)) from None
 
 
 def _holds(layer: dict[str, Any], dotted: str) -> bool:
@@ -67,12 +70,16 @@ def _holds(layer: dict[str, Any], dotted: str) -> bool:
     return True
 
 
-class UnknownKeyError(ConfigError):
-    """A key the config has no field for; load_config names the file (or the command line) it came from."""
+class KeyedConfigError(ConfigError):
+    """A problem with one key's value; load_config names the file (or the command line) it came from."""
 
     def __init__(self, message: str, key: str):
         super().__init__(message)
         self.key = key
+
+
+class UnknownKeyError(KeyedConfigError):
+    """A key the config has no field for."""
 
 
 def _read_yaml(path: Path) -> Any:
@@ -203,4 +210,4 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
     else:
         raise TypeError(f"config field {key} has a type the loader does not know: {hint}")
-    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {hint.__name__}")
+    raise KeyedConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {hint.__name__}", key)

@@ -28,7 +28,7 @@ def test_overrides_are_typed():
     assert cfg.model.moe.balancing == "aux_free" and cfg.logging.progress is False
 
 
-def test_an_unknown_key_names_the_layer_it_came_from(tmp_path):
+def test_an_unknown_key_or_a_mistyped_value_names_the_layer_it_came_from(tmp_path):
     layer = tmp_path / "cluster.yaml"
     layer.write_text("model:\n  hiden_size: 32\n")
     with pytest.raises(ConfigError, match=rf"unknown config key model\.hiden_size; did you mean model\.hidden_size\? "
@@ -36,6 +36,10 @@ def test_an_unknown_key_names_the_layer_it_came_from(tmp_path):
         load_config(["configs/smoke.yaml", layer])
     with pytest.raises(ConfigError, match=r"unknown config key train\.stepz; .* \(from the command line\)$"):
         load_config("configs/smoke.yaml", ["train.stepz=3"])
+    layer.write_text("model:\n  hidden_size: abc\n")
+    with pytest.raises(ConfigError, match=rf"^model\.hidden_size='abc' has type str, expected int \(from config file "
+                                          rf"{layer}\)$"):
+        load_config(["configs/smoke.yaml", layer])
 
 
 @pytest.mark.parametrize(("override", "message"), [
