@@ -70,17 +70,20 @@ def plot_loss_lr(plt, records: list[dict], path: Path) -> None:
 
 
 def plot_throughput(plt, records: list[dict], path: Path) -> None:
+    """tokens/s above, MFU below: within a stage MFU is tokens/s times a constant, so on twin axes the two lines
+    would lie on top of each other."""
     tokens = [r["tokens"] for r in records]
-    fig, axis = plt.subplots(figsize=(8, 4.5))
-    axis.plot(tokens, [r["tokens_per_s"] for r in records], color="tab:green")
-    axis.set_xlabel("tokens")
-    axis.set_ylabel("tokens / s", color="tab:green")
-    mfu_axis = axis.twinx()
-    mfu_axis.plot(tokens, [100 * r.get("mfu", 0.0) for r in records], color="tab:purple", alpha=0.6)
-    mfu_axis.set_ylabel("MFU (%)", color="tab:purple")
-    for at, _ in stage_boundaries(records):
-        axis.axvline(at, color="grey", linestyle="--", linewidth=1)
-    axis.set_title("throughput")
+    fig, (speed_axis, mfu_axis) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    speed_axis.plot(tokens, [r["tokens_per_s"] for r in records], color="tab:green", label="tokens / s")
+    speed_axis.set_ylabel("tokens / s")
+    mfu_axis.plot(tokens, [100 * r.get("mfu", 0.0) for r in records], color="tab:purple", label="MFU")
+    mfu_axis.set_ylabel("MFU (%)")
+    mfu_axis.set_xlabel("tokens")
+    for axis in (speed_axis, mfu_axis):
+        for at, _ in stage_boundaries(records):
+            axis.axvline(at, color="grey", linestyle="--", linewidth=1)
+        axis.legend(loc="lower right", fontsize=8)
+    speed_axis.set_title("throughput")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -180,7 +183,7 @@ def plot_retrieval(plt, records: list[dict], path: Path) -> None:
         axis.set_title(f"step {record['step']} ({record['stage']}): {record['probe_accuracy']:.0%}", fontsize=9)
     axes[0][0].set_ylabel("key depth")
     fig.colorbar(image, ax=axes[0].tolist())
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # the colorbar's axes defeat tight_layout: labels were cut off
     plt.close(fig)
 
 
