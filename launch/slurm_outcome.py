@@ -6,7 +6,7 @@ finished -> exit 0; preempted (a signal or the clock stop) -> requeue, without l
 config or data: permanent) -> exit 78; storage_full (the checkpoint file system) -> exit 74; interrupted (Ctrl-C) ->
 exit 130; this launch refused (run_dir/refused.json of its launch id: the directory is another live run's, or the
 checkpoint another model's) -> exit 78, status.json being the run's own; a refusal of another launch (by hand beside
-the live run) does not count. Anything else (hung, a crash torchrun could not restart away,
+the live run) does not count. Anything else (hung, a lost peer, a crash torchrun could not restart away,
 no status at all) may be a sick node, and the same allocation would meet it again: every node runs the node check
 (launch.node_check, by default launch/node_check.py) under srun, and a node that fails it or does not answer within
 NODE_CHECK_TIMEOUT_S joins the job's ExcNodeList as it requeues (held while the list changes: SLURM refuses to

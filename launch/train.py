@@ -7,7 +7,8 @@ Under torchrun every rank validates the layout before any collective, so a bad l
 every rank with the same message. Exit codes (moe_pretrain/training/outcome.py): 0 finished, 75
 preempted after a checkpoint (requeue me), 76 hung (watchdog), 78 permanent failure (bad config or
 data, no checkpoint that verifies, repeated non-finite loss), 74 the checkpoint's file system is full,
-130 interrupted by Ctrl-C after a checkpoint, 1 --require-loss-drop not met. A relaunch of a finished
+77 a rank was lost (its process or node died: the remaining ranks name it), 130 interrupted by Ctrl-C after a
+checkpoint, 1 --require-loss-drop not met. A relaunch of a finished
 run says so and exits 0. A launch refused before it becomes the run (another live run holds
 train.run_dir, which rank 0 locks before anything is built; the checkpoint to resume was saved by
 another model) exits 78 and leaves status.json as it was, writing run_dir/refused.json instead. The

@@ -4,6 +4,7 @@ this module only then, so that a config error is reported before torch and megat
 
 import json
 import logging
+import signal
 import socket
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from moe_pretrain.training import Trainer
 from moe_pretrain.training.outcome import (
     FINISHED,
     INTERRUPTED,
+    LOST_PEER,
     PERMANENT,
     STORAGE_FULL,
     Preempted,
@@ -28,6 +30,7 @@ from moe_pretrain.training.run_lock import RunDirBusyError, RunDirLock
 from moe_pretrain.training.trainer import NonFiniteError
 from moe_pretrain.writable import write_problem
 from parallel.collectives import gather_objects
+from parallel.lost_peers import lost_a_peer, lost_line, register
 from parallel.state import ParallelContext, destroy_parallel, init_parallel
 
 log = logging.getLogger("launch.train")  # the entry point's logger: its lines read as launch.train's
@@ -49,6 +52,22 @@ def permanent_failure(err: Exception, rank: int, run_dir: str | None, trainer: T
 
 class RunDirRefusedError(RuntimeError):
     """Rank 0 could not take train.run_dir (in use by another run, or not a directory): every rank raises it."""
+
+
+def lost_peer(err: BaseException, ctx: ParallelContext, trainer: Trainer | None, run_dir: str) -> int:
+    """A collective failed because a rank is gone: one line naming it (parallel/lost_peers.py), status lost_peer.
+    torchrun sends the remaining workers of the lost rank's node SIGTERM at once, after the training loop has
+    given its handlers back: it is ignored while the ranks meet, lest it end them before they say who is gone."""
+    step = trainer.step if trainer else 0
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        line = lost_line(err, ctx.store, ctx.rank, dist.get_world_size(), step)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log.error(f"lost peer (rank {ctx.rank}): {line}")
+    if ctx.rank == 0:
+        write_status(run_dir, LOST_PEER, step, f"lost peer: {line}", trainer.checkpoints.last if trainer else None)
+    return LOST_PEER
 
 
 def refused(err: Exception, rank: int, run_dir: str) -> int:
@@ -120,6 +139,7 @@ def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int
     except ConfigError as err:
         return permanent_failure(err, rank, None)
     trainer, lock = None, None
+    register(ctx.store, ctx.rank)
     try:
         lock = own_run_dir(cfg, ctx)
         check_output_directories(cfg, ctx)
@@ -142,6 +162,10 @@ def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int
         return refused(err, rank, cfg.train.run_dir)
     except tuple(FAILURES) as err:
         return permanent_failure(err, rank, cfg.train.run_dir, trainer)
+    except RuntimeError as err:
+        if not (ctx.distributed and lost_a_peer(err)):
+            raise
+        return lost_peer(err, ctx, trainer, cfg.train.run_dir)
     finally:
         destroy_parallel()
         if lock is not None:

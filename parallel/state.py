@@ -157,6 +157,9 @@ class ParallelContext:
     pp_rank: int = 0
     context_groups: dict[int, ContextGroup] = field(default_factory=dict)
     """Per context-parallel size the run uses (context_sizes)."""
+    store: dist.Store | None = None
+    """The launcher's store (torchrun's, through this attempt's prefix: elastic_attempt_store); None outside
+    torchrun. The ranks meet there when a collective fails (parallel/lost_peers.py)."""
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu", layout: ParallelLayout | None = None) -> "ParallelContext":
@@ -237,6 +240,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         torch.cuda.set_device(device)
     if world_size == 1:
         return ParallelContext.single(device, layout)
+    store = None
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         store = elastic_attempt_store(world_size, timeout)
@@ -278,6 +282,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
+        store=store,
     )
 
 

@@ -13,6 +13,8 @@ Exit codes (every rank exits with the same one):
                 space (EX_IOERR).
 - 130 INTERRUPTED  stopped by Ctrl-C (SIGINT) after committing a checkpoint: relaunching resumes there;
                 a person asked for the stop, so nothing requeues it (128 + SIGINT, the shell's convention).
+- 77 LOST_PEER  a collective failed because a rank is gone (its process or node died): the remaining ranks name it
+                (parallel/lost_peers.py); relaunching resumes from the last checkpoint, after a node check.
 - anything else: a crash (a bug, a lost node): torchrun --max-restarts may restart it.
 
 Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint", "launch"}),
@@ -42,9 +44,10 @@ HUNG = 76
 PERMANENT = EX_CONFIG
 STORAGE_FULL = 74
 INTERRUPTED = 130
+LOST_PEER = 77
 
 STATES = {FINISHED: "finished", REQUEUE: "preempted", HUNG: "hung", PERMANENT: "failed",
-          STORAGE_FULL: "storage_full", INTERRUPTED: "interrupted"}
+          STORAGE_FULL: "storage_full", INTERRUPTED: "interrupted", LOST_PEER: "lost_peer"}
 REFUSED = "refused"
 """The state of a refused launch, in refused.json (never in status.json)."""
 REFUSED_FILE = "refused.json"
