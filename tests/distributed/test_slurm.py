@@ -128,8 +128,9 @@ def test_a_four_by_eight_script_carries_the_multi_node_flags():
     assert "--nnodes=4 --nproc-per-node=8" in srun and '--rdzv-endpoint="$head:$port"' in srun
     assert "--rdzv-conf=join_timeout=608 " in srun  # c10d's 600 s, plus 2 s a node
     assert " --numa-binding=node " in srun
-    state = next(line for line in lines if line.startswith("state="))
-    assert "python" not in state and "sed" in state
+    reading = lines[lines.index("field() {"):lines.index("state=") + 3]  # the state read from this launch's records
+    assert not any("python" in line for line in reading) and "sed" in reading[1], reading
+    assert any(line.startswith('[ "$(field "$run_dir/status.json" launch)" = "$launch_id" ]') for line in reading)
     check = next(line for line in lines if line.startswith("timeout 300 srun "))
     assert "python -m launch.node_check --gpus=8 --dir=" in check and check.endswith('node_check "$checks"')
 
@@ -503,7 +504,7 @@ def test_a_hung_run_excludes_the_node_that_fails_the_check_and_requeues(cluster,
         assert info["ExcNodeList"] == host and info["Restarts"] == "1", (info, cluster.log_tails())
         assert "requeueing after a failed run (1 of launch.max_requeues=3)" in log
         assert (run_dir / f"slurm-{job_id}.failures").read_text() == (
-            f"restart 0: state hung, srun exit 1, excluded: {host}\n")
+            f"restart 0: state hung, srun exit 76, excluded: {host}\n")  # launch.torchrun keeps the code
         assert "watchdog (rank 0 on" in (run_dir / "hang" / "rank0.txt").read_text()
     finally:
         subprocess.run(["scancel", job_id], env=cluster.env, check=True)
