@@ -161,12 +161,13 @@ def print_traced(cfg, args, ranked: list, gpu: GpuSpec, capacity: float, stage: 
     names = [s.name for s in cfg.stages]
     if stage is None:
         stage = max(range(len(names)), key=lambda i: ranked[0].stages[i][1].days) if ranked else 0
-    found = candidates(cfg, args.gpus, stage, ranked, chunks, gpu)
+    found, left_out = candidates(cfg, args.gpus, stage, ranked, chunks, gpu)
     rank_note = "one rank of each pipeline role" if args.trace_roles else "the middle pipeline rank"
     print(f"\nthe stage {names[stage]} traced ({rank_note} of each layout, the stage's first micro-batches scaled "
           f"to its step), fitting with {TRACED_HEADROOM:.0%} headroom first, then by the traced step:")
     traced, refused = traced_ranking(cfg, args.gpus, stage, found, partial(play, gpu=args.gpu), gpu, capacity,
                                      args.trace_roles)
+    refused = left_out + refused
     width = max([len(t.candidate.describe(stage)) for t in traced] + [6])
     print(f"   {'layout':{width}s} {'from':>10s} | plan: {'step s':>7s} {'MFU':>6s} | traced: {'cut':>3s} "
           f"{'compute':>8s} {'exposed':>8s} {'peak GB':>8s} {'fits':>4s} {'step s':>7s} {'MFU':>6s} {'days':>7s}")

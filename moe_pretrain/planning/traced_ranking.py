@@ -66,20 +66,25 @@ class TracedCandidate:
 
 
 def candidates(cfg: Config, gpus: int, stage: int, ranked: list[RankedLayout], chunks: list[int], gpu: GpuSpec
-               ) -> list[Candidate]:
-    """The ranked run layouts, then the config's own where it is not among them, each at every chunk count."""
+               ) -> tuple[list[Candidate], list[str]]:
+    """The ranked run layouts, then the config's own where it is not among them, each at every chunk count; and
+    why the config's own is left out, when its layout cannot run the stage at all."""
     layouts = [(r.run, [layout for layout, _ in r.stages], r.stages[stage][1], f"plan #{place}")
                for place, r in enumerate(ranked, start=1)]
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     own = stage_layouts_of(cfg)
+    left_out = []
     if all((r, s) != (run, own) for r, s, _, _ in layouts):
         planner = MemoryPlanner(cfg)
-        if not planner.problems(run, cfg.stages[stage], own[stage]):
+        if problems := planner.problems(run, cfg.stages[stage], own[stage]):
+            left_out.append(f"{run.describe()} {own[stage].describe()} (configured): {'; '.join(problems)}")
+        else:
             result = planner.stage(run, cfg.stages[stage], own[stage])
             layouts.append((run, own, planned_step(cfg, run, cfg.stages[stage], own[stage], result["ranks"], gpu,
                                                    cfg.cluster), "configured"))
-    return [Candidate(run, stages, c, planned, source) for run, stages, planned, source in layouts for c in chunks]
+    return [Candidate(run, stages, c, planned, source) for run, stages, planned, source in layouts
+            for c in chunks], left_out
 
 
 def candidate_config(cfg: Config, candidate: Candidate) -> Config:
