@@ -100,17 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total    {sum(s.tokens for s in cfg.stages):10.4g} {cfg.train.steps:8d}")
     if not args.gpus:
         return 0
-    code, planned = print_memory_plan(cfg, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
+    planner = MemoryPlanner(cfg)  # one for the whole command: its searches share the states and layers it caches
+    code, planned = print_memory_plan(planner, args.gpus, args.gpu, args.propose, args.gpu_gb * 1e9)
     gpu = GPUS[args.gpu]
     if args.peak_tflops:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
     capacity = args.gpu_gb * 1e9 or GPU_BYTES[args.gpu]
     print_step_times(cfg, args.gpus, planned, gpu, args.traces, capacity)
-    print(verdict(cfg, args.gpus, planned, capacity))
+    print(verdict(planner, args.gpus, planned, capacity))
     if args.propose:
-        ranked = print_fastest(cfg, args.gpus, capacity, gpu, max(3, args.trace))
+        ranked = print_fastest(planner, args.gpus, capacity, gpu, max(3, args.trace))
         if args.trace:
-            print_traced(cfg, args, ranked[:args.trace], gpu, capacity, *traced_choices)
+            print_traced(planner, args, ranked[:args.trace], gpu, capacity, *traced_choices)
     return code
 
 
@@ -134,9 +135,11 @@ def trace_choices(cfg, args) -> tuple[int | None, list[int]]:
     return (names.index(args.trace_stage) if args.trace_stage else None), chunks
 
 
-def verdict(cfg, gpus: int, planned: dict, capacity: float) -> str:
+def verdict(planner: MemoryPlanner, gpus: int, planned: dict, capacity: float) -> str:
     """One line: whether the config's layout fits every stage (planned: each valid stage's plan by name), and
-    where it does not, the smallest layout that fits (MemoryPlanner.propose's)."""
+    where it does not, the smallest layout that fits (MemoryPlanner.propose's: searched once, with --propose or
+    here)."""
+    cfg = planner.cfg
     worst = {name: result["worst"]["total_bytes"] for name, result in planned.items()}
     problems = [f"{stage.name} has no valid layout" if stage.name not in planned else
                 f"{stage.name} needs {worst[stage.name] / 1e9:.4g} GB of {capacity / 1e9:.4g}" for stage in cfg.stages
@@ -144,7 +147,7 @@ def verdict(cfg, gpus: int, planned: dict, capacity: float) -> str:
     if not problems:
         return (f"verdict: fits: every stage within {capacity / 1e9:.4g} GB a GPU (the most, "
                 f"{max(worst.values()) / 1e9:.4g} GB, at {max(worst, key=worst.get)})")
-    found = MemoryPlanner(cfg).propose(gpus, capacity)
+    found = planner.propose(gpus, capacity)
     if found is None or any(stage is None for stage in found[1]):
         nearest = f"no layout of {gpus} GPUs fits every stage with {HEADROOM:.0%} headroom"
     else:
@@ -154,14 +157,15 @@ def verdict(cfg, gpus: int, planned: dict, capacity: float) -> str:
     return f"verdict: does not fit: {'; '.join(problems)}; {nearest} (--propose)"
 
 
-def print_traced(cfg, args, ranked: list, gpu: GpuSpec, capacity: float, stage: int | None, chunks: list[int]
-                 ) -> None:
+def print_traced(planner: MemoryPlanner, args, ranked: list, gpu: GpuSpec, capacity: float, stage: int | None,
+                 chunks: list[int]) -> None:
     """The first of the plan's ranking and the configured layout played by the dry run on `stage` (None: the
     one the plan's winner spends the most days on), fastest traced step first (planning/traced_ranking.py)."""
+    cfg = planner.cfg
     names = [s.name for s in cfg.stages]
     if stage is None:
         stage = max(range(len(names)), key=lambda i: ranked[0].stages[i][1].days) if ranked else 0
-    found, left_out = candidates(cfg, args.gpus, stage, ranked, chunks, gpu)
+    found, left_out = candidates(planner, args.gpus, stage, ranked, chunks, gpu)
     rank_note = "one rank of each pipeline role" if args.trace_roles else "the middle pipeline rank"
     print(f"\nthe stage {names[stage]} traced ({rank_note} of each layout, the stage's first micro-batches scaled "
           f"to its step), fitting with {TRACED_HEADROOM:.0%} headroom first, then by the traced step:")
@@ -187,10 +191,11 @@ def print_traced(cfg, args, ranked: list, gpu: GpuSpec, capacity: float, stage: 
             "traces": t.traces} for t in traced], indent=1))
 
 
-def print_fastest(cfg, gpus: int, capacity: float, gpu: GpuSpec, count: int = 3) -> list:
+def print_fastest(planner: MemoryPlanner, gpus: int, capacity: float, gpu: GpuSpec, count: int = 3) -> list:
     """The `count` run layouts on which every stage fits, fewest planned days first, each stage at its fastest
     fitting layout (planning/fastest_layouts.py); returned."""
-    ranked = fastest_layouts(cfg, gpus, capacity, gpu, count)
+    cfg = planner.cfg
+    ranked = fastest_layouts(planner, gpus, capacity, gpu, count)
     print(f"\nfastest layouts that fit every stage with {HEADROOM:.0%} headroom, by the plan's step time (FLOPs at "
           f"the peak, the all-to-all counted whole): trace the first two with the dry run before taking one "
           f"(--trace 2)")
@@ -204,10 +209,11 @@ def print_fastest(cfg, gpus: int, capacity: float, gpu: GpuSpec, count: int = 3)
     return ranked
 
 
-def print_memory_plan(cfg, gpus: int, gpu: str, propose: bool, capacity: float = 0.0) -> tuple[int, dict]:
+def print_memory_plan(planner: MemoryPlanner, gpus: int, gpu: str, propose: bool, capacity: float = 0.0
+                      ) -> tuple[int, dict]:
     """The memory plan of the config's layout (and with propose, the proposed one's): the exit code, and each
     valid stage's plan on the config's layout by name (MemoryPlanner.stage)."""
-    planner = MemoryPlanner(cfg)
+    cfg = planner.cfg
     capacity = capacity or GPU_BYTES[gpu]
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)

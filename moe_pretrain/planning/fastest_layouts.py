@@ -15,7 +15,6 @@ roofline adds. So trace the winner and the runner-up with the dry run before tak
 
 from dataclasses import dataclass
 
-from moe_pretrain.config import Config
 from moe_pretrain.planning.plan_step_time import PlannedStep, planned_step
 from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, StageLayout
 from moe_pretrain.planning.step_time import GpuSpec
@@ -32,10 +31,11 @@ class RankedLayout:
         return sum(step.days for _, step in self.stages)
 
 
-def fastest_layouts(cfg: Config, gpus: int, gpu_bytes: float, gpu: GpuSpec, count: int = 3) -> list[RankedLayout]:
-    """The `count` run layouts of `gpus` GPUs on which every stage fits, fastest first (fewest planned days)."""
-    planner = MemoryPlanner(cfg)
-    ranked = []
+def fastest_layouts(planner: MemoryPlanner, gpus: int, gpu_bytes: float, gpu: GpuSpec, count: int = 3
+                    ) -> list[RankedLayout]:
+    """The `count` run layouts of `gpus` GPUs on which every stage fits, fastest first (fewest planned days). The
+    planner's cached states and layers are those the smallest-layout search (MemoryPlanner.propose) made."""
+    cfg, ranked = planner.cfg, []
     for run in planner.run_layouts(gpus):
         stages = []
         for stage in cfg.stages:

@@ -86,6 +86,12 @@ class StageLayout:
                f"M={self.micro_batches}"
 
 
+def pipeline_layers_of(layers: list[int], run: RunLayout) -> list[int]:
+    """A config's parallel.pipeline_layers on a run layout: its split where it fits the run's pp x vpp, else empty
+    (balanced automatically)."""
+    return layers if len(layers) == run.pp * run.vpp else []
+
+
 def within(result: dict, gpu_bytes: float, headroom: float = 0.0) -> bool:
     """A stage's plan (MemoryPlanner.stage) fits: the worst pipeline rank's GPU bytes within (1 - headroom) of
     the GPU, and the most any rank offloads within its share of the node's host memory (with layers split
@@ -101,6 +107,7 @@ class MemoryPlanner:
         self.shapes = parameter_shapes(cfg)
         self._runs: dict[RunLayout, tuple[Config, list[dict]]] = {}
         self._layers: dict[tuple, LayerActivations] = {}
+        self._proposals: dict[tuple[int, float], tuple | None] = {}
 
     def _run_state(self, run: RunLayout) -> tuple[Config, list[dict]]:
         """The config with the run's layout, and its pipeline ranks' state bytes (the same for every
@@ -109,8 +116,7 @@ class MemoryPlanner:
         if run not in self._runs:
             cfg = copy.deepcopy(self.cfg)
             cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.vpp = run.tp, run.pp, run.ep, run.vpp
-            if len(cfg.parallel.pipeline_layers) != run.pp * run.vpp:
-                cfg.parallel.pipeline_layers = []
+            cfg.parallel.pipeline_layers = pipeline_layers_of(cfg.parallel.pipeline_layers, run)
             cfg.parallel.cp = 1
             layout = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, 1, run.vpp)
             self._runs[run] = cfg, stage_state_bytes(cfg, self.shapes, layout)
@@ -298,7 +304,13 @@ class MemoryPlanner:
     def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
         """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
         stage, then the cheapest recomputation (RECOMPUTE_ORDER), then the fewest bytes sent. A stage
-        no layout of this run fits is None (None overall when no run layout is valid at all)."""
+        no layout of this run fits is None (None overall when no run layout is valid at all). Searched once per
+        (gpus, gpu_bytes): launch.plan's proposal and its verdict ask alike."""
+        if (gpus, gpu_bytes) not in self._proposals:
+            self._proposals[gpus, gpu_bytes] = self._smallest(gpus, gpu_bytes)
+        return self._proposals[gpus, gpu_bytes]
+
+    def _smallest(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
         best = None
         for run in self.run_layouts(gpus):
             stages = [next(self.stage_layouts_that_fit(run, stage, gpu_bytes), None) for stage in self.cfg.stages]

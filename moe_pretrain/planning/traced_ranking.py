@@ -22,7 +22,13 @@ from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.planning.dry_run import first_micro_batches, role_ranks
 from moe_pretrain.planning.fastest_layouts import RankedLayout
 from moe_pretrain.planning.plan_step_time import PlannedStep, planned_step, traced_stage_step
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, StageLayout, stage_layouts_of
+from moe_pretrain.planning.stage_memory import (
+    MemoryPlanner,
+    RunLayout,
+    StageLayout,
+    pipeline_layers_of,
+    stage_layouts_of,
+)
 from moe_pretrain.planning.step_time import GpuSpec
 from parallel.state import resolve_layout
 
@@ -65,18 +71,18 @@ class TracedCandidate:
         return self.peak_bytes <= (1 - TRACED_HEADROOM) * gpu_bytes
 
 
-def candidates(cfg: Config, gpus: int, stage: int, ranked: list[RankedLayout], chunks: list[int], gpu: GpuSpec
-               ) -> tuple[list[Candidate], list[str]]:
+def candidates(planner: MemoryPlanner, gpus: int, stage: int, ranked: list[RankedLayout], chunks: list[int],
+               gpu: GpuSpec) -> tuple[list[Candidate], list[str]]:
     """The ranked run layouts, then the config's own where it is not among them, each at every chunk count; and
     why the config's own is left out, when its layout cannot run the stage at all."""
     layouts = [(r.run, [layout for layout, _ in r.stages], r.stages[stage][1], f"plan #{place}")
                for place, r in enumerate(ranked, start=1)]
+    cfg = planner.cfg
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     own = stage_layouts_of(cfg)
     left_out = []
     if all((r, s) != (run, own) for r, s, _, _ in layouts):
-        planner = MemoryPlanner(cfg)
         if problems := planner.problems(run, cfg.stages[stage], own[stage]):
             left_out.append(f"{run.describe()} {own[stage].describe()} (configured): {'; '.join(problems)}")
         else:
@@ -88,12 +94,11 @@ def candidates(cfg: Config, gpus: int, stage: int, ranked: list[RankedLayout], c
 
 
 def candidate_config(cfg: Config, candidate: Candidate) -> Config:
-    """cfg with the candidate's run layout, dispatch chunks and every stage's layout. The config's
-    pipeline_layers split holds where it fits the run's pp x vpp; other runs split evenly."""
+    """cfg with the candidate's run layout, dispatch chunks and every stage's layout."""
     run = candidate.run
-    layers = cfg.parallel.pipeline_layers if len(cfg.parallel.pipeline_layers) == run.pp * run.vpp else []
     parallel = dataclasses.replace(cfg.parallel, tp=run.tp, pp=run.pp, ep=run.ep, vpp=run.vpp,
-                                   dispatch_chunks=candidate.dispatch_chunks, pipeline_layers=layers)
+                                   dispatch_chunks=candidate.dispatch_chunks,
+                                   pipeline_layers=pipeline_layers_of(cfg.parallel.pipeline_layers, run))
     stages = [dataclasses.replace(stage, cp=layout.cp, recompute=layout.recompute, micro_batches=layout.micro_batches,
                                   cp_mla=layout.mla if layout.cp > 1 else "",  # (what has no effect is refused)
                                   saved_inputs=layout.saved_inputs if layout.recompute == "full" else "")

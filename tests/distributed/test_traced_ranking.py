@@ -17,7 +17,7 @@ import yaml
 from moe_pretrain.config import load_config
 from moe_pretrain.planning.fastest_layouts import fastest_layouts
 from moe_pretrain.planning.plan_step_time import traced_stage_step
-from moe_pretrain.planning.stage_memory import RunLayout, stage_layouts_of
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
 from moe_pretrain.planning.step_time import GPUS
 
 FILES = ["--config", "configs/smoke.yaml", "--config", "configs/stages/tiny.yaml"]
@@ -35,7 +35,7 @@ def test_the_traced_ranking_plays_the_plans_fastest_as_their_config_layers_say(t
     traced = json.loads(ranking.read_text())
 
     cfg = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml"])
-    fastest = fastest_layouts(cfg, 8, 0.2e9, GPUS["h200"])[0].run.describe()
+    fastest = fastest_layouts(MemoryPlanner(cfg), 8, 0.2e9, GPUS["h200"])[0].run.describe()
     assert {(t["source"], t["layout"].split(" cp=")[0]) for t in traced} == {("plan #1", fastest)}
     assert sorted(t["layout"].rsplit(" ", 1)[1] for t in traced) == ["chunks=1", "chunks=2"]
     assert [(not t["fits"], t["step_s"]) for t in traced] == sorted((not t["fits"], t["step_s"]) for t in traced)
