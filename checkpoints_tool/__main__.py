@@ -117,8 +117,9 @@ def inspect(path: Path) -> int:
 
 
 def verify_command(path: Path) -> int:
-    targets = [p for _, p in committed_checkpoints(path)] if is_root(path) else [path]
-    if is_root(path) and not (path / LATEST).is_file():
+    root = is_root(path)
+    targets = [p for _, p in committed_checkpoints(path)] if root else [path]
+    if root and not (path / LATEST).is_file():
         print(f"{path} has no `{LATEST}`: verifying every checkpoint in it (training resumes from the newest that "
               "verifies)")
     bad = 0

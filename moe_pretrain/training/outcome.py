@@ -89,11 +89,12 @@ def write_status(run_dir: str | Path, exit_code: int, step: int, message: str, c
 
 def write_refusal(run_dir: str | Path, message: str) -> None:
     """Record a refused launch in run_dir/refused.json (rank 0 only; status.json is left as it was). A run
-    directory that is not a directory, or cannot be written, gets nothing: the log line is all there is."""
+    directory that is not a directory gets nothing, one that cannot be written a warning: the refusal's own line
+    says why."""
     run_dir = Path(run_dir)
     if run_dir.is_dir():
         try:
             _replace(run_dir / REFUSED_FILE, {"state": REFUSED, "exit_code": PERMANENT, "message": message,
                                               "launch": os.environ.get(LAUNCH_ID_VARIABLE)})
-        except OSError:
-            pass
+        except OSError as err:
+            log.warning(f"{REFUSED_FILE} not written in train.run_dir={run_dir}: {err.strerror or err}")
