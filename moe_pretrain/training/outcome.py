@@ -17,14 +17,22 @@ Exit codes (every rank exits with the same one):
                 (parallel/lost_peers.py); relaunching resumes from the last checkpoint, after a node check.
 - anything else: a crash (a bug, a lost node): torchrun --max-restarts may restart it.
 
-Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint", "launch"}),
+torchrun restarts its workers in place after any failure; a restart cannot change 75, 78, 74 or 130 (a preemption
+by the clock wants the job requeued, a bad config or a full disk stay so, a person stopped the run) and would only
+rebuild the model, resume and train again to the same end (for a full disk, to the next save, a checkpoint interval
+of compute each time). So a restarted worker whose launch's run already ended so exits at once with the same code
+(ended_before_restart), before torch is imported.
+
+Rank 0 also writes run_dir/status.json ({"state", "exit_code", "step", "message", "checkpoint", "launch",
+"torchrun"}),
 which the SLURM job script reads to decide whether to requeue: torchrun does not pass its workers' exit codes on.
 A launch refused before it became the run (another live run holds the directory; the checkpoint belongs to
 another model) exits 78 but leaves status.json to the run it describes: it writes run_dir/refused.json
-instead ({"state": "refused", "exit_code", "message", "launch"}). Both carry the launch that wrote them
+instead ({"state": "refused", "exit_code", "message", "launch", "torchrun"}). Both carry the launch that wrote them
 ($MOE_PRETRAIN_LAUNCH_ID, which the job script sets for each of its runs; null elsewhere), and the job script reads
 only the record of its own launch: a second launch by hand, refused beside the live run, never decides that run's
-job.
+job. "torchrun" is torchrun's id of its launch ($TORCHELASTIC_RUN_ID, the same for the worker groups it restarts;
+null outside torchrun).
 """
 
 import json
@@ -51,6 +59,10 @@ STATES = {FINISHED: "finished", REQUEUE: "preempted", HUNG: "hung", PERMANENT: "
 REFUSED = "refused"
 """The state of a refused launch, in refused.json (never in status.json)."""
 REFUSED_FILE = "refused.json"
+TORCHRUN_RUN_VARIABLE = "TORCHELASTIC_RUN_ID"
+"""torchrun's id of its launch, in every worker's environment and the same for the worker groups it restarts."""
+NOT_RESTARTED = (REQUEUE, PERMANENT, STORAGE_FULL, INTERRUPTED)
+"""Ends a restart in place cannot change."""
 
 
 class Preempted(Exception):  # noqa: N818 (an outcome, not an error)
@@ -82,7 +94,8 @@ def write_status(run_dir: str | Path, exit_code: int, step: int, message: str, c
         _replace(run_dir / "status.json", {"state": STATES.get(exit_code, "crashed"), "exit_code": exit_code,
                                            "step": step, "message": message,
                                            "checkpoint": str(checkpoint) if checkpoint else None,
-                                           "launch": os.environ.get(LAUNCH_ID_VARIABLE)})
+                                           "launch": os.environ.get(LAUNCH_ID_VARIABLE),
+                                           "torchrun": os.environ.get(TORCHRUN_RUN_VARIABLE)})
     except OSError as err:
         log.warning(f"status.json not written in train.run_dir={run_dir}: {err.strerror or err}")
 
@@ -95,6 +108,27 @@ def write_refusal(run_dir: str | Path, message: str) -> None:
     if run_dir.is_dir():
         try:
             _replace(run_dir / REFUSED_FILE, {"state": REFUSED, "exit_code": PERMANENT, "message": message,
-                                              "launch": os.environ.get(LAUNCH_ID_VARIABLE)})
+                                              "launch": os.environ.get(LAUNCH_ID_VARIABLE),
+                                           "torchrun": os.environ.get(TORCHRUN_RUN_VARIABLE)})
         except OSError as err:
             log.warning(f"{REFUSED_FILE} not written in train.run_dir={run_dir}: {err.strerror or err}")
+
+
+def ended_before_restart(run_dir: str | Path) -> tuple[int, str] | None:
+    """In a worker torchrun restarted in place ($TORCHELASTIC_RESTART_COUNT > 0): (exit code, why) when the worker
+    group before it, of the same torchrun launch, ended with a code in NOT_RESTARTED (its status.json or
+    refused.json says so); None otherwise, and outside a restart."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    launch = os.environ.get(TORCHRUN_RUN_VARIABLE)
+    if restart == 0 or not launch:
+        return None
+    for name in ("status.json", REFUSED_FILE):
+        try:
+            record = json.loads((Path(run_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("torchrun") == launch and record.get("exit_code") in NOT_RESTARTED:
+            return record["exit_code"], (f"torchrun's restart {restart} of this launch not run: the worker group "
+                                         f"before it ended {record.get('state')} (exit {record['exit_code']}), which "
+                                         "a restart in place cannot change")
+    return None
