@@ -18,7 +18,6 @@ import pytest
 from launch.local import free_port
 from launch.slurm import JobRequest, main, render, submit
 from moe_pretrain.config import EX_CONFIG, load_config
-from moe_pretrain.training import Trainer
 from tests.helpers import final_loss, steps_done
 from tests.models import TINY
 from tests.slurm_cluster import Cluster, ClusterUnavailableError
@@ -317,49 +316,6 @@ def test_a_host_marked_slow_is_excluded_as_the_preempted_job_requeues(tmp_path):
     assert "excluding node2 (marked slow by the straggler check)" in done.stdout
     assert "released with ExcNodeList=node2" in done.stdout
     assert not (run_dir / "slurm-7.failures").exists()
-
-
-TRAINING_SRUN = f"""#!/bin/bash
-case "$*" in
-  *launch.torchrun*) while [ "$1" != launch.train ]; do shift; done; shift
-                           exec {sys.executable} -m launch.train "$@" ;;
-esac
-"""
-"""srun running the job's training step as one process (the arguments after torchrun's -m launch.train)."""
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_damaged_newest_checkpoint_is_passed_by_the_requeued_job(tmp_path):
-    """Item 1 of the faults a run must survive, end to end under the job script: step 3 (the newest) is truncated;
-    the job's clock stop falls 1 s after its start, so the run resumes step 2, trains step 3 and saves it at once
-    (where the damaged step_3 used to fail it for good: exit 78, never requeued); the job requeues; its next attempt
-    resumes the new step 3 and finishes."""
-    run_dir = tmp_path / "run"
-    overrides = [*TINY, "train.dtype=float64", "train.steps=5", "logging.progress=false", f"train.run_dir={run_dir}"]
-    Trainer(load_config("configs/smoke.yaml", [*overrides, "train.exit_at_step=3", "checkpoint.every=2"])).run()
-    root = run_dir / "checkpoints"
-    shard = root / "step_00000003" / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    for attempt, (seconds_left, state) in enumerate([(301, "preempted"), (3600, "finished")]):
-        attempt_dir = tmp_path / f"attempt{attempt}"
-        attempt_dir.mkdir()
-        squeue = f'#!/bin/bash\ndate -d @$(( $(date +%s) + {seconds_left} )) +%Y-%m-%dT%H:%M:%S\n'
-        script, env = stand_in_job(attempt_dir, {"srun": TRAINING_SRUN, "squeue": squeue,
-                                                 "scontrol": f'#!/bin/bash\necho "$@" >> {attempt_dir}/scontrol\n'
-                                                             'echo node1\n'},
-                                   *overrides, workdir=str(Path.cwd()))
-        done = subprocess.run(["bash", str(script)], env={**env, "SLURM_RESTART_COUNT": str(attempt)},
-                              capture_output=True, text=True, timeout=200)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert f"training ended with state {state}" in done.stdout, done.stdout + done.stderr
-        if state == "preempted":
-            assert "requeue 7" in (attempt_dir / "scontrol").read_text()
-            assert "skipping" in done.stderr and "moved damaged step_00000003 aside" in done.stderr
-            assert (root / "latest").read_text().strip() == "step_00000003"
-    assert "resumed from " + str(root / "step_00000003") in done.stdout
-    assert json.loads((run_dir / "status.json").read_text())["step"] == 5
-    assert len(list(root.glob("step_00000003.damaged-*"))) == 1
 
 
 CLI = [sys.executable, "-m", "launch.slurm"]
