@@ -16,13 +16,15 @@ submitted again as a new job. An uninterrupted run of the same job comes first: 
 The seeded schedule (schedule()) holds every kind of bench/soak_faults.py at least once, then kinds drawn at random
 up to --faults, spread over the job's attempts: between attempts (a damaged newest checkpoint, a deleted `latest`,
 a stale run.lock, a read-only checkpoint directory) and during them at a drawn step (SIGTERM and SIGUSR2 to the
-script, SIGKILL or SIGSTOP of a rank, a second launch by hand, a full disk before a save).
+script, SIGKILL or SIGSTOP of a rank, a second launch by hand, the checkpoint file system filled so that the next
+save is refused before it writes, or fails midway).
 
 It passes when: the run finished (status.json); its final checkpoint holds the reference's tensors bit for bit
 (model and optimizer); every step it recorded, repeats after a resume included, has the reference's loss; every
-checkpoint that verified after an attempt and that no fault damaged still verifies; and every fault left the line of
-ours that names it (the table). Printed: that table, the effective training time (steps kept / steps run: steps
-trained again after a resume from an earlier checkpoint count as run, not kept), the job's attempts and wall time.
+checkpoint that verified after an attempt and that no fault damaged still verifies; every fault left the line of
+ours that names it (the table); and no log of the job (nor of a launch by hand) holds a traceback. Printed: that
+table, the effective training time (steps kept / steps run: steps trained again after a resume from an earlier
+checkpoint count as run, not kept), the job's attempts and wall time.
 """
 
 import argparse
@@ -159,8 +161,10 @@ class Job:
     SLURM would (a requeue: the next restart; a resubmission: the next job id). It is what faults are thrown at
     (bench/soak_faults.Target)."""
 
-    def __init__(self, root: Path, steps: int, every: int, procs: int, file_system: Path | None = None):
+    def __init__(self, root: Path, steps: int, every: int, procs: int, file_system: Path | None = None,
+                 checkpoint_bytes: int = 0, tensor_bytes: int = 0):
         self.root, self.steps, self.every, self.procs = root, steps, every, procs
+        self.checkpoint_bytes, self.tensor_bytes = checkpoint_bytes, tensor_bytes
         self.run_dir = root / "run"
         self.file_system = file_system or root
         self.checkpoint_root = self.file_system / "checkpoints"
@@ -461,6 +465,9 @@ def judge(job: Job, reference: Job, thrown: list[Thrown], scratch: Path) -> list
     for name in sorted(job.verified - job.damaged):
         if found := verify(job.checkpoint_root / name):
             problems.append(f"{name}, verified after an attempt, no longer does: {found[0]}")
+    for log in sorted(job.logs.iterdir()):
+        if "Traceback (most recent call last)" in log.read_text():
+            problems.append(f"{log} holds a traceback: a fault was not said in a line of ours")
     for fault in thrown:
         output = fault.details.get("output")
         logs = [Path(output)] if output else fault.logs
@@ -495,12 +502,14 @@ def soak(root: Path, steps: int, every: int, total: int, procs: int, seed: int) 
     started = time.time()
     reference = Job(root / "reference", steps, every, procs)
     during(reference, AttemptPlan(), random.Random(seed))
-    checkpoint_bytes = sum(f.stat().st_size for f in step_dir(reference.checkpoint_root, steps).iterdir())
+    last = step_dir(reference.checkpoint_root, steps)
+    checkpoint_bytes = sum(f.stat().st_size for f in last.iterdir())
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors(last, root).values())
     file_system = root / "checkpoint-fs"
     mount_tmpfs(file_system, int(checkpoint_bytes * (steps // every + 4) / 2**20) + 8)
     try:
         soaked_at = time.time()
-        job = Job(root / "soak", steps, every, procs, file_system)
+        job = Job(root / "soak", steps, every, procs, file_system, checkpoint_bytes, tensor_bytes)
         rng = random.Random(seed)
         plans = schedule(rng, kinds(procs), total, steps, every, max_restarts=3)
         try:
@@ -544,6 +553,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=None, help="kept after the run (default: a temporary one)")
     args = parser.parse_args()
+    if args.faults < len(kinds(args.procs)):
+        parser.error(f"--faults {args.faults}: every one of the {len(kinds(args.procs))} kinds is thrown at least once")
     root = args.dir or Path(tempfile.mkdtemp(prefix="soak-"))
     print(f"soak: {args.faults} faults, {args.steps} steps, {args.procs} ranks, seed {args.seed}, in {root} "
           f"(host {socket.gethostname()})", flush=True)

@@ -35,6 +35,10 @@ class Target(Protocol):
     checkpoint_root: Path
     file_system: Path
     damaged: set[str]
+    checkpoint_bytes: int
+    """A checkpoint's size on disk."""
+    tensor_bytes: int
+    """Its tensors' bytes."""
 
     def script_pid(self) -> int: ...
     def worker_pid(self, rank: int) -> int: ...
@@ -137,18 +141,28 @@ def second_launch(target: Target, draw: int) -> dict[str, str]:
     return {"output": str(target.hand_launch(environment))}
 
 
-def fill_file_system(target: Target, draw: int) -> dict[str, str]:
-    """Ballast that leaves the checkpoint file system a few blocks: the start-up probe would pass, the next save
-    cannot."""
-    stats = os.statvfs(target.file_system)
-    free = stats.f_bavail * stats.f_frsize
-    with (target.file_system / "ballast").open("wb") as ballast:
-        ballast.truncate(0)
-        block = b"\0" * (1 << 20)
-        left = free - 64 * 1024
-        while left > 0:
-            left -= ballast.write(block[:left])
-    return {}
+def fill_file_system(leave: Callable[[Target], int]) -> Callable[[Target, int], dict[str, str]]:
+    """Ballast that leaves the checkpoint file system leave(target) bytes free."""
+    def throw(target: Target, draw: int) -> dict[str, str]:
+        stats = os.statvfs(target.file_system)
+        with (target.file_system / "ballast").open("wb") as ballast:
+            block = b"\0" * (1 << 20)
+            left = stats.f_bavail * stats.f_frsize - leave(target)
+            while left > 0:
+                left -= ballast.write(block[:left])
+        return {}
+    return throw
+
+
+def a_few_blocks(target: Target) -> int:
+    """The start-up probe passes; the save's check of its planned bytes against the free space fails it."""
+    return 64 * 1024
+
+
+def more_than_planned(target: Target) -> int:
+    """Between a checkpoint's tensor bytes (what the save plans, and checks the free space for) and its size on
+    disk (DCP's serialisation adds to them): the check passes and the write fails midway."""
+    return (target.tensor_bytes + target.checkpoint_bytes) // 2
 
 
 def ended(state: str, code: int) -> str:
@@ -177,9 +191,13 @@ def kinds(procs: int) -> dict[str, FaultKind]:
         FaultKind("SIGUSR2 (time limit)", "during", signal_script("SIGUSR2"),
                   r"SIGUSR2 received, forwarding SIGUSR2(?s:.*)" + preempted, ends="requeue",
                   verdict=ended("preempted", 75)),
-        FaultKind("full disk during a save", "during", fill_file_system,
-                  r"storage full \(rank \d+\): .*No space left on device", ends="resubmit",
-                  verdict=ended("storage_full", 74)),
+        FaultKind("full disk, found before a save", "during", fill_file_system(a_few_blocks),
+                  r"storage full \(rank \d+\): .*No space left on device: the save needs .*\(checked before writing\)",
+                  ends="resubmit", verdict=ended("storage_full", 74)),
+        FaultKind("full disk during a save's write", "during", fill_file_system(more_than_planned),
+                  r"storage full \(rank \d+\): checkpoint\.dir=\S+ is full: ENOSPC, No space left on device "
+                  r"\(rank \d+\)\.",
+                  ends="resubmit", verdict=ended("storage_full", 74)),
         FaultKind("SIGKILL of a rank", "during", signal_rank(signal.SIGKILL, procs),
                   r"lost peer \(rank \d+\): lost rank {rank} \(host \S+\) at step \d+", restarts_workers=True),
         FaultKind("hung rank (SIGSTOP)", "during", signal_rank(signal.SIGSTOP, procs),

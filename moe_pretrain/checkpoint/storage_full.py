@@ -82,6 +82,7 @@ def full_cause(err: BaseException, directory: Path, rank: int) -> str | None:
         return None
     free = free_bytes(directory)
     if free < NEARLY_FULL_BYTES:
-        return (f"ENOSPC inferred: {type(err).__name__}: {str(err)[:200]}, with {size_text(free)} left free on "
+        said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""  # DCP's add their tracebacks
+        return (f"ENOSPC inferred: {type(err).__name__}: {said}, with {size_text(free)} left free on "
                 f"the file system (rank {rank})")
     return None

@@ -11,7 +11,7 @@ from bench.soak import TmpfsUnavailableError, report, schedule, soak
 from bench.soak_faults import kinds
 
 
-@pytest.mark.parametrize("total", [11, 30, 60])
+@pytest.mark.parametrize("total", [12, 30, 60])
 def test_the_schedule_throws_every_kind_and_keeps_to_what_each_attempt_can_take(total):
     every_kind = kinds(procs=2)
     plans = schedule(random.Random(total), every_kind, total, steps=300, every=10, max_restarts=3)
@@ -33,7 +33,7 @@ def test_the_schedule_throws_every_kind_and_keeps_to_what_each_attempt_can_take(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_job_survives_every_kind_of_fault_and_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path):
-    """Each of the 11 kinds once (seed 1). The judge (bench/soak.judge) compares the final checkpoint's tensors and
+    """Each of the 12 kinds once (seed 1). The judge (bench/soak.judge) compares the final checkpoint's tensors and
     every recorded step's loss with the uninterrupted run's, verifies every checkpoint that verified after an
     attempt, and finds the line of ours that names each fault."""
     every_kind = kinds(procs=2)

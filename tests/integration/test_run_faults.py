@@ -214,6 +214,34 @@ def test_a_failed_write_without_its_errno_is_still_named_when_the_disk_is_full(t
     assert storage_full.full_cause(read_only, tmp_path, 3) is None
 
 
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 128 KiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path, "tiny", "size=128k")
+
+
+def test_a_disk_that_fills_midway_through_the_write_is_one_error_with_its_errno(tiny_tmpfs, monkeypatch):
+    """400 tensors of 64 bytes plan 26 KB, which the free-space check passes on a 128 KiB file system; torch.save's
+    per-item overhead makes the files several times that, so DCP's four writer threads fail midway. They used to
+    print a traceback each (threading's excepthook) around the one line, and torch's zip writer's `unexpected pos`
+    hid the ENOSPC from the other ranks; now the save raises once, with the errno."""
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from moe_pretrain.checkpoint.hashing_writer import HashingFileSystemWriter
+    from moe_pretrain.checkpoint.storage_full import full_cause
+
+    thread_failures = []
+    monkeypatch.setattr(threading, "excepthook", thread_failures.append)
+    state = {f"t{i}": torch.full((16,), float(i)) for i in range(400)}
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException is a BaseException
+        dcp.save(state, storage_writer=HashingFileSystemWriter(tiny_tmpfs / "ckpt", thread_count=4))
+    assert thread_failures == []
+    assert full_cause(raised.value, tiny_tmpfs, 0) == "ENOSPC, No space left on device (rank 0)"
+
+
 def test_a_load_error_without_a_message_still_says_what_it_means():
     """A truncated shard's EOFError has no message: 'does not load (rank 0: EOFError: )' said nothing."""
     from moe_pretrain.checkpoint.store import _describe
