@@ -506,7 +506,9 @@ def soak(root: Path, steps: int, every: int, total: int, procs: int, seed: int) 
     checkpoint_bytes = sum(f.stat().st_size for f in last.iterdir())
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors(last, root).values())
     file_system = root / "checkpoint-fs"
-    mount_tmpfs(file_system, int(checkpoint_bytes * (steps // every + 4) / 2**20) + 8)
+    # Room for every checkpoint kept: one every `every` steps, and at most one more a fault (a preemption's save, a
+    # damaged one moved aside), so that only the ballast ever fills it.
+    mount_tmpfs(file_system, int(checkpoint_bytes * (steps // every + total + 4) / 2**20) + 8)
     try:
         soaked_at = time.time()
         job = Job(root / "soak", steps, every, procs, file_system, checkpoint_bytes, tensor_bytes)
