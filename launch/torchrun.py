@@ -21,7 +21,6 @@ Here that is one line, and the exit is the run's own as the status.json it wrote
 (75 for a preemption), else 128 + the signal's number.
 """
 
-import json
 import signal
 import socket
 import sys
@@ -35,7 +34,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from launch import train as training
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, load_config_from_args
-from moe_pretrain.training.outcome import LOST_PEER
+from moe_pretrain.training.outcome import LOST_PEER, read_record
 
 
 def exit_code(code: int) -> int:
@@ -45,16 +44,10 @@ def exit_code(code: int) -> int:
 
 def run_status_since(cfg: Config | None, started: float) -> tuple[int, str] | None:
     """(exit code, state) of the status.json the run wrote since `started`; None without one."""
-    if cfg is None:
+    status = read_record(Path(cfg.train.run_dir) / "status.json", written_since=started) if cfg else {}
+    if not isinstance(status.get("exit_code"), int):
         return None
-    path = Path(cfg.train.run_dir) / "status.json"
-    try:
-        if path.stat().st_mtime < started:
-            return None
-        status = json.loads(path.read_text())
-        return int(status["exit_code"]), str(status["state"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return status["exit_code"], str(status.get("state"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,6 +114,17 @@ def write_refusal(run_dir: str | Path, message: str) -> None:
             log.warning(f"{REFUSED_FILE} not written in train.run_dir={run_dir}: {err.strerror or err}")
 
 
+def read_record(path: Path, written_since: float = 0.0) -> dict:
+    """A status.json or refused.json as written (empty when missing, unreadable, or older than written_since)."""
+    try:
+        if path.stat().st_mtime < written_since:
+            return {}
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def ended_before_restart(run_dir: str | Path) -> tuple[int, str] | None:
     """In a worker torchrun restarted in place ($TORCHELASTIC_RESTART_COUNT > 0): (exit code, why) when the worker
     group before it, of the same torchrun launch, ended with a code in NOT_RESTARTED (its status.json or
@@ -123,11 +134,8 @@ def ended_before_restart(run_dir: str | Path) -> tuple[int, str] | None:
     if restart == 0 or not launch:
         return None
     for name in ("status.json", REFUSED_FILE):
-        try:
-            record = json.loads((Path(run_dir) / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("torchrun") == launch and record.get("exit_code") in NOT_RESTARTED:
+        record = read_record(Path(run_dir) / name)
+        if record.get("torchrun") == launch and record.get("exit_code") in NOT_RESTARTED:
             return record["exit_code"], (f"torchrun's restart {restart} of this launch not run: the worker group "
                                          f"before it ended {record.get('state')} (exit {record['exit_code']}), which "
                                          "a restart in place cannot change")
