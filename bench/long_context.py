@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.config.stage import mla_exchange
 from moe_pretrain.planning.measured import AllocatedPeak, peak_resident_bytes, reset_peak, resident_bytes
 from moe_pretrain.planning.step_activations import activation_bytes, layer_activations
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
-from parallel.context_parallel import mla_exchange
 from parallel.state import destroy_parallel, init_parallel
 
 

@@ -39,9 +39,10 @@ from moe_pretrain.checkpoint.kimi_k3 import HFTensor, by_source, kimi_k3_tensors
 from moe_pretrain.checkpoint.kimi_k3_config import model_section, special_ids_of_release
 from moe_pretrain.checkpoint.store import save
 from moe_pretrain.config import Config, config_to_dict, load_config
+from moe_pretrain.dtypes import parameter_dtype
+from moe_pretrain.model.meta import meta_model
 from parallel.collectives import all_reduce_sum
 from parallel.flat_shards import BoxedSavePlanner, BoxedTensor
-from parallel.parallelize import meta_model, parameter_dtype
 
 PIECE_BYTES = 1 << 30
 """Largest piece of a stacked expert weight written (and held) at once."""
@@ -130,13 +131,13 @@ def import_hf(directory: Path, root: Path, cfg: Config, experts: str = "mxfp4", 
         with safe_open(str(extras), framework="pt") as f:
             weight_map.update({name: EXTRAS for name in f.keys()})
     files = _Files(directory, weight_map, stats)
-    model, _ = meta_model(cfg)
+    model = meta_model(cfg.model)
     params = dict(model.named_parameters())
     sources = by_source(released)
     planned = []  # (key, global shape, dtype, offsets, sizes, produce)
     absent_blocks: set[str] = set()
     for name, meta in model.state_dict().items():
-        dtype = parameter_dtype(cfg) if name in params else meta.dtype
+        dtype = parameter_dtype(cfg.train.dtype) if name in params else meta.dtype
         if name in sources:
             pieces = _pieces(name, tuple(meta.shape), sources[name], files, cfg, dtype)
         elif name in weight_map:  # in the side file, under our own name

@@ -19,6 +19,7 @@ import sys
 import traceback
 
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, add_config_arguments, load_config_or_exit
+from moe_pretrain.gpus import GPUS
 
 GB = 1e9
 
@@ -31,8 +32,6 @@ def _play(args: tuple) -> dict:
     setup_logging(0)
 
     try:
-        from moe_pretrain.planning.step_time import GPUS
-
         return dataclasses.asdict(dry_run(cfg, gpus, rank, stage, GPUS[gpu], kernels == "gpu"))
     except Exception as err:  # torch's errors may not pickle back to the parent: send the text
         raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, required=True, help="world size of the job to play")
-    parser.add_argument("--gpu", choices=["a100", "b200", "h100", "h200"], default="h200",
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h200",
                         help="the target whose roofline and peak the step time is predicted for")
     parser.add_argument("--kernels", choices=["gpu", "here"], default="gpu",
                         help="the kernels the model is built with: those a CUDA GPU resolves (default), or this "

@@ -39,14 +39,14 @@ def evaluate_checkpoint(trainer: Trainer, checkpoint: Path) -> dict:
     if found is None:
         raise ConfigError(f"{checkpoint}: nothing to evaluate")
     step, tokens = trainer.step, trainer.tokens_seen
-    plan = trainer.step_plan(max(step - 1, 0), max(tokens - 1, 0))  # the stage of the checkpoint's last step
-    record = {"checkpoint": str(checkpoint), "step": step, "tokens": tokens, "stage": plan.stage,
-              "seq_len": plan.seq_len}
+    stage = trainer.step_plan(max(step - 1, 0), max(tokens - 1, 0)).stage  # the checkpoint's last step's
+    record = {"checkpoint": str(checkpoint), "step": step, "tokens": tokens, "stage": stage.name,
+              "seq_len": stage.seq_len}
     phases = [("held-out loss", evaluate), ("loss by position and the retrieval probe", evaluate_long_context)]
     for number, (name, phase) in enumerate(phases, 1):
-        log.info(f"evaluate: step {step} ({plan.stage}, seq_len {plan.seq_len}): {number}/{len(phases)} {name} "
+        log.info(f"evaluate: step {step} ({stage.name}, seq_len {stage.seq_len}): {number}/{len(phases)} {name} "
                  f"({time.perf_counter() - start:.0f} s so far)")
-        record.update(phase(trainer.runner, trainer.validation, plan))
+        record.update(phase(trainer.runner, trainer.validation, stage))
     log.info(f"evaluate: done in {time.perf_counter() - start:.0f} s")
     return record
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from launch.dryrun import play
 from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+from moe_pretrain.config.stage import Stage, resolve_stages
+from moe_pretrain.gpus import GPUS, GpuSpec
 from moe_pretrain.model.counts import count, total_parts
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.fastest_layouts import fastest_layouts
@@ -38,15 +40,12 @@ from moe_pretrain.planning.plan_step_time import (
 )
 from moe_pretrain.planning.plan_vs_dry_run import HEADER, comparison_lines, plan_of_traced_step
 from moe_pretrain.planning.stage_memory import (
-    GPU_BYTES,
     HEADROOM,
     MemoryPlanner,
     RunLayout,
     gigabytes,
-    stage_layouts_of,
     within,
 )
-from moe_pretrain.planning.step_time import GPUS, GpuSpec
 from moe_pretrain.planning.traced_ranking import TRACED_HEADROOM, candidates, layout_overlay, traced_ranking
 from moe_pretrain.training.schedule import plan
 
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--gpus", type=int, default=0, help="GPUs in the cluster (0: no time estimate)")
-    parser.add_argument("--gpu", choices=sorted(GPU_BYTES), default="h200")  # memory and peak both known
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the GPU's peak")
     parser.add_argument("--traces", type=Path, default=None, metavar="DIR",
                         help="dry-run traces, DIR/<stage>.json (bench/dry_run.py --traces DIR): print them beside "
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = GPUS[args.gpu]
     if args.peak_tflops:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
-    capacity = args.gpu_gb * 1e9 or GPU_BYTES[args.gpu]
+    capacity = args.gpu_gb * 1e9 or GPUS[args.gpu].memory_bytes
     print_step_times(cfg, args.gpus, planned, gpu, args.traces, capacity)
     print(verdict(planner, args.gpus, planned, capacity))
     if args.propose:
@@ -153,7 +152,7 @@ def verdict(planner: MemoryPlanner, gpus: int, planned: dict, capacity: float) -
     else:
         run, stages = found
         nearest = f"the smallest that fits with {HEADROOM:.0%} headroom is {run.describe()} with " + ", ".join(
-            f"{stage.name} {layout.describe()}" for stage, (layout, _) in zip(cfg.stages, stages, strict=True))
+            f"{stage.name} {stage.describe()}" for stage, _ in stages)
     return f"verdict: does not fit: {'; '.join(problems)}; {nearest} (--propose)"
 
 
@@ -194,7 +193,6 @@ def print_traced(planner: MemoryPlanner, args, ranked: list, gpu: GpuSpec, capac
 def print_fastest(planner: MemoryPlanner, gpus: int, capacity: float, gpu: GpuSpec, count: int = 3) -> list:
     """The `count` run layouts on which every stage fits, fewest planned days first, each stage at its fastest
     fitting layout (planning/fastest_layouts.py); returned."""
-    cfg = planner.cfg
     ranked = fastest_layouts(planner, gpus, capacity, gpu, count)
     print(f"\nfastest layouts that fit every stage with {HEADROOM:.0%} headroom, by the plan's step time (FLOPs at "
           f"the peak, the all-to-all counted whole): trace the first two with the dry run before taking one "
@@ -203,8 +201,8 @@ def print_fastest(planner: MemoryPlanner, gpus: int, capacity: float, gpu: GpuSp
         print(f"none: no run layout of {gpus} GPUs fits every stage")
     for place, layout in enumerate(ranked, start=1):
         print(f"{place}. {layout.run.describe()}: {layout.days:.4g} days")
-        for stage, (stage_layout, step) in zip(cfg.stages, layout.stages, strict=True):
-            print(f"   {stage.name:8s} {stage_layout.describe():29s} step {step.step_s:9.4g} s  MFU {step.mfu:6.1%} "
+        for stage, step in layout.stages:
+            print(f"   {stage.name:8s} {stage.describe():29s} step {step.step_s:9.4g} s  MFU {step.mfu:6.1%} "
                   f"{step.days:9.4g} days")
     return ranked
 
@@ -214,12 +212,11 @@ def print_memory_plan(planner: MemoryPlanner, gpus: int, gpu: str, propose: bool
     """The memory plan of the config's layout (and with propose, the proposed one's): the exit code, and each
     valid stage's plan on the config's layout by name (MemoryPlanner.stage)."""
     cfg = planner.cfg
-    capacity = capacity or GPU_BYTES[gpu]
+    capacity = capacity or GPUS[gpu].memory_bytes
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
-    layouts = stage_layouts_of(cfg)
     print(f"\nmemory per GPU, GB, worst pipeline rank ({gpu}: {capacity / 1e9:.3g} GB), layout {run.describe()}")
-    all_fit, planned = print_stages(planner, run, layouts, capacity)
+    all_fit, planned = print_stages(planner, run, list(resolve_stages(cfg)), capacity)
     if propose:
         found = planner.propose(gpus, capacity)
         if found is None:
@@ -237,33 +234,34 @@ def print_memory_plan(planner: MemoryPlanner, gpus: int, gpu: str, propose: bool
     return 0 if all_fit else 1, planned
 
 
-def print_stages(planner: MemoryPlanner, run: RunLayout, layouts, capacity: float) -> tuple[bool, dict]:
-    """Whether every stage fits, and each valid stage's plan by name."""
+def print_stages(planner: MemoryPlanner, run: RunLayout, stages: list[Stage | None], capacity: float
+                 ) -> tuple[bool, dict]:
+    """Whether every stage fits (None: no layout of it fits), and each valid stage's plan by name."""
     columns = ("params", "grads", "optim", "copies", "mixers", "activ", "a2a", "qb", "vision", "total", "host")
     print(f"{'stage':8s} {'layout':29s} {'dp':>5s} " + " ".join(f"{c:>7s}" for c in columns) + f" {'fits':>5s} | "
           f"GB sent/step: "
           f"{'tp':>6s} {'ep':>6s} {'pp':>6s} {'cp':>6s} {'dp':>6s} | {'NVLink':>6s} {'NIC':>6s}")
     all_fit, planned = True, {}
-    for stage, layout in zip(planner.cfg.stages, layouts, strict=True):
-        if layout is None:
+    for entry, stage in zip(planner.cfg.stages, stages, strict=True):
+        if stage is None:
             all_fit = False
-            print(f"{stage.name:8s} {'-':29s} no layout fits (see below)")
+            print(f"{entry.name:8s} {'-':29s} no layout fits (see below)")
             continue
-        problems = planner.problems(run, stage, layout)
+        problems = planner.problems(run, stage)
         if problems:
             all_fit = False
-            print(f"{stage.name:8s} {layout.describe():29s} invalid: {'; '.join(problems)}")
+            print(f"{stage.name:8s} {stage.describe():29s} invalid: {'; '.join(problems)}")
             continue
-        result = planned[stage.name] = planner.stage(run, stage, layout)
+        result = planned[stage.name] = planner.stage(run, stage)
         w, c = result["worst"], plan_columns(result["communication"])
-        nvlink, nic = column_links(result["communication"], plan_groups(planner.cfg, run, layout.cp),
+        nvlink, nic = column_links(result["communication"], plan_groups(planner.cfg, run, stage.cp),
                                    planner.cfg.cluster)
         fits = within(result, capacity)
         all_fit &= fits
         sizes = [w[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "compute_copy_bytes",
                                 "mixer_state_bytes", "activation_bytes", "buffer_bytes", "balancing_bytes")]
         sizes += [result["first"]["vision_bytes"], w["total_bytes"], result["host_bytes"]]
-        print(f"{stage.name:8s} {layout.describe():29s} {result['dp']:5d} " + " ".join(map(gigabytes, sizes))
+        print(f"{stage.name:8s} {stage.describe():29s} {result['dp']:5d} " + " ".join(map(gigabytes, sizes))
               + f" {'yes' if fits else 'NO':>5s} |               "
               + " ".join(gigabytes(c[k], 6) for k in PLAN_COLUMNS) + " | "
               + " ".join(gigabytes(x, 6) for x in (nvlink, nic)))
@@ -289,11 +287,11 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
                                                                        f"{'days':>7s}" if traces else ""))
     days = {"plan": 0.0, "dry run": 0.0}
     traced_stages = []
-    for index, (stage, layout) in enumerate(zip(cfg.stages, stage_layouts_of(cfg), strict=True)):
+    for index, stage in enumerate(resolve_stages(cfg)):
         if stage.name not in planned:
             print(f"{stage.name:8s} {'-':>8s} (no valid layout)")
             continue
-        step = planned_step(cfg, run, stage, layout, planned[stage.name]["ranks"], gpu, cfg.cluster)
+        step = planned_step(cfg, run, stage, planned[stage.name]["ranks"], gpu, cfg.cluster)
         days["plan"] += step.days
         line = f"{stage.name:8s} {step.step_s:8.2f} {step.mfu:6.1%} {step.days:7.1f}"
         if not within(planned[stage.name], capacity):
@@ -305,7 +303,7 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
                 print(f"{found}: a trace without {', '.join(sorted(missing))} (made by an older dry run): trace "
                       f"the stage again (bench/dry_run.py --stage {stage.name} --traces {traces})", file=sys.stderr)
                 sys.exit(os.EX_DATAERR)
-            dry = traced_stage_step(cfg, run, stage, layout, traced, gpu)
+            dry = traced_stage_step(cfg, run, stage, traced, gpu)
             days["dry run"] += dry.days
             traced_stages.append((index, traced))
             line += f" |          {dry.step_s:8.2f} {dry.mfu:6.1%} {dry.days:7.1f}"

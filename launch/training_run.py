@@ -114,7 +114,7 @@ def start_line(cfg: Config, trainer: Trainer) -> str:
     ctx = trainer.ctx
     steps = (f"{len(cfg.stages)} stages (seq_len {' -> '.join(str(s.seq_len) for s in cfg.stages)})"
              if cfg.stages else f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens")
-    micro = f"{' / '.join(map(str, trainer.layout.micro_batches))} micro-batches per step"
+    micro = f"{' / '.join(str(stage.micro_batches) for stage in trainer.layout.stages)} micro-batches per step"
     return (f"moe-pretrain: {sum(p.numel() for p in trainer.model.parameters()):,} parameters on rank 0, "
             f"{ctx.layout.describe()}, device {ctx.device}, {cfg.train.steps} steps of {steps}, {micro}, "
             f"dtype {cfg.train.dtype}, run dir {cfg.train.run_dir}")

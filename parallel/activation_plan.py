@@ -40,7 +40,7 @@ class Splits:
 
 
 def splits_of(ctx: ParallelContext, cp: int, mla: str) -> Splits:
-    """The splits at context-parallel size cp with MLA's exchange `mla` (resolved: context_parallel.mla_exchange)."""
+    """The splits at context-parallel size cp with MLA's exchange `mla` (resolved: config/stage.mla_exchange)."""
     sequence = SequenceParallel(ctx.tp_group) if ctx.layout.tp > 1 else NoSequenceParallel()
     context = ContextParallel(ctx.context(cp).group, mla) if cp > 1 else NoContextParallel()
     return Splits(sequence, context)

@@ -57,15 +57,6 @@ class RouteOnDevice:
         return RouteOnDevice(route, index(route.send_slots), index(route.order), index(route.needed))
 
 
-def mla_exchange(method: str, cp: int, heads: int) -> str:
-    """The MLA exchange a cp_mla setting gives at context-parallel size cp with `heads` MLA heads on a
-    tensor-parallel rank: auto takes Ulysses where the heads divide (its all-to-alls move each token's
-    q, k, v and output once and expand nothing twice), the latent exchange otherwise."""
-    if method == "auto":
-        return "ulysses" if heads % cp == 0 else "latent"
-    return method
-
-
 class NoContextParallel:
     """One rank holds every position (the identity)."""
 
@@ -157,7 +148,7 @@ about as many summaries (8 against the scan's 6 at cp 4) in one collective inste
 
 class ContextParallel(NoContextParallel):
     def __init__(self, group: dist.ProcessGroup, mla: str = "ulysses"):
-        """mla: the resolved exchange (mla_exchange): latent or ulysses."""
+        """mla: the resolved exchange (config/stage.mla_exchange): latent or ulysses."""
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

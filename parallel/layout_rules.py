@@ -9,18 +9,18 @@ plan's check of itself against the model's code, which a config cannot get wrong
 """
 
 from moe_pretrain.config import ModelConfig
-from moe_pretrain.config.stage_settings import StageSettings
+from moe_pretrain.config.stage import Stage
 
 
 def layout_problems(model: ModelConfig, world_size: int, tp: int, pp: int, ep: int, vpp: int,
-                    stages: list[StageSettings], micro_batches: tuple[int, ...]) -> list[str]:
-    """Why tp x pp x ep (vpp chunks per pipeline rank) over world_size ranks cannot run these stages with
-    these micro-batch counts (derived ones filled in); empty when it can."""
+                    stages: tuple[Stage, ...]) -> list[str]:
+    """Why tp x pp x ep (vpp chunks per pipeline rank) over world_size ranks cannot run these stages; empty
+    when it can."""
     problems = []
     for stage in stages:
         if world_size % (tp * pp * stage.cp):
             problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x "
-                            f"{stage.cp_key} = {tp} x {pp} x {stage.cp}")
+                            f"{stage.keys.cp} = {tp} x {pp} x {stage.cp}")
     problems = list(dict.fromkeys(problems))  # stages taking parallel.cp name it once
     if (world_size // pp) % ep:
         problems.append(f"parallel.ep={ep} must divide the {world_size // pp} ranks of a pipeline stage "
@@ -37,21 +37,21 @@ def layout_problems(model: ModelConfig, world_size: int, tp: int, pp: int, ep: i
     if pp * vpp > model.num_layers:
         problems.append(f"parallel.pp x parallel.vpp = {pp * vpp} stages for model.num_layers={model.num_layers}")
     heads = model.mla.num_heads // tp
-    for stage, micro in zip(stages, micro_batches, strict=True):
-        cp = stage.cp
+    for stage in stages:
+        cp, micro = stage.cp, stage.micro_batches
         if cp > 1 and heads % cp and stage.cp_mla == "ulysses":
-            problems.append(f"{stage.cp_key}={cp} must divide the model.mla.num_heads={model.mla.num_heads} / "
-                            f"parallel.tp={tp} attention heads of a tensor-parallel rank with {stage.cp_mla_key}="
+            problems.append(f"{stage.keys.cp}={cp} must divide the model.mla.num_heads={model.mla.num_heads} / "
+                            f"parallel.tp={tp} attention heads of a tensor-parallel rank with {stage.keys.cp_mla}="
                             "ulysses (MLA trades heads for positions; latent or auto exchanges the latent)")
         if stage.seq_len % (2 * cp * tp):
-            problems.append(f"{stage.seq_key}={stage.seq_len} is not divisible by 2 x {stage.cp_key} x parallel.tp = "
-                            f"{2 * cp * tp} (two fragments per context-parallel rank, each split over "
-                            "tensor parallel)" if cp > 1 else f"{stage.seq_key}={stage.seq_len} is not divisible by "
-                            f"parallel.tp={tp}")
+            length = f"{stage.keys.seq_len}={stage.seq_len}"
+            problems.append(f"{length} is not divisible by 2 x {stage.keys.cp} x parallel.tp = {2 * cp * tp} (two "
+                            "fragments per context-parallel rank, each split over tensor parallel)" if cp > 1
+                            else f"{length} is not divisible by parallel.tp={tp}")
         if not problems and stage.rows % (world_size // (tp * pp * cp) * micro):
-            problems.append(f"{stage.rows_text} must be divisible by data-parallel size "
-                            f"{world_size // (tp * pp * cp)} x {stage.micro_key}={micro}")
+            problems.append(f"{stage.keys.rows} must be divisible by data-parallel size "
+                            f"{world_size // (tp * pp * cp)} x {stage.keys.micro_batches}={micro}")
         if pp > 1 and micro % pp:
-            problems.append(f"{stage.micro_key}={micro} must be a multiple of parallel.pp={pp} "
+            problems.append(f"{stage.keys.micro_batches}={micro} must be a multiple of parallel.pp={pp} "
                             "(pipeline schedules keep every stage busy with whole rounds of micro-batches)")
     return problems

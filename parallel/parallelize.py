@@ -19,17 +19,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gpu_kernels.choice import REFERENCES, Kernels
+from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.config.stage import mla_exchange
+from moe_pretrain.dtypes import DTYPES, parameter_dtype
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.init import Init, draw, parameter_inits
+from moe_pretrain.model.meta import meta_model
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
 from parallel.activation_plan import apply_activation_plan, splits_of
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
-from parallel.context_parallel import mla_exchange
 from parallel.node_dispatch import NodeTokenDispatcher
 from parallel.plan import ShardingPlan, Style, chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
@@ -38,16 +40,6 @@ from parallel.tensor_parallel import ColumnParallelLinear, InputGather, RowParal
 
 SLAB_ELEMENTS = 1 << 22
 """Elements drawn at a time when materialising (float64: 32 MB)."""
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def parameter_dtype(cfg: Config) -> torch.dtype:
-    """bf16 keeps fp32 master weights and runs the matmuls under autocast (Megatron's recipe); fp32 and fp64
-    run the whole model in that dtype."""
-    dtype = DTYPES[cfg.train.dtype]
-    return torch.float32 if dtype == torch.bfloat16 else dtype
-
-
 @dataclass(frozen=True)
 class GlobalParameter:
     shape: tuple[int, ...]
@@ -60,13 +52,6 @@ def describe_parameters(model: nn.Module) -> dict[str, GlobalParameter]:
     return {name: GlobalParameter(tuple(p.shape), inits[name]) for name, p in model.named_parameters()}
 
 
-def meta_model(cfg: Config, kernels: Kernels = REFERENCES) -> tuple[MoETransformer, dict[str, GlobalParameter]]:
-    """The whole model on the meta device, and every parameter's global shape and initialisation."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, kernels)
-    return model, describe_parameters(model)
-
-
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -75,7 +60,7 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext, mla: str = "ulysses") -> None:
     """Every sharded parameter becomes this rank's (meta) shard; communicating modules are swapped in.
-    mla: MLA's exchange under context parallelism (resolved: context_parallel.mla_exchange)."""
+    mla: MLA's exchange under context parallelism (resolved: config/stage.mla_exchange)."""
     layout = ctx.layout
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     problems = plan.check_divisible(shapes, layout.tp, layout.ep)
@@ -168,7 +153,8 @@ def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingP
     plan = plan or ShardingPlan()
     if kernels is None:
         kernels = resolve_kernels(cfg, ctx.device, DTYPES[cfg.train.dtype])
-    model, parameters = meta_model(cfg, kernels)
+    model = meta_model(cfg.model, kernels)
+    parameters = describe_parameters(model)
     if unplanned := plan.unplanned(list(parameters)):
         raise RuntimeError(f"parameters the sharding plan neither places nor declares replicated "
                            f"(parallel/plan.py MODEL_PLAN / REPLICATED): {', '.join(unplanned[:8])}")
@@ -176,7 +162,7 @@ def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingP
                                                     cfg.model.mla.num_heads // ctx.layout.tp))
     if ctx.layout.pp > 1:
         model = keep_pipeline_stage(model, cfg, ctx)
-    materialize(model, parameters, plan, ctx, cfg.train.seed, parameter_dtype(cfg), draw_values=draw_values)
+    materialize(model, parameters, plan, ctx, cfg.train.seed, parameter_dtype(cfg.train.dtype), draw_values=draw_values)
     return model
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.config import Config, ConfigError
-from moe_pretrain.config.stage_settings import stage_settings
+from moe_pretrain.config.stage import Stage, derived_micro_batches, resolve_stages
 from parallel.collectives import gather_objects
 from parallel.context_parallel import held_positions
 from parallel.layout_rules import layout_problems
@@ -35,9 +35,8 @@ class ParallelLayout:
     ep: int = 1
     cp: int = 1
     vpp: int = 1
-    micro_batches: tuple[int, ...] = (1,)
-    """Micro-batches per step of each step shape (data.*'s one, or one per stage), counts the config leaves
-    at 0 derived (derive_micro_batches)."""
+    stages: tuple[Stage, ...] = ()
+    """The run's stages, resolved (config/stage.py): data.*'s one, or one per entry of config.stages."""
 
     @property
     def dp(self) -> int:
@@ -56,35 +55,18 @@ class ParallelLayout:
         return f"world {self.world_size} = dp {self.dp} x tp {self.tp} x pp {self.pp} x cp {self.cp}; ep {self.ep}"
 
 
-def derive_micro_batches(cfg: Config) -> tuple[tuple[int, ...], list[str]]:
-    """(micro-batches of each step shape, what was derived in words) for counts the config leaves at 0; the
-    config is not changed.
-
-    The smallest count the schedules accept: 1 without pipeline parallelism, else parallel.pp (schedules
-    run whole rounds of pp micro-batches; any valid count is a multiple of pp, and when pp micro-batches do
-    not divide the data-parallel rows, no multiple does: resolve_layout then names the keys).
-    """
-    pp = cfg.parallel.pp
-    why = "no pipeline parallelism" if pp == 1 else f"the smallest count for parallel.pp={pp}: one round"
-    stages = stage_settings(cfg)
-    chosen = [f"{stage.micro_key}={pp} ({why})" for stage in stages if not stage.micro_batches]
-    return tuple(stage.micro_batches or pp for stage in stages), chosen
-
-
 def resolve_layout(cfg: Config, world_size: int) -> ParallelLayout:
     """Check the config's parallel section against the world size and the model; no collectives. The
-    layout carries the micro-batch counts, derived where the config leaves them at 0 (the config is not
-    changed)."""
+    layout carries the run's stages, resolved once here (config/stage.py; the config is not changed)."""
     p, m = cfg.parallel, cfg.model
-    micro_batches, _ = derive_micro_batches(cfg)
-    layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp, micro_batches)
-    stages = stage_settings(cfg)
+    stages = resolve_stages(cfg)
+    layout = ParallelLayout(world_size, p.tp, p.pp, p.ep, p.cp, p.vpp, stages)
     problems = []
-    if all(stage.cp_key != "parallel.cp" for stage in stages) and world_size % (p.tp * p.pp * p.cp):
+    if all(stage.keys.cp != "parallel.cp" for stage in stages) and world_size % (p.tp * p.pp * p.cp):
         # the model is built at parallel.cp even when every stage sets its own
         problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x parallel.cp = "
                         f"{p.tp} x {p.pp} x {p.cp}")
-    problems += layout_problems(m, world_size, p.tp, p.pp, p.ep, p.vpp, stages, micro_batches)
+    problems += layout_problems(m, world_size, p.tp, p.pp, p.ep, p.vpp, stages)
     chunks = p.pp * p.vpp
     if p.pipeline_layers and (len(p.pipeline_layers) != chunks or sum(p.pipeline_layers) != m.num_layers
                               or min(p.pipeline_layers) < 1):
@@ -232,7 +214,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     """
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout = resolve_layout(cfg, world_size)
-    derived = derive_micro_batches(cfg)[1]
+    derived = derived_micro_batches(cfg)
     if derived:  # the first start-up line
         log.info("config values derived because they were not set: " + ", ".join(derived))
     backend, device = select_device(cfg, backend)

@@ -136,6 +136,18 @@ class Streaks:
     def of(cls, world_size: int) -> "Streaks":
         return cls([0] * world_size)
 
+    def state_dict(self) -> dict:
+        return {"ranks": list(self.ranks), "nodes": {str(node): count for node, count in self.nodes.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on counting where a checkpoint of the same world size stopped; on another, start over (its ranks
+        and nodes are other machines)."""
+        if len(state.get("ranks", ())) != len(self.ranks):
+            return
+        self.ranks[:] = state["ranks"]
+        self.nodes.clear()
+        self.nodes.update({int(node): count for node, count in state["nodes"].items()})
+
 
 def _node_ratios(compute: list[float], identities: list[RankIdentity],
                  nodes: dict[int, list[int]]) -> dict[int, float]:

@@ -23,7 +23,7 @@ import torch
 
 from moe_pretrain.checkpoint import mxfp4
 from moe_pretrain.config import ModelConfig
-from moe_pretrain.model.vision_tower import VisionProjector, VisionTower
+from moe_pretrain.model.meta import meta_model
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -173,13 +173,9 @@ def layer_tensors(m: ModelConfig, index: int, experts: str = "mxfp4") -> list[HF
 
 
 def vision_tensors(m: ModelConfig) -> list[HFTensor]:
-    """The vision tower's and projector's tensors: the release's names are ours (shapes from the meta modules)."""
-    v = m.vision
-    with torch.device("meta"):
-        modules = {"vision_tower": VisionTower(v.encoder, v.patch_size, v.channels, m.init_std),
-                   "mm_projector": VisionProjector(v.encoder.merged_size, m.hidden_size, m.norm_eps, m.init_std)}
-    return [HFTensor(f"{prefix}.{name}", f"{prefix}.{name}", None, tuple(p.shape))
-            for prefix, module in modules.items() for name, p in module.named_parameters()]
+    """The vision tower's and projector's tensors: the release's names are ours (shapes from the meta model)."""
+    return [HFTensor(name, name, None, tuple(p.shape)) for name, p in meta_model(m).named_parameters()
+            if name.startswith(("vision_tower.", "mm_projector."))]
 
 
 def kimi_k3_tensors(m: ModelConfig, experts: str = "mxfp4") -> list[HFTensor]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from moe_pretrain.config.errors import ConfigError
-from moe_pretrain.config.stage_settings import stage_settings
+from moe_pretrain.config.stage import resolve_stages
 
 if TYPE_CHECKING:
     from moe_pretrain.config.run import Config
@@ -108,7 +108,7 @@ def _context_parallel_methods(config: "Config") -> list[str]:
     """cp_mla chooses how MLA attends across context-parallel ranks: it acts only where cp > 1."""
     p, problems = config.parallel, []
     how = "MLA exchanges nothing without context parallelism"
-    settings = stage_settings(config)
+    settings = resolve_stages(config)
     if p.cp_mla != "auto" and max(s.cp for s in settings) == 1:
         problems.append(f"parallel.cp_mla={p.cp_mla} does nothing: {how} (parallel.cp=1 and no stage sets cp > 1)")
     for i, (stage, resolved) in enumerate(zip(config.stages, settings)):
@@ -120,7 +120,7 @@ def _context_parallel_methods(config: "Config") -> list[str]:
 def _exchanges_kept(config: "Config") -> list[str]:
     """recompute_exchanges=false keeps what full recomputation would fetch again over expert parallelism: it
     acts only where full recomputation runs with ep > 1."""
-    modes = [s.recompute for s in stage_settings(config)]
+    modes = [s.recompute for s in resolve_stages(config)]
     if config.train.recompute_exchanges or ("full" in modes and config.parallel.ep > 1):
         return []
     return ["train.recompute_exchanges=false does nothing: only full recomputation (train.recompute=full or a "
@@ -132,7 +132,7 @@ def _saved_input_policies(config: "Config") -> list[str]:
     recomputation in force is full."""
     train, problems = config.train, []
     how = "only train.recompute=full keeps just the layers' inputs (set recompute=full"
-    settings = stage_settings(config)
+    settings = resolve_stages(config)
     if train.saved_inputs != "device" and "full" not in [s.recompute for s in settings]:
         problems.append(f"train.saved_inputs={train.saved_inputs} does nothing: {how})")
     for i, (stage, resolved) in enumerate(zip(config.stages, settings)):

@@ -10,20 +10,23 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from moe_pretrain.config.stage import Stage
 from moe_pretrain.data.batch import Batch, PretrainingData
 
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """Which batches one step takes: its stage's mixture and row count, and this rank's share."""
+    """Which batches one step takes: its stage (mixture, rows, micro-batches) and this rank's share."""
 
-    stage_index: int
-    rows: int
-    """Global rows of each micro-batch."""
-    micro_batches: int
+    stage: Stage
     shard: int
     num_shards: int
     with_patches: bool
+
+    @property
+    def rows(self) -> int:
+        """Global rows of each micro-batch."""
+        return self.stage.rows // self.stage.micro_batches
 
 
 @dataclass
@@ -47,9 +50,9 @@ class BatchPrefetcher:
 
     def _prepare(self, request: BatchRequest) -> PreparedStep:
         data = self.data
-        data.set_stage(request.stage_index)
+        data.set_stage(request.stage.index)
         batches = [data.next_batch(request.rows, request.shard, request.num_shards, request.with_patches)
-                   for _ in range(request.micro_batches)]
+                   for _ in range(request.stage.micro_batches)]
         return PreparedStep(request, batches, data.state())
 
     def load_state(self, position: dict) -> None:

@@ -28,6 +28,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import fast_paths, resolve_for_gpu
 from moe_pretrain.config import Config
+from moe_pretrain.config.stage import resolve_stages
+from moe_pretrain.dtypes import DTYPES
+from moe_pretrain.gpus import GPUS, GpuSpec
 from moe_pretrain.model.counts import count
 from moe_pretrain.ops.host_values import assuming
 from moe_pretrain.planning.assumed_values import AssumedValues
@@ -37,13 +40,11 @@ from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
 from moe_pretrain.planning.peak_sites import PeakSites
-from moe_pretrain.planning.step_time import GPUS, GpuSpec
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.training import Trainer
 from parallel.collectives import watching_waits
 from parallel.paired_passes import pairs_run
-from parallel.parallelize import DTYPES
-from parallel.state import ParallelContext, derive_micro_batches, destroy_parallel, init_parallel
+from parallel.state import ParallelContext, destroy_parallel, init_parallel
 
 log = logging.getLogger(__name__)
 PEAK_SITES = 16
@@ -140,7 +141,7 @@ def first_micro_batches(cfg: Config, stage: int, count: int) -> Config:
     activations; a 1F1B schedule's peak is set by its first pp): the stage's batch and tokens scale by
     count / micro-batches, its steps stay. For a dry run at full size, where a step's 64 micro-batches would
     take hours here."""
-    micro = derive_micro_batches(cfg)[0][stage]
+    micro = resolve_stages(cfg)[stage].micro_batches
     original = cfg.stages[stage]
     if count <= 0 or micro % count or count % cfg.parallel.pp:
         raise ValueError(f"{count} micro-batches must divide stages[{stage}]'s {micro} and be a multiple of "
@@ -181,9 +182,10 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         trainer = Trainer(cfg, ctx, fake=fake, kernels=kernels)
         trainer.tokens_seen = sum(s.tokens for s in cfg.stages[:stage])
         build_peak, state = live.peak, live.live
-        plan = trainer.step_plan()
-        log.info(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s; stage {plan.stage}'s first step "
-                 f"({plan.micro_batches} micro-batches of {plan.rows // plan.micro_batches} x {plan.seq_len} tokens)")
+        played = trainer.step_plan().stage
+        log.info(f"rank {ctx.rank}: built in {time.perf_counter() - start:.1f} s; stage {played.name}'s first step "
+                 f"({played.micro_batches} micro-batches of {played.rows // played.micro_batches} x {played.seq_len} "
+                 "tokens)")
         timeline = Timeline()
         with fake or contextlib.nullcontext(), host, ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
                 CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
@@ -193,13 +195,13 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         trainer.optimizer.finish_parameter_gathers()
         trainer.batches.close()
     optimizer = trainer.optimizer
-    model_flops = (count(cfg.model, plan.seq_len, result.attended_keys)["flops_per_token"] * plan.rows * plan.seq_len
+    model_flops = (count(cfg.model, played.seq_len, result.attended_keys)["flops_per_token"] * played.batch_tokens
                    / ctx.layout.world_size)
-    step_s = timeline.finish(plan.micro_batches)
-    context = ctx.context(plan.cp)
+    step_s = timeline.finish(played.micro_batches)
+    context = ctx.context(played.cp)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank,
                      context.rank, context.dp_rank, fast_paths(trainer.model),
-                     plan.micro_batches, build_peak, state, live.peak,
+                     played.micro_batches, build_peak, state, live.peak,
                      live.live, dict(live.at_peak.most_common(PEAK_SITES)), optimizer.param_bytes(),
                      optimizer.grad_bytes(),
                      optimizer.state_bytes(), ops.flops, ops.launches,

@@ -15,16 +15,17 @@ roofline adds. So trace the winner and the runner-up with the dry run before tak
 
 from dataclasses import dataclass
 
+from moe_pretrain.config.stage import Stage, resolve_stages
+from moe_pretrain.gpus import GpuSpec
 from moe_pretrain.planning.plan_step_time import PlannedStep, planned_step
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, StageLayout
-from moe_pretrain.planning.step_time import GpuSpec
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout
 
 
 @dataclass(frozen=True)
 class RankedLayout:
     run: RunLayout
-    stages: list[tuple[StageLayout, PlannedStep]]
-    """Each stage's fastest fitting layout on this run layout, with its planned step."""
+    stages: list[tuple[Stage, PlannedStep]]
+    """Each stage with its fastest fitting layout on this run layout, and its planned step."""
 
     @property
     def days(self) -> float:
@@ -38,9 +39,9 @@ def fastest_layouts(planner: MemoryPlanner, gpus: int, gpu_bytes: float, gpu: Gp
     cfg, ranked = planner.cfg, []
     for run in planner.run_layouts(gpus):
         stages = []
-        for stage in cfg.stages:
-            steps = [(layout, planned_step(cfg, run, stage, layout, result["ranks"], gpu, cfg.cluster))
-                     for layout, result in planner.stage_layouts_that_fit(run, stage, gpu_bytes, per_exchange=True)]
+        for stage in resolve_stages(cfg):
+            steps = [(fitted, planned_step(cfg, run, fitted, result["ranks"], gpu, cfg.cluster))
+                     for fitted, result in planner.stage_layouts_that_fit(run, stage, gpu_bytes, per_exchange=True)]
             if not steps:
                 break
             stages.append(min(steps, key=lambda pair: pair[1].step_s))

@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from gpu_kernels.launch_profile import PROFILES
+from moe_pretrain.gpus import GpuSpec
 from moe_pretrain.planning.compute_sites import ComputeSites
-from moe_pretrain.planning.step_time import GpuSpec
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.step_reuse import repeats_per_micro_batch
 from parallel.collectives import inside_backend

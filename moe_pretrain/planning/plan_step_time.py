@@ -13,18 +13,13 @@ from dataclasses import dataclass
 
 from megatron.core.parallel_state import RankGenerator
 
-from moe_pretrain.config import ClusterConfig, Config, StageConfig
+from moe_pretrain.config import ClusterConfig, Config
+from moe_pretrain.config.stage import Stage
+from moe_pretrain.gpus import GpuSpec
 from moe_pretrain.model.counts import count
 from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
-from moe_pretrain.planning.stage_memory import RunLayout, StageLayout
-from moe_pretrain.planning.step_time import (
-    OVERLAPPED_GROUPS,
-    GpuSpec,
-    link_bytes,
-    link_seconds,
-    pipeline_step_seconds,
-    predict,
-)
+from moe_pretrain.planning.stage_memory import RunLayout
+from moe_pretrain.planning.step_time import OVERLAPPED_GROUPS, link_bytes, link_seconds, pipeline_step_seconds, predict
 from parallel.node_groups import node_blocks
 
 ORDER = "tp-cp-ep-dp-pp"
@@ -81,22 +76,22 @@ class PlannedStep:
     """The stage's steps at step_s."""
 
 
-def _stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, times: list[float],
+def _stage_step(cfg: Config, run: RunLayout, stage: Stage, times: list[float],
                 gpu: GpuSpec, keys: float | None = None) -> PlannedStep:
     """The stage's step from its pipeline ranks' times; keys: the keys a query of MLA's attention sees (None: one
     document per row)."""
     model_flops = count(cfg.model, stage.seq_len, keys)["flops_per_token"] * stage.batch_tokens / run.gpus
-    step = pipeline_step_seconds(max(times), run.pp, run.vpp, layout.micro_batches)
+    step = pipeline_step_seconds(max(times), run.pp, run.vpp, stage.micro_batches)
     return PlannedStep(step, times, model_flops / (step * gpu.peak_flops), stage.steps * step / 86400)
 
 
-def planned_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, ranks: list[dict],
+def planned_step(cfg: Config, run: RunLayout, stage: Stage, ranks: list[dict],
                  gpu: GpuSpec, cluster: ClusterConfig) -> PlannedStep:
     """ranks: MemoryPlanner.stage(...)["ranks"], one row per pipeline rank."""
-    groups = plan_groups(cfg, run, layout.cp)
+    groups = plan_groups(cfg, run, stage.cp)
     times = [predict(row["flops"] / gpu.peak_flops, column_seconds(row["communication"], groups, cluster), 0.0,
                      gpu).step_s for row in ranks]
-    return _stage_step(cfg, run, stage, layout, times, gpu)
+    return _stage_step(cfg, run, stage, times, gpu)
 
 
 TRACE_KEYS = frozenset({"micro_batches", "compute_s", "compute_once_s", "attended_keys", "exposed_s",
@@ -121,7 +116,7 @@ def _scaled_waits(trace: dict, micro_batches: int) -> float:
     return waits
 
 
-def traced_stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout, traces: list[dict],
+def traced_stage_step(cfg: Config, run: RunLayout, stage: Stage, traces: list[dict],
                       gpu: GpuSpec) -> PlannedStep:
     """The stage's step from dry-run traces of some of its ranks (launch.dryrun's JSON; each of the step's
     first trace["micro_batches"]): each rank's compute done per micro-batch scales to the stage's
@@ -131,8 +126,8 @@ def traced_stage_step(cfg: Config, run: RunLayout, stage: StageConfig, layout: S
     over the traces)."""
     times = []
     for trace in traces:
-        scale = layout.micro_batches / trace["micro_batches"]
+        scale = stage.micro_batches / trace["micro_batches"]
         once = trace["compute_once_s"]
-        times.append((trace["compute_s"] - once) * scale + once + _scaled_waits(trace, layout.micro_batches))
+        times.append((trace["compute_s"] - once) * scale + once + _scaled_waits(trace, stage.micro_batches))
     keys = sum(trace["attended_keys"] for trace in traces) / len(traces)
-    return _stage_step(cfg, run, stage, layout, times, gpu, keys)
+    return _stage_step(cfg, run, stage, times, gpu, keys)

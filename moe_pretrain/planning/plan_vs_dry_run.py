@@ -10,12 +10,13 @@ bound, one document per row, is not what the stage's loader packs.
 from collections.abc import Iterable
 
 from moe_pretrain.config import Config
+from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.documents import exchange_spans, rank_doc_ids
 from moe_pretrain.planning.dry_run import first_micro_batches
 from moe_pretrain.planning.sizing import StageDocuments
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, micro_batch_rows, stage_layouts_of
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, micro_batch_rows
 from parallel.state import ParallelLayout
 
 
@@ -34,23 +35,23 @@ def plan_of_traced_step(cfg: Config, run: RunLayout, stage: int, micro_batches: 
     rank's (cp rank, dp rank): its MLA attention (and latent exchange) priced by the documents of the rows that
     rank ran, what the latent exchange sends by its cp rank; and a line saying so."""
     cut = first_micro_batches(cfg, stage, micro_batches)
-    config, layout = cut.stages[stage], stage_layouts_of(cut)[stage]
-    dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
+    config = resolve_stages(cut)[stage]
+    dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, config.cp, run.vpp).dp
     planner, ranks, lines = MemoryPlanner(cut), {}, []
     for cp_rank, dp_rank in sorted(set(traced)):
         doc_ids = rank_doc_ids(cut, stage, config.rows // micro_batches, micro_batches, dp_rank, dp)
         keys = attended_keys(doc_ids)
-        spans = exchange_spans(doc_ids, micro_batch_rows(run, config, layout), layout.cp) \
-            if layout.cp > 1 and layout.mla == "latent" else ()
+        spans = exchange_spans(doc_ids, micro_batch_rows(run, config), config.cp) \
+            if config.cp > 1 and config.cp_mla == "latent" else ()
         documents = StageDocuments(keys, spans, cp_rank)
-        ranks[cp_rank, dp_rank] = planner.stage(run, config, layout, documents)["ranks"]
+        ranks[cp_rank, dp_rank] = planner.stage(run, config, documents)["ranks"]
         line = (f"{config.name}, cp rank {cp_rank}, dp rank {dp_rank}: the plan prices attention at the {keys:.0f} "
                 f"keys a query sees in the rows it ran (one document per row: {config.seq_len / 2:.0f})")
         if span := documents.span():
             line += (f"; its latent exchange expands {span.expanded_keys:.1f} keys a local position (one document "
-                     f"per row: up to {layout.cp}), its tiles meet {span.tile_keys:.0f} keys a query, and it sends "
+                     f"per row: up to {config.cp}), its tiles meet {span.tile_keys:.0f} keys a query, and it sends "
                      f"{span.sent_keys:.2f} and receives {span.received_keys:.2f} keys a local position (one "
-                     f"document per row: up to {layout.cp - 1})")
+                     f"document per row: up to {config.cp - 1})")
         lines.append(line)
     return ranks, "\n  ".join(lines)
 

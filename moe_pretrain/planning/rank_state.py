@@ -29,14 +29,14 @@ import math
 import torch
 
 from moe_pretrain.config import Config, ConfigError
-from moe_pretrain.model import MoETransformer
+from moe_pretrain.dtypes import parameter_bytes
 from moe_pretrain.model.linear import cast_weight_names
+from moe_pretrain.model.meta import meta_model
 from moe_pretrain.ops.newton_schulz import STEPS
 from moe_pretrain.training.muon_params import as_matrices, muon_rule
 from parallel.plan import ShardingPlan, chunks_of_rank, pipeline_chunks, pipeline_rank_of
 from parallel.state import ParallelLayout, resolve_layout
 
-PARAM_BYTES = {"bfloat16": 4, "float32": 4, "float64": 8}
 FP8_COPY_BYTES = 2
 """Bytes per routed-expert weight element of its FP8 copies: one for the forward, one for the transposed copy
 the backward's dx = dy W reads (fp8/experts.py); scales are ignored. Not yet checked by a dry run."""
@@ -75,8 +75,8 @@ def per_rank_bytes(cfg: Config, layout_text: str) -> dict:
         raise ConfigError("invalid parallel layout for this model: " + "; ".join(problems))
     stages = stage_state_bytes(cfg, shapes, layout)
     worst = max(stages, key=lambda s: s["total_bytes"])
-    return {"layout": {**sizes, "world_size": world, "edp": layout.edp}, "param_dtype_bytes": PARAM_BYTES[
-        cfg.train.dtype], "stages": stages, "worst": worst}
+    return {"layout": {**sizes, "world_size": world, "edp": layout.edp},
+            "param_dtype_bytes": parameter_bytes(cfg.train.dtype), "stages": stages, "worst": worst}
 
 
 _MODEL_FACTS: dict[str, tuple[dict[str, tuple[int, ...]], frozenset[str]]] = {}
@@ -87,8 +87,7 @@ search asks once per run layout)."""
 def _model_facts(cfg: Config) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
     key = repr(cfg.model)
     if key not in _MODEL_FACTS:
-        with torch.device("meta"):
-            model = MoETransformer(cfg.model)
+        model = meta_model(cfg.model)
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         _MODEL_FACTS[key] = shapes, cast_weight_names(model)
     return _MODEL_FACTS[key]
@@ -111,7 +110,7 @@ def stage_state_bytes(cfg: Config, shapes: dict[str, tuple[int, ...]], layout: P
     # Gradients reduce (and ZeRO-1 shards) over data x context parallel ranks: each cp rank saw other positions.
     group_size = {"dp_group": layout.dp * layout.cp, "tp_dp_group": layout.tp * layout.dp * layout.cp,
                   "edp_group": layout.edp}
-    width = PARAM_BYTES[cfg.train.dtype]
+    width = parameter_bytes(cfg.train.dtype)
     held = 2 if cfg.train.param_dtype == "bfloat16" else width
     """Bytes of a cast weight's element as held (train.param_dtype), and of its gradient (train.grad_dtype)."""
     grad = 2 if cfg.train.grad_dtype == "bfloat16" else width

@@ -19,17 +19,19 @@ Communication: bytes each GPU sends per optimizer step for each group (ring coll
 """
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from moe_pretrain.config import Config, StageConfig
+from moe_pretrain.config import Config
 from moe_pretrain.config.recompute import recompute_modules
-from moe_pretrain.config.stage_settings import StageSettings, stage_settings
+from moe_pretrain.config.stage import Stage, StageKeys, mla_exchange, resolve_stages
 from moe_pretrain.data.image_size import run_max_pixels
+from moe_pretrain.dtypes import compute_bytes, parameter_bytes
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
 from moe_pretrain.planning.expert_traffic import exchange_buffer_rows, expert_exchange_bytes
 from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
-from moe_pretrain.planning.rank_state import PARAM_BYTES, parameter_shapes, stage_state_bytes
+from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
 from moe_pretrain.planning.sizing import StageDocuments, stage_flops_per_token
 from moe_pretrain.planning.step_activations import (
     LayerActivations,
@@ -39,15 +41,12 @@ from moe_pretrain.planning.step_activations import (
     vision_activations,
 )
 from moe_pretrain.planning.tensor_parallel_traffic import ring_share, tensor_parallel_bytes
-from parallel.context_parallel import SCAN_FROM_CP, mla_exchange
+from parallel.context_parallel import SCAN_FROM_CP
 from parallel.layout_rules import layout_problems
 from parallel.muon import BATCH_ELEMENTS
 from parallel.plan import chunks_of_rank, pipeline_chunks
-from parallel.state import ParallelLayout, derive_micro_batches
+from parallel.state import ParallelLayout
 
-GPU_BYTES = {"h100": 80e9, "h200": 141e9, "b200": 180e9, "a100": 80e9}
-"""Memory per GPU, bytes (vendor figures)."""
-ACTIVATION_BYTES = {"bfloat16": 2, "float32": 4, "float64": 8}
 HEADROOM = 0.10
 HOST_BYTES_PER_GPU = 2e12 / 8
 """Host memory for one GPU's offloaded layer inputs: an 8-GPU H100 / H200 node (DGX) has about 2 TB."""
@@ -68,22 +67,6 @@ class RunLayout:
 
     def describe(self) -> str:
         return f"tp={self.tp} pp={self.pp} ep={self.ep}" + (f" vpp={self.vpp}" if self.vpp > 1 else "")
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    cp: int
-    recompute: str
-    micro_batches: int
-    mla: str = "ulysses"
-    """MLA's exchange under cp (resolved: parallel/context_parallel.mla_exchange)."""
-    saved_inputs: str = "device"
-    """Where full recomputation keeps the layers' inputs (model/saved_inputs.py)."""
-
-    def describe(self) -> str:
-        kept = f"/{self.saved_inputs}" if self.saved_inputs != "device" else ""
-        return f"cp={self.cp}{' latent' if self.cp > 1 and self.mla == 'latent' else ''} {self.recompute}{kept} " \
-               f"M={self.micro_batches}"
 
 
 def pipeline_layers_of(layers: list[int], run: RunLayout) -> list[int]:
@@ -129,56 +112,54 @@ class MemoryPlanner:
                                                   self.cfg.train.recompute_exchanges)
         return self._layers[key]
 
-    def problems(self, run: RunLayout, stage: StageConfig, layout: StageLayout) -> list[str]:
+    def problems(self, run: RunLayout, stage: Stage) -> list[str]:
         """Why a layout cannot run a stage (parallel/layout_rules.py: the rules the run checks at start)."""
-        settings = StageSettings(stage.seq_len, stage.rows, layout.micro_batches, layout.cp, layout.mla,
-                                 layout.recompute, layout.saved_inputs, "seq_len", f"{stage.rows} sequences per step",
-                                 "micro_batches", "cp", "cp_mla")
-        return layout_problems(self.cfg.model, run.gpus, run.tp, run.pp, run.ep, run.vpp, [settings],
-                               (layout.micro_batches,))
+        keys = StageKeys("seq_len", f"{stage.rows} sequences per step", "micro_batches", "cp", "cp_mla")
+        return layout_problems(self.cfg.model, run.gpus, run.tp, run.pp, run.ep, run.vpp,
+                               (dataclasses.replace(stage, keys=keys),))
 
-    def stage(self, run: RunLayout, stage: StageConfig, layout: StageLayout,
+    def stage(self, run: RunLayout, stage: Stage,
               documents: StageDocuments | None = None) -> dict:
         """The worst pipeline rank's bytes (and every pipeline rank's: "ranks", each with its GPUs'
         communication) and the busiest pipeline rank's communication, for one stage. documents: MLA priced by
         the stage's documents (planning/documents.py; None: one document per row, the bound)."""
         cfg, states = self._run_state(run)
         m = cfg.model
-        dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
-        act_bytes = ACTIVATION_BYTES[cfg.train.dtype]
-        rows = micro_batch_rows(run, stage, layout)
-        tokens = rows * stage.seq_len // layout.cp  # positions of one micro-batch on this rank
+        dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, stage.cp, run.vpp).dp
+        act_bytes = compute_bytes(cfg.train.dtype)
+        rows = micro_batch_rows(run, stage)
+        tokens = rows * stage.seq_len // stage.cp  # positions of one micro-batch on this rank
         worst, most_host, ranks = None, 0.0, []
         for state in states:
             p = state["pp_rank"]
             # 1F1B: the warm-up's forwards and the one before the first backward; paired (parallel.
             # overlap_micro_batches), one more: a forward runs while the backward beside it still holds its own.
             paired = cfg.parallel.overlap_micro_batches
-            in_flight = min(layout.micro_batches, run.pp - p + paired) if cfg.parallel.pipeline_schedule != "gpipe" \
-                else layout.micro_batches
+            in_flight = min(stage.micro_batches, run.pp - p + paired) if cfg.parallel.pipeline_schedule != "gpipe" \
+                else stage.micro_batches
             if run.vpp > 1:
                 in_flight *= 1 + (run.pp - 1) / (run.pp * run.vpp)
             # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
             layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * (p == run.pp - 1)
             # The warm-up's micro-batches in flight, and the last backward's one.
-            act, tail = (activation_bytes(m, layers, layout.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
-                                          in_flight=flight, last=p == run.pp - 1, layer_of=self._layer_of(layout, run),
-                                          saved_inputs=layout.saved_inputs) for flight in (in_flight, 1))
+            act, tail = (activation_bytes(m, layers, stage.recompute, tokens, act_bytes=act_bytes, tp=run.tp,
+                                          in_flight=flight, last=p == run.pp - 1, layer_of=self._layer_of(stage, run),
+                                          saved_inputs=stage.saved_inputs) for flight in (in_flight, 1))
             moe_layers = [i for i in layers if m.is_moe_layer(i)]
             buffers = 0.0
             if run.ep > 1 and moe_layers:
                 buffers += exchange_buffer_rows(cfg, run.ep, tokens / run.tp) * m.moe.latent_size * act_bytes
-            if layout.cp > 1 and any(m.layer_kind(i) == "mla" for i in layers):
+            if stage.cp > 1 and any(m.layer_kind(i) == "mla" for i in layers):
                 a = m.mla
                 qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads / run.tp
-                if layout.mla == "latent":  # one key block expanded, one tile's scores (fp32, x3 in backward)
+                if stage.cp_mla == "latent":  # one key block expanded, one tile's scores (fp32, x3 in backward)
                     buffers += LATENT_BLOCK * heads * (qk + a.v_head_dim) * 4 * 2 \
                         + LATENT_BLOCK * heads * LATENT_BLOCK * 4 * 3
                 else:
                     buffers += 4 * tokens * heads * qk * act_bytes
             # Routers see this tensor rank's sequence-parallel share of the positions.
-            balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, layout.micro_batches)
-            vision = self.vision_bytes(stage, layout, rows, in_flight, act_bytes, run.tp) if p == 0 else 0.0
+            balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, stage.micro_batches)
+            vision = self.vision_bytes(stage, rows, in_flight, act_bytes, run.tp) if p == 0 else 0.0
             # Muon's step runs after the backward freed the activations: the direction and two exchange buffers
             # (its momentum's size each: parallel/muon.py) and one batch's Newton-Schulz work.
             muon_step = 3 * state["muon_momentum_bytes"] + MUON_STEP_BYTES if state["muon_momentum_bytes"] else 0
@@ -187,7 +168,7 @@ class MemoryPlanner:
             # shards live until the optimizer has stepped.
             shards = state["grad_shard_bytes"]
             last_backward = tail.peak + (
-                self.vision_bytes(stage, layout, rows, 1, act_bytes, run.tp) if p == 0 else 0.0)
+                self.vision_bytes(stage, rows, 1, act_bytes, run.tp) if p == 0 else 0.0)
             total = state["total_bytes"] + max(act.peak + buffers + balancing + vision + copies,
                                                last_backward + buffers + balancing + copies + shards,
                                                muon_step + shards)
@@ -198,10 +179,10 @@ class MemoryPlanner:
                    "grad_shard_bytes": shards, "total_bytes": total,
                    "in_flight": in_flight, "host_bytes": act.host, "muon_flops": state["muon_flops"],
                    "muon_step_bytes": muon_step,
-                   "communication": self.communication(cfg, run, stage, layout, tokens, state, documents),
+                   "communication": self.communication(cfg, run, stage, tokens, state, documents),
                    # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
-                   "flops": layout.micro_batches * tokens / run.tp * stage_flops_per_token(
-                       m, layers, p == run.pp - 1, stage.seq_len, layout.recompute, layout.cp, layout.mla, rows,
+                   "flops": stage.micro_batches * tokens / run.tp * stage_flops_per_token(
+                       m, layers, p == run.pp - 1, stage.seq_len, stage.recompute, stage.cp, stage.cp_mla, rows,
                        documents)
                    + state["muon_flops"]}
             most_host = max(most_host, act.host)
@@ -214,11 +195,11 @@ class MemoryPlanner:
         return {"worst": worst, "first": first, "ranks": ranks, "host_bytes": most_host, "dp": dp,
                 "rows_per_micro": rows, "communication": busiest}
 
-    def _layer_of(self, layout: StageLayout, run: RunLayout):
+    def _layer_of(self, stage: Stage, run: RunLayout):
         """activation_bytes' per-layer coefficients under this layout."""
-        return lambda i, r: self._layer(i, r, layout.mla, layout.cp, run.tp)
+        return lambda i, r: self._layer(i, r, stage.cp_mla, stage.cp, run.tp)
 
-    def vision_bytes(self, stage: StageConfig, layout: StageLayout, rows: int, in_flight: float,
+    def vision_bytes(self, stage: Stage, rows: int, in_flight: float,
                      act_bytes: int, tp: int) -> float:
         """The vision tower's saved activations (and one recomputed block's transient, in fp32) on a first-stage
         rank: `rows` rows per micro-batch, each filled with the largest image the run admits, dealt over the
@@ -226,23 +207,23 @@ class MemoryPlanner:
         m = self.cfg.model
         per_image, row_patches = largest_image_patches(m, stage.seq_len, run_max_pixels(self.cfg))
         total = row_patches * rows
-        patches = min(total, total / (tp * layout.cp) + per_image) if tp * layout.cp > 1 else total
-        saved, transient = vision_activations(m, layout.recompute)
+        patches = min(total, total / (tp * stage.cp) + per_image) if tp * stage.cp > 1 else total
+        saved, transient = vision_activations(m, stage.recompute)
         return patches * (saved * act_bytes * in_flight + transient * 4)
 
-    def communication(self, cfg: Config, run: RunLayout, stage: StageConfig, layout: StageLayout,
+    def communication(self, cfg: Config, run: RunLayout, stage: Stage,
                       tokens: int, state: dict, documents: StageDocuments | None = None) -> dict:
         """Bytes one GPU of a pipeline rank (its state: rank_state.stage_state_bytes) sends per optimizer step,
         per column (collective_traffic.PLAN_COLUMNS; the node dispatch's two groups in place of ep:
         plan_columns folds them). documents: MLA's latent exchange priced by the stage's documents for one cp
         rank (None: one document per row, the busiest rank)."""
-        m, M = cfg.model, layout.micro_batches
-        b = ACTIVATION_BYTES[cfg.train.dtype]
+        m, M = cfg.model, stage.micro_batches
+        b = compute_bytes(cfg.train.dtype)
         p = state["pp_rank"]
         first, last = p == 0, p == run.pp - 1
         # The last stage also runs the multi-token-prediction blocks' layers (indices num_layers on).
         layers = state["layers"] + list(range(m.num_layers, m.num_layers + m.mtp.layers)) * last
-        passes = 3 if layout.recompute == "full" else 2  # forward, backward (+ the re-forward)
+        passes = 3 if stage.recompute == "full" else 2  # forward, backward (+ the re-forward)
         expert_passes = passes if cfg.train.recompute_exchanges else 2  # recompute_exchanges=false: no re-forward
         # Muon's whole-matrix rules all-gather their tensor-parallel slices over the tp group (parallel/muon.py).
         tp = M * tensor_parallel_bytes(m, layers, tokens, run.tp, b, passes, first, last) + state["muon_join_bytes"]
@@ -251,7 +232,7 @@ class MemoryPlanner:
               expert_exchange_bytes(cfg, run.ep, tokens / run.tp, expert_passes, b).items()}
         chunks = pipeline_chunks(cfg)
         pp = M * pipeline_bytes(m, chunks, chunks_of_rank(len(chunks), run.pp, p), tokens / run.tp,
-                                PARAM_BYTES[cfg.train.dtype], b)
+                                parameter_bytes(cfg.train.dtype), b)
         mla = sum(m.layer_kind(i) == "mla" for i in layers)
         kda = len(layers) - mla
         a, k = m.mla, m.kda
@@ -259,22 +240,22 @@ class MemoryPlanner:
         # Under recomputation by module an exchange inside a recomputed region runs again in the backward: KDA's
         # halos inside kda_pre, its entry states and Ulysses' head exchanges inside core; MLA's latent gather
         # sits in none.
-        modules = recompute_modules(layout.recompute)
+        modules = recompute_modules(stage.recompute)
         core_passes, pre_passes = (3 if name in modules else passes for name in ("core", "kda_pre"))
-        if layout.mla == "latent":  # the fragments seen, sent forward (and re-forward), their gradients back
+        if stage.cp_mla == "latent":  # the fragments seen, sent forward (and re-forward), their gradients back
             span = documents.span() if documents else None
-            sent, received = (span.sent_keys, span.received_keys) if span else (layout.cp - 1, layout.cp - 1)
-            mla_bytes = ring_share(layout.cp, ((passes - 1) * sent + received) * tokens
+            sent, received = (span.sent_keys, span.received_keys) if span else (stage.cp - 1, stage.cp - 1)
+            mla_bytes = ring_share(stage.cp, ((passes - 1) * sent + received) * tokens
                                    * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
         else:
-            mla_bytes = core_passes * 2 * ring_share(layout.cp, tokens * a.num_heads / run.tp * head_dims * b)
+            mla_bytes = core_passes * 2 * ring_share(stage.cp, tokens * a.num_heads / run.tp * head_dims * b)
         # KDA: the entry states' scan of fp32 state summaries [H, K, K + V], and the halos of its q, k, v
         # convolutions.
-        rows = tokens * layout.cp / stage.seq_len
+        rows = tokens * stage.cp / stage.seq_len
         inner = k.num_heads / run.tp * k.head_dim
-        sent, received = scan_summaries(layout.cp, documents.cp_rank if documents else None)
-        kda_bytes = ring_share(layout.cp, ((core_passes - 1) * sent + received) * rows * inner * 2 * k.head_dim * 4) \
-            + pre_passes * ring_share(layout.cp, 3 * 2 * layout.cp * rows * (k.conv_size - 1) * inner * b)
+        sent, received = scan_summaries(stage.cp, documents.cp_rank if documents else None)
+        kda_bytes = ring_share(stage.cp, ((core_passes - 1) * sent + received) * rows * inner * 2 * k.head_dim * 4) \
+            + pre_passes * ring_share(stage.cp, 3 * 2 * stage.cp * rows * (k.conv_size - 1) * inner * b)
         cp = M * (mla * mla_bytes + kda * kda_bytes)
         # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
         # balancers' statistics all-reduced over tensor x data x context parallel.
@@ -283,12 +264,12 @@ class MemoryPlanner:
         dp += 2 * ring_share(run.gpus // run.pp, reduced_bytes(m.moe, moe))
         return {"tp": tp, **ep, "pp": pp, "cp": cp, "dp": dp}
 
-    def fits(self, run: RunLayout, stage: StageConfig, layout: StageLayout, gpu_bytes: float,
+    def fits(self, run: RunLayout, stage: Stage, gpu_bytes: float,
              headroom: float = 0.0) -> dict | None:
         """The stage's plan if the layout is valid and fits in (1 - headroom) of the GPU, else None."""
-        if self.problems(run, stage, layout):
+        if self.problems(run, stage):
             return None
-        result = self.stage(run, stage, layout)
+        result = self.stage(run, stage)
         return result if within(result, gpu_bytes, headroom) else None
 
     def run_layouts(self, gpus: int) -> Iterator[RunLayout]:
@@ -301,7 +282,7 @@ class MemoryPlanner:
                 for ep in _divisors_up_to(m.moe.num_experts, gpus // pp)[-EP_CANDIDATES:]:
                     yield RunLayout(gpus, tp, pp, ep)
 
-    def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
+    def propose(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[Stage, dict] | None]] | None:
         """The smallest layout that fits the most stages with HEADROOM: least tp x pp, then least cp per
         stage, then the cheapest recomputation (RECOMPUTE_ORDER), then the fewest bytes sent. A stage
         no layout of this run fits is None (None overall when no run layout is valid at all). Searched once per
@@ -310,23 +291,24 @@ class MemoryPlanner:
             self._proposals[gpus, gpu_bytes] = self._smallest(gpus, gpu_bytes)
         return self._proposals[gpus, gpu_bytes]
 
-    def _smallest(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[StageLayout, dict] | None]] | None:
+    def _smallest(self, gpus: int, gpu_bytes: float) -> tuple[RunLayout, list[tuple[Stage, dict] | None]] | None:
         best = None
+        configured = resolve_stages(self.cfg)
         for run in self.run_layouts(gpus):
-            stages = [next(self.stage_layouts_that_fit(run, stage, gpu_bytes), None) for stage in self.cfg.stages]
+            stages = [next(self.stage_layouts_that_fit(run, stage, gpu_bytes), None) for stage in configured]
             chosen = [s for s in stages if s is not None]
             if not chosen:
                 continue
             sent = sum(sum(result["communication"].values()) for _, result in chosen)
-            key = (len(stages) - len(chosen), run.tp * run.pp, sum(layout.cp for layout, _ in chosen),
-                   sum(RECOMPUTE_ORDER.index(layout.recompute) for layout, _ in chosen), sent)
+            key = (len(stages) - len(chosen), run.tp * run.pp, sum(stage.cp for stage, _ in chosen),
+                   sum(RECOMPUTE_ORDER.index(stage.recompute) for stage, _ in chosen), sent)
             if best is None or key < best[0]:
                 best = (key, run, stages)
         return None if best is None else (best[1], best[2])
 
-    def stage_layouts_that_fit(self, run: RunLayout, stage: StageConfig, gpu_bytes: float, per_exchange: bool = False
-                               ) -> Iterator[tuple[StageLayout, dict]]:
-        """For each cp from the least, the layout of that cp that fits the stage with HEADROOM at the cheapest
+    def stage_layouts_that_fit(self, run: RunLayout, stage: Stage, gpu_bytes: float, per_exchange: bool = False
+                               ) -> Iterator[tuple[Stage, dict]]:
+        """For each cp from the least, the stage with the layout of that cp that fits it with HEADROOM at the cheapest
         recomputation, then (under full recomputation) the layers' inputs on the device, on the host, in FP8,
         then Ulysses before the latent exchange (where the heads allow Ulysses), at the most micro-batches the
         rules allow (the fewest sequences in flight); with its plan. The first is the smallest. per_exchange: one
@@ -346,11 +328,12 @@ class MemoryPlanner:
                     for mla in exchanges:
                         if mla in found or (found and not per_exchange):
                             continue
-                        layout = StageLayout(cp, recompute, max(counts), mla, saved_inputs)
-                        result = self.fits(run, stage, layout, gpu_bytes, HEADROOM)
+                        candidate = dataclasses.replace(stage, cp=cp, recompute=recompute, micro_batches=max(counts),
+                                                        cp_mla=mla, saved_inputs=saved_inputs)
+                        result = self.fits(run, candidate, gpu_bytes, HEADROOM)
                         if result is not None:
                             found.add(mla)
-                            yield layout, result
+                            yield candidate, result
 
 
 RECOMPUTE_ORDER = ["none", "attn_res,norms,expert_act", "attn_res,norms,kda_pre,mla_up,expert_act",
@@ -397,22 +380,10 @@ def _multiples(n: int, step: int) -> list[int]:
     return [i for i in range(step, n + 1, step) if n % i == 0]
 
 
-def micro_batch_rows(run: RunLayout, stage: StageConfig, layout: StageLayout) -> int:
+def micro_batch_rows(run: RunLayout, stage: Stage) -> int:
     """The sequences one micro-batch of the stage holds on a tp x cp block of GPUs."""
-    dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, layout.cp, run.vpp).dp
-    return stage.rows // (dp * layout.micro_batches)
-
-
-def stage_layouts_of(cfg: Config) -> list[StageLayout]:
-    """Each stage's (cp, recompute, micro-batches) as the config asks, micro-batches derived by the
-    trainer's rule where left at 0."""
-    micro_batches, _ = derive_micro_batches(cfg)
-    heads = cfg.model.mla.num_heads // cfg.parallel.tp
-    layouts = []
-    for settings, micro in zip(stage_settings(cfg), micro_batches, strict=True):
-        layouts.append(StageLayout(settings.cp, settings.recompute, micro,
-                                   mla_exchange(settings.cp_mla, settings.cp, heads), settings.saved_inputs))
-    return layouts
+    dp = ParallelLayout(run.gpus, run.tp, run.pp, run.ep, stage.cp, run.vpp).dp
+    return stage.rows // (dp * stage.micro_batches)
 
 
 def gigabytes(value: float, width: int = 7) -> str:

@@ -19,25 +19,13 @@ real efficiency (the roofline is a bound), contention, stragglers.
 from dataclasses import dataclass
 
 from moe_pretrain.config import ClusterConfig
+from moe_pretrain.gpus import GpuSpec
 
 OVERLAPPED_GROUPS = ("dp", "edp", "tp x dp")
 """Groups whose traffic the code issues asynchronously, overlapping the backward: the sharded optimizer's
 buckets (parallel/optimizer.py), the sequence-parallel replicated parameters' over tp x dp among them."""
 BACKWARD_SHARE = 2 / 3
 """The backward's share of a step's compute (twice the forward's FLOPs)."""
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    peak_flops: float
-    """Dense BF16 FLOP/s (training/peak_flops.PEAK_TFLOPS)."""
-    memory_bytes_s: float
-    """HBM bandwidth, bytes/s (vendor figures)."""
-
-
-GPUS = {"h200": GpuSpec("h200", 989e12, 4.8e12), "h100": GpuSpec("h100", 989e12, 3.35e12),
-        "b200": GpuSpec("b200", 2250e12, 8.0e12), "a100": GpuSpec("a100", 312e12, 2.0e12)}
 
 
 def sent_share(op: str, n: int) -> float:

@@ -19,17 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.config.stage import Stage, resolve_stages
+from moe_pretrain.gpus import GpuSpec
 from moe_pretrain.planning.dry_run import first_micro_batches, role_ranks
 from moe_pretrain.planning.fastest_layouts import RankedLayout
 from moe_pretrain.planning.plan_step_time import PlannedStep, planned_step, traced_stage_step
-from moe_pretrain.planning.stage_memory import (
-    MemoryPlanner,
-    RunLayout,
-    StageLayout,
-    pipeline_layers_of,
-    stage_layouts_of,
-)
-from moe_pretrain.planning.step_time import GpuSpec
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, pipeline_layers_of
 from parallel.state import resolve_layout
 
 TRACED_HEADROOM = 0.08
@@ -43,8 +38,8 @@ Play = Callable[[Config, int, list[int], int], list[dict]]
 @dataclass(frozen=True)
 class Candidate:
     run: RunLayout
-    stages: list[StageLayout]
-    """Every stage's layout (the run's other stages must be valid too: start-up checks them all)."""
+    stages: list[Stage]
+    """Every stage with its layout (the run's other stages must be valid too: start-up checks them all)."""
     dispatch_chunks: int
     planned: PlannedStep
     """The plan's step of the traced stage."""
@@ -75,20 +70,20 @@ def candidates(planner: MemoryPlanner, gpus: int, stage: int, ranked: list[Ranke
                gpu: GpuSpec) -> tuple[list[Candidate], list[str]]:
     """The ranked run layouts, then the config's own where it is not among them, each at every chunk count; and
     why the config's own is left out, when its layout cannot run the stage at all."""
-    layouts = [(r.run, [layout for layout, _ in r.stages], r.stages[stage][1], f"plan #{place}")
+    layouts = [(r.run, [fitted for fitted, _ in r.stages], r.stages[stage][1], f"plan #{place}")
                for place, r in enumerate(ranked, start=1)]
     cfg = planner.cfg
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
-    own = stage_layouts_of(cfg)
+    own = list(resolve_stages(cfg))
     left_out = []
     if all((r, s) != (run, own) for r, s, _, _ in layouts):
-        if problems := planner.problems(run, cfg.stages[stage], own[stage]):
+        if problems := planner.problems(run, own[stage]):
             left_out.append(f"{run.describe()} {own[stage].describe()} (configured): {'; '.join(problems)}")
         else:
-            result = planner.stage(run, cfg.stages[stage], own[stage])
-            layouts.append((run, own, planned_step(cfg, run, cfg.stages[stage], own[stage], result["ranks"], gpu,
-                                                   cfg.cluster), "configured"))
+            result = planner.stage(run, own[stage])
+            layouts.append((run, own, planned_step(cfg, run, own[stage], result["ranks"], gpu, cfg.cluster),
+                            "configured"))
     return [Candidate(run, stages, c, planned, source) for run, stages, planned, source in layouts
             for c in chunks], left_out
 
@@ -99,10 +94,10 @@ def candidate_config(cfg: Config, candidate: Candidate) -> Config:
     parallel = dataclasses.replace(cfg.parallel, tp=run.tp, pp=run.pp, ep=run.ep, vpp=run.vpp,
                                    dispatch_chunks=candidate.dispatch_chunks,
                                    pipeline_layers=pipeline_layers_of(cfg.parallel.pipeline_layers, run))
-    stages = [dataclasses.replace(stage, cp=layout.cp, recompute=layout.recompute, micro_batches=layout.micro_batches,
-                                  cp_mla=layout.mla if layout.cp > 1 else "",  # (what has no effect is refused)
-                                  saved_inputs=layout.saved_inputs if layout.recompute == "full" else "")
-              for stage, layout in zip(cfg.stages, candidate.stages, strict=True)]
+    stages = [dataclasses.replace(entry, cp=chosen.cp, recompute=chosen.recompute, micro_batches=chosen.micro_batches,
+                                  cp_mla=chosen.cp_mla if chosen.cp > 1 else "",  # (what has no effect is refused)
+                                  saved_inputs=chosen.saved_inputs if chosen.recompute == "full" else "")
+              for entry, chosen in zip(cfg.stages, candidate.stages, strict=True)]
     return dataclasses.replace(cfg, parallel=parallel, stages=stages)
 
 
@@ -129,8 +124,8 @@ def traced_ranking(cfg: Config, gpus: int, stage: int, found: list[Candidate], p
     those that do not fit; and a line for each candidate the run's start-up checks refuse."""
     traced, refused = [], []
     for candidate in found:
-        layout = candidate.stages[stage]
-        cut = cut_micro_batches(layout.micro_batches, candidate.run.pp)
+        chosen = candidate.stages[stage]
+        cut = cut_micro_batches(chosen.micro_batches, candidate.run.pp)
         try:
             played = first_micro_batches(candidate_config(cfg, candidate), stage, cut)
             resolve_layout(played, gpus)
@@ -141,7 +136,7 @@ def traced_ranking(cfg: Config, gpus: int, stage: int, found: list[Candidate], p
         if not roles:
             ranks = [gpus // candidate.run.pp * (candidate.run.pp // 2)]
         traces = play(played, gpus, ranks, stage)
-        step = traced_stage_step(cfg, candidate.run, cfg.stages[stage], layout, traces, gpu)
+        step = traced_stage_step(cfg, candidate.run, chosen, traces, gpu)
         traced.append(TracedCandidate(candidate, traces, step, cut))
     traced.sort(key=lambda t: (not t.fits(gpu_bytes), t.step.step_s))
     return traced, refused

@@ -16,6 +16,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from moe_pretrain.config.stage import Stage
 from moe_pretrain.data import IGNORE_INDEX, Batch
 from moe_pretrain.data.long_context_eval import (
     keep_positions,
@@ -27,19 +28,19 @@ from moe_pretrain.data.long_context_eval import (
 from moe_pretrain.data.packing import RowPlan
 from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.step_reuse import reused_in_step
-from moe_pretrain.training.step_runner import StepPlan, StepRunner
+from moe_pretrain.training.step_runner import StepRunner
 from parallel.collectives import all_reduce_sum
 
 
 class _Sums:
-    """Where a plan's evaluation rows go: how many per set, in what batches, scored how."""
+    """Where evaluation rows at a stage's length and split go: how many per set, in what batches, scored how."""
 
-    def __init__(self, runner: StepRunner, plan: StepPlan):
-        self.runner, self.plan = runner, plan
-        data_parallel = runner.ctx.context(plan.cp)
+    def __init__(self, runner: StepRunner, stage: Stage):
+        self.runner, self.stage = runner, stage
+        data_parallel = runner.ctx.context(stage.cp)
         self.shard, self.shards = data_parallel.dp_rank, data_parallel.dp_size
         # A pipeline takes one pass through its schedule: whole micro-batches on every rank.
-        self.multiple = self.shards * (plan.micro_batches if runner.pipeline is not None else 1)
+        self.multiple = self.shards * (stage.micro_batches if runner.pipeline is not None else 1)
         self.with_patches = runner.pipeline is None or runner.pipeline.holds_first
 
     def padded(self, rows: int) -> int:
@@ -49,7 +50,7 @@ class _Sums:
         """Rows per batch on this rank: the training micro-batch's, or all of them through a pipeline."""
         if self.runner.pipeline is not None:
             return rows // self.shards
-        return max(self.plan.rows // self.plan.micro_batches // self.shards, 1)
+        return max(self.stage.rows // self.stage.micro_batches // self.shards, 1)
 
     def reduce(self, sets: dict[str, list[Batch]], rows: int, score: str) -> dict[str, tuple[float, float]]:
         """{name: (summed score, scored tokens)} over all ranks; score: loss (summed next-token loss) or top1."""
@@ -62,8 +63,8 @@ class _Sums:
             for i, batches in enumerate(sets.values()):
                 for batch in batches:
                     batch = batch.to(device)
-                    sums[i, 1] += (runner.ctx.context(self.plan.cp).local(batch.labels) != IGNORE_INDEX).sum()
-                    sums[i, 0] += runner.score(self.plan, batch, rows, scorer)
+                    sums[i, 1] += (runner.ctx.context(self.stage.cp).local(batch.labels) != IGNORE_INDEX).sum()
+                    sums[i, 0] += runner.score(self.stage, batch, rows, scorer)
         group = dist.group.WORLD if runner.pipeline is not None else runner.ctx.dp_group
         totals = all_reduce_sum(sums[:, 0].contiguous(), group)
         counts = all_reduce_sum(sums[:, 1].contiguous(), runner.ctx.dp_group)
@@ -72,11 +73,11 @@ class _Sums:
 
 
 @torch.no_grad()
-def evaluate(runner: StepRunner, validation: ValidationData, plan: StepPlan) -> dict[str, float]:
-    """{eval_loss, eval_loss.<dataset>} at the plan's sequence length (collective: every rank calls it)."""
-    sums = _Sums(runner, plan)
-    rows = sums.padded(validation.rows(plan.seq_len))
-    sets = validation.batches(plan.seq_len, sums.shard, sums.shards, sums.per_batch(rows), sums.with_patches,
+def evaluate(runner: StepRunner, validation: ValidationData, stage: Stage) -> dict[str, float]:
+    """{eval_loss, eval_loss.<dataset>} at the stage's sequence length (collective: every rank calls it)."""
+    sums = _Sums(runner, stage)
+    rows = sums.padded(validation.rows(stage.seq_len))
+    sets = validation.batches(stage.seq_len, sums.shard, sums.shards, sums.per_batch(rows), sums.with_patches,
                               rows)
     reduced = sums.reduce(sets, rows, "loss")
     record = {"eval_loss": sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)}
@@ -85,17 +86,17 @@ def evaluate(runner: StepRunner, validation: ValidationData, plan: StepPlan) -> 
 
 
 @torch.no_grad()
-def evaluate_long_context(runner: StepRunner, validation: ValidationData, plan: StepPlan) -> dict[str, float]:
+def evaluate_long_context(runner: StepRunner, validation: ValidationData, stage: Stage) -> dict[str, float]:
     """{eval_position_loss.<lo>-<hi>, probe_accuracy, probe_accuracy.<length>@<depth>} (collective)."""
-    cfg, data, sums = runner.cfg.eval, runner.data, _Sums(runner, plan)
+    cfg, data, sums = runner.cfg.eval, runner.data, _Sums(runner, stage)
     record: dict[str, float] = {}
-    plans = long_document_rows(data, validation.sets, plan.seq_len, cfg.long_documents)
+    plans = long_document_rows(data, validation.sets, stage.seq_len, cfg.long_documents)
     rows = sums.padded(len(plans))
     if plans:
-        plans += [RowPlan([], plan.seq_len + 1)] * (rows - len(plans))
+        plans += [RowPlan([], stage.seq_len + 1)] * (rows - len(plans))
         mine = plans[sums.shard * (rows // sums.shards):(sums.shard + 1) * (rows // sums.shards)]
         batch = data.read_rows(mine, sums.with_patches)
-        edges = position_edges(plan.seq_len, cfg.position_base)
+        edges = position_edges(stage.seq_len, cfg.position_base)
         per_batch = sums.per_batch(rows)
         sets = {f"{lo}-{hi}": [keep_positions(batch, lo, hi).rows(i, per_batch)
                                for i in range(0, len(mine), per_batch)] for lo, hi in itertools.pairwise(edges)}
@@ -104,7 +105,7 @@ def evaluate_long_context(runner: StepRunner, validation: ValidationData, plan: 
     encode = probe_tokenizer(data.vocabulary)
     if encode is not None and cfg.probe_samples:
         rows = sums.padded(cfg.probe_samples)
-        cells = probe_batches(data.vocabulary, encode, plan.seq_len, cfg.probe_samples, rows, runner.cfg.data.seed,
+        cells = probe_batches(data.vocabulary, encode, stage.seq_len, cfg.probe_samples, rows, runner.cfg.data.seed,
                               sums.shard, sums.shards, data.patch_dim)
         reduced = sums.reduce({name: [batch] for name, batch in cells.items()}, rows, "top1")
         record["probe_accuracy"] = sum(s for s, _ in reduced.values()) / max(sum(c for _, c in reduced.values()), 1)

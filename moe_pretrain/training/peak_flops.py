@@ -1,4 +1,4 @@
-"""The MFU denominator: a process's peak FLOP/s, from logging.peak_tflops, the vendor table, or a CPU matmul.
+"""The MFU denominator: a process's peak FLOP/s, from logging.peak_tflops, the GPU table, or a CPU matmul.
 
 On a GPU the peak is the vendor's dense BF16 figure for the device (MFU's convention, also for FP8 and
 float32 runs), never a measurement: a small matmul timed at start-up measures launch latency and clocks, not
@@ -12,18 +12,7 @@ import time
 import torch
 
 from moe_pretrain.config import ConfigError
-
-PEAK_TFLOPS = {"a100": 312.0, "h100": 989.0, "h100 pcie": 756.0, "h100 nvl": 835.0, "h800": 989.0, "h200": 989.0,
-               "gh200": 989.0, "b200": 2250.0, "gb200": 2500.0}
-"""Dense BF16 peak per GPU, TFLOP/s (vendor data sheets, without sparsity), by a lower-case part of the name
-torch.cuda.get_device_name gives (the longest part found wins: "NVIDIA H100 PCIe" is h100 pcie)."""
-
-
-def table_peak_tflops(device_name: str) -> float | None:
-    """The table's BF16 peak for a device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3"), None if unknown."""
-    name = device_name.lower()
-    found = [key for key in PEAK_TFLOPS if key in name]
-    return PEAK_TFLOPS[max(found, key=len)] if found else None
+from moe_pretrain.gpus import GPUS, gpu_of_device
 
 
 def measured_cpu_peak_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 8) -> float:
@@ -45,8 +34,8 @@ def peak_flops(peak_tflops: float, device: torch.device, dtype: torch.dtype) -> 
     if device.type == "cpu":
         return measured_cpu_peak_flops(torch.float64 if dtype == torch.float64 else torch.float32)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    table = table_peak_tflops(name) if device.type == "cuda" else None
-    if table is None:
-        raise ConfigError(f"logging.peak_tflops is needed for MFU on {name}: the table "
-                          f"(moe_pretrain/training/peak_flops.py) has dense BF16 peaks of {sorted(PEAK_TFLOPS)} only")
-    return table * 1e12
+    gpu = gpu_of_device(name) if device.type == "cuda" else None
+    if gpu is None:
+        raise ConfigError(f"logging.peak_tflops is needed for MFU on {name}: the table (moe_pretrain/gpus.py) "
+                          f"knows {', '.join(sorted(GPUS))} only")
+    return gpu.peak_flops

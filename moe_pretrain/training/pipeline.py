@@ -31,7 +31,6 @@ forward's outputs), so the input_grads / output_grads arguments, which 2.10 does
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,31 +42,20 @@ from torch.distributed.pipelining import (
 )
 
 from moe_pretrain.config import Config
+from moe_pretrain.config.stage import Stage
 from moe_pretrain.data import Batch
 from moe_pretrain.data.patches import PlacedImage, placed_images
+from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.training.declared_stage import DeclaredStage
 from moe_pretrain.training.paired_1f1b import Paired1F1B
 from parallel.activation_plan import position_counts
-from parallel.parallelize import DTYPES
 from parallel.plan import chunks_of_rank, pipeline_chunks
 from parallel.state import ParallelContext
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble}
 MULTI_STAGE = {"interleaved_1f1b", "zero_bubble"}
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The shapes one optimizer step's micro-batches have: pipeline boundaries are declared from them."""
-
-    seq_len: int
-    rows: int
-    """Global sequences per step (all micro-batches, all data-parallel ranks)."""
-    micro_batches: int
-    cp: int = 1
-    """Context-parallel size: activations hold T / cp positions, data parallel is what cp leaves."""
 
 
 class StageForward(nn.Module):
@@ -134,12 +122,12 @@ def closes_no_block(layer: int, block_size: int) -> bool:
     return (layer + 1) % block_size != 0
 
 
-def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: StepShape, layers: list[int], first: bool,
+def stage_boundaries(cfg: Config, ctx: ParallelContext, shape: Stage, layers: list[int], first: bool,
                      last: bool, dtype: torch.dtype, compute_dtype: torch.dtype | None = None
                      ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Example (meta) tensors of one micro-batch at a chunk's positional input and output (the document ids,
-    a keyword input, are every stage's own): the embeddings ahead in `dtype`, the bank (its first entry, the
-    block sums) and the partial sum in `compute_dtype` (default: `dtype`)."""
+    """Example (meta) tensors of one micro-batch of a step of `shape` at a chunk's positional input and output
+    (the document ids, a keyword input, are every stage's own): the embeddings ahead in `dtype`, the bank (its
+    first entry, the block sums) and the partial sum in `compute_dtype` (default: `dtype`)."""
     compute_dtype = compute_dtype or dtype
     rows = shape.rows // ctx.layout.dp_at(shape.cp) // shape.micro_batches
     D = cfg.model.hidden_size
@@ -191,7 +179,8 @@ class Pipeline:
         self.holds_first, self.holds_last = 0 in self.mine, self.num_stages - 1 in self.mine
         self.model = model
         """This rank's chunks' modules under their global names (what the optimizer and checkpoints see)."""
-        self._schedules: dict[StepShape, object] = {}
+        self._schedules: dict[tuple[int, int, int, int], object] = {}
+        """By step shape (Stage.shape)."""
 
     def feed(self, micro_batches: list[Batch]) -> None:
         """This rank's micro-batches for the next pass, in the order the schedule runs them (the library
@@ -207,8 +196,9 @@ class Pipeline:
         first.images.clear()
         first.images.extend((placed_images(batch.grids, batch.starts), batch.patches) for batch in micro_batches)
 
-    def schedule(self, shape: StepShape):
-        if shape not in self._schedules:
+    def schedule(self, shape: Stage):
+        """The schedule of steps of this shape (a stage's, or an evaluation's rows at a stage's length)."""
+        if shape.shape not in self._schedules:
             stages = []
             for index in self.mine:
                 first, last = index == 0, index == self.num_stages - 1
@@ -221,6 +211,6 @@ class Pipeline:
             name = self.cfg.parallel.pipeline_schedule
             schedule_cls = Paired1F1B if self.cfg.parallel.overlap_micro_batches else SCHEDULES[name]
             target = stages if name in MULTI_STAGE or self.cfg.parallel.overlap_micro_batches else stages[0]
-            self._schedules[shape] = schedule_cls(target, shape.micro_batches, loss_fn=self.loss_fn,
+            self._schedules[shape.shape] = schedule_cls(target, shape.micro_batches, loss_fn=self.loss_fn,
                                                   scale_grads=False)
-        return self._schedules[shape]
+        return self._schedules[shape.shape]

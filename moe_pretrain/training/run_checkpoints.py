@@ -18,6 +18,7 @@ from moe_pretrain import checkpoint
 from moe_pretrain.config import Config
 from moe_pretrain.data.prefetch import BatchPrefetcher
 from moe_pretrain.training.state import TrainingState
+from moe_pretrain.training.step_hooks import StepHook
 from parallel.collectives import all_reduce_max
 from parallel.state import ParallelContext, new_host_group
 
@@ -37,6 +38,8 @@ class RunCheckpoints:
             else None
         self.last: Path | None = None
         """The newest committed checkpoint this run saved or resumed from."""
+        self.hooks: list[StepHook] = []
+        """The step hooks whose states the checkpoints keep (the trainer's, set once they are built)."""
 
     def _timeout(self) -> timedelta:
         largest = all_reduce_max(torch.tensor([self.state.state_bytes()], dtype=torch.float64, device=self.ctx.device),
@@ -49,6 +52,7 @@ class RunCheckpoints:
     def save(self) -> Path | None:
         """Save the state's step (synchronously, or start a background save); returns the committed directory."""
         self.state.data_position = self.batches.position
+        self.state.hook_states = {hook.name: state for hook in self.hooks if (state := hook.state_dict())}
         if self.async_saver is None:
             self.last = self.state.save(self.root)
             return self.last
@@ -91,6 +95,9 @@ class RunCheckpoints:
             return None
         if self.state.data_position:  # a model-only checkpoint (imported weights) starts the data afresh
             self.batches.load_state(self.state.data_position)
+        for hook in self.hooks:
+            if hook.name in self.state.hook_states:
+                hook.load_state_dict(self.state.hook_states[hook.name])
         self.state.restore_rng()
         log.info(f"checkpoint: resumed from {path} at step {self.state.step}")
         self.last = Path(path)

@@ -81,11 +81,11 @@ def run(trainer: Trainer) -> list[dict]:
             result = trainer.train_step()
             watchdog.end()
             record = trainer.metrics(result)
-            at_boundary = plan.stage_end_tokens is not None and trainer.tokens_seen == plan.stage_end_tokens
+            at_boundary = trainer.tokens_seen == stage.end_tokens
             if _evaluation_due(trainer, at_boundary):
-                record.update(evaluate(trainer.runner, trainer.validation, plan))
+                record.update(evaluate(trainer.runner, trainer.validation, stage))
                 if cfg.eval.long_context and (at_boundary or trainer.step == cfg.train.steps):
-                    record.update(evaluate_long_context(trainer.runner, trainer.validation, plan))
+                    record.update(evaluate_long_context(trainer.runner, trainer.validation, stage))
             if writer is not None:
                 writer.write(record)
             history.append(record)

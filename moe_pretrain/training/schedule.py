@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from moe_pretrain.config import Config, StageConfig
-from parallel.state import derive_micro_batches
+from moe_pretrain.config.stage import resolve_stages
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,12 @@ def stage_learning_rate(point: StagePoint) -> float:
 
 def plan(cfg: Config) -> list[dict]:
     """One row per stage: what the run will do."""
-    rows, start = [], 0
-    micro_batches, _ = derive_micro_batches(cfg)
-    for index, stage in enumerate(cfg.stages):
-        first = stage_learning_rate(stage_at(cfg.stages, start))
-        last = stage_learning_rate(stage_at(cfg.stages, start + stage.tokens - stage.batch_tokens))
-        rows.append({"stage": stage.name, "start_tokens": start, "tokens": stage.tokens, "steps": stage.steps,
-                     "seq_len": stage.seq_len, "batch_tokens": stage.batch_tokens, "sequences": stage.rows,
-                     "micro_batches": micro_batches[index], "lr_first": first, "lr_last": last})
-        start += stage.tokens
+    rows = []
+    for stage in resolve_stages(cfg):
+        first = stage_learning_rate(stage_at(cfg.stages, stage.start_tokens))
+        last = stage_learning_rate(stage_at(cfg.stages, stage.end_tokens - stage.batch_tokens))
+        rows.append({"stage": stage.name, "start_tokens": stage.start_tokens,
+                     "tokens": stage.end_tokens - stage.start_tokens, "steps": stage.steps, "seq_len": stage.seq_len,
+                     "batch_tokens": stage.batch_tokens, "sequences": stage.rows,
+                     "micro_batches": stage.micro_batches, "lr_first": first, "lr_last": last})
     return rows

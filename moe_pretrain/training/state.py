@@ -65,6 +65,8 @@ class TrainingState:
         self.tokens_seen = 0
         self.data_position: dict[str, Any] = {}
         """The data loader's position (PretrainingData.state()) as of the last save or load."""
+        self.hook_states: dict[str, Any] = {}
+        """The step hooks' states by name (training/step_hooks.py) as of the last save or load."""
         self.token_ids: dict[str, int] = {}
         """The data's special token ids by name (Vocabulary.special_ids), saved with every checkpoint so that an
         export can name them (the trainer sets them; an import takes the release's)."""
@@ -84,7 +86,8 @@ class TrainingState:
         layout = self.ctx.layout
         rng = self.rng if self.rng is not None else rng_states(self.ctx)
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data_position,
-                         "config": config_to_dict(self.cfg), "rng": rng, "token_ids": self.token_ids}
+                         "config": config_to_dict(self.cfg), "rng": rng, "token_ids": self.token_ids,
+                         "hooks": self.hook_states}
         info = {"tokens": self.tokens_seen, "layout": dataclasses.asdict(layout), "layout_text": layout.describe()}
         return self.tensors.state_dict(), trainer_state, info
 
@@ -154,6 +157,7 @@ class TrainingState:
         self.tensors.after_load(state["step"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.data_position = state["data"]
+        self.hook_states = state.get("hooks", {})
         self.rng = state.get("rng")
         return state
 

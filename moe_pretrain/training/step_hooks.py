@@ -1,25 +1,56 @@
 """The step's extras: what a training step runs around the optimizer update besides the update itself.
 
 Trainer.train_step calls every active hook at three points (and Trainer.metrics asks each for its figures), in
-the order step_hooks lists them: before_step (before the forward-backward), before_update (gradients reduced,
+the order HOOK_ORDER declares: before_step (before the forward-backward), before_update (gradients reduced,
 the update not yet applied) and after_update (after the update, or after the skip of a step whose loss or
-gradient norm is not finite).
-A new per-step update is a StepHook here and one line in step_hooks; the step itself does not change.
-(torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip decision.)
+gradient norm is not finite). A hook sees what its StepContext gives it, never the trainer: the model, the
+optimizer, this rank's place in the layout. A hook that carries state across steps returns it from
+state_dict, and the run's checkpoints keep it (training/state.py) and hand it back through load_state_dict.
+
+A new per-step update is a StepHook here, its name in HOOK_ORDER and a line in step_hooks; the step itself
+does not change. (torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip
+decision.)
 """
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from moe_pretrain.config import Config
 from moe_pretrain.fp8 import RECIPES, advance_amax_histories
 from moe_pretrain.model.qk_clip import clip_heads, start_recording
+from moe_pretrain.training.step_telemetry import StepTelemetry
 from parallel.collectives import all_reduce_max
-from parallel.state import ranks_per_node
+from parallel.optimizer import ShardedOptimizer
+from parallel.state import ParallelContext, ranks_per_node
 from parallel.stragglers import StragglerCheck
+
+HOOK_ORDER = ("save_fence", "qk_clip", "amax_histories", "straggler_windows", "balancing")
+"""The order the hooks run in at every point. The save fence comes first: a background save's copy must be
+complete before any hook or the update changes a tensor. QK-clip scales the updated weights before the
+balancers move the routers' biases, which read none of them; the FP8 histories close the step whatever it
+did; the straggler check only reads the step's figures."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a hook may read and act on: this rank's model (its parameters, modules and buffers), its optimizer
+    (to finish the parameter gathers before touching a weight, and to scale rows of one with its shards) and
+    its place in the layout (groups, device)."""
+
+    model: nn.Module
+    optimizer: ShardedOptimizer
+    parallel: ParallelContext
 
 
 class StepHook:
-    """Does nothing at every point; a hook overrides the points it acts at."""
+    """Does nothing at every point and keeps no state; a hook overrides what it acts at."""
+
+    name = ""
+    """Its entry in HOOK_ORDER, and its key in a checkpoint's hook states."""
 
     def before_step(self) -> None:
         pass
@@ -30,9 +61,16 @@ class StepHook:
     def after_update(self, skipped: bool) -> None:
         pass
 
-    def metrics(self) -> dict[str, float]:
-        """What the hook adds to the step's record (collective where it reduces: every rank calls it)."""
+    def metrics(self, step: int) -> dict[str, float]:
+        """What the hook adds to the record of step `step` (collective where it reduces: every rank calls it)."""
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the hook carries from step to step (JSON values), for the run's checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what state_dict gave, from a checkpoint of this run."""
 
 
 class QKClip(StepHook):
@@ -40,59 +78,68 @@ class QKClip(StepHook):
     the step; after the update the heads over the threshold are scaled, on the maxima reduced over the data x
     context parallel ranks (each saw its own rows and positions)."""
 
-    def __init__(self, trainer, threshold: float):
-        self.trainer, self.threshold = trainer, threshold
+    name = "qk_clip"
+
+    def __init__(self, step: StepContext, threshold: float):
+        self.step, self.threshold = step, threshold
         self.max_logits: torch.Tensor | None = None
         """The last step's maxima, this rank's MLA layers x heads (None: no MLA layer here)."""
 
     def before_step(self) -> None:
-        start_recording(self.trainer.model)
+        start_recording(self.step.model)
 
     def after_update(self, skipped: bool) -> None:
         if skipped:
             return
-        self.trainer.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
-        group = self.trainer.ctx.dp_group
-        self.max_logits = clip_heads(self.trainer.model, self.threshold, lambda m: all_reduce_max(m, group),
-                                     self.trainer.optimizer.scale_rows)
+        self.step.optimizer.finish_parameter_gathers()  # the clip scales the parameters every rank holds
+        group = self.step.parallel.dp_group
+        self.max_logits = clip_heads(self.step.model, self.threshold, lambda m: all_reduce_max(m, group),
+                                     self.step.optimizer.scale_rows)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, step: int) -> dict[str, float]:
         """The step's largest MLA attention logit over every layer and head (before the clip): a maximum over all
         ranks (a stage without MLA layers gives -inf)."""
         local = self.max_logits.max() if self.max_logits is not None else torch.tensor(float("-inf"))
-        ctx = self.trainer.ctx
-        group = dist.group.WORLD if ctx.distributed else None
-        return {"max_logit": all_reduce_max(local.reshape(1).to(self.trainer.device, torch.float64), group).item()}
+        parallel = self.step.parallel
+        group = dist.group.WORLD if parallel.distributed else None
+        return {"max_logit": all_reduce_max(local.reshape(1).to(parallel.device, torch.float64), group).item()}
 
 
 class AmaxHistories(StepHook):
     """precision.fp8=delayed: close the step for every amax history, reduced over the expert-data-parallel ranks
     (which hold the same experts); a skipped step records nothing, so no inf reaches a scale."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    name = "amax_histories"
+
+    def __init__(self, step: StepContext):
+        self.step = step
 
     def after_update(self, skipped: bool) -> None:
-        ctx = self.trainer.ctx
-        advance_amax_histories(self.trainer.model, ctx.edp_group if ctx.distributed else None, discard=skipped)
+        parallel = self.step.parallel
+        advance_amax_histories(self.step.model, parallel.edp_group if parallel.distributed else None,
+                               discard=skipped)
 
 
 class Balancing(StepHook):
     """The routers' biases move by their balancers after each update; a skipped step's statistics are dropped."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    name = "balancing"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
 
     def after_update(self, skipped: bool) -> None:
         if skipped:
-            self.trainer.model.discard_balancing()
+            self.model.discard_balancing()
         else:
-            self.trainer.model.update_balancing()
+            self.model.update_balancing()
 
 
 class SaveFence(StepHook):
     """checkpoint.async_save: a background save's copy of the state must be complete before the update
     changes the state."""
+
+    name = "save_fence"
 
     def __init__(self, saver):
         self.saver = saver
@@ -103,30 +150,39 @@ class SaveFence(StepHook):
 
 class StragglerWindows(StepHook):
     """logging.straggler: at the end of every window of logging.straggler.every steps, the ranks' figures (the
-    trainer's step telemetry) judged together (parallel/stragglers.py; its one all-gather: every rank calls
-    metrics every step); the step's record gets what it found."""
+    step telemetry's window) judged together (parallel/stragglers.py; its one all-gather: every rank calls
+    metrics every step); the step's record gets what it found. Its state: how many windows in a row each rank
+    and node was found slow, so a resumed run goes on counting."""
 
-    def __init__(self, trainer):
-        cfg = trainer.cfg
-        straggler = cfg.logging.straggler
-        self.trainer, self.every = trainer, straggler.every
-        self.check = StragglerCheck(trainer.ctx, ranks_per_node(cfg), straggler.threshold, straggler.windows,
-                                    cfg.train.run_dir, mark=straggler.action == "exclude")
+    name = "straggler_windows"
 
-    def metrics(self) -> dict[str, float]:
-        step = self.trainer.step
-        return self.check.check(step, self.trainer.telemetry.take()) if step % self.every == 0 else {}
+    def __init__(self, check: StragglerCheck, telemetry: StepTelemetry, every: int):
+        self.check, self.telemetry, self.every = check, telemetry, every
+
+    def metrics(self, step: int) -> dict[str, float]:
+        return self.check.check(step, self.telemetry.take()) if step % self.every == 0 else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.check.streaks.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check.streaks.load_state_dict(state)
 
 
-def step_hooks(trainer) -> list[StepHook]:
-    """The hooks the trainer's config turns on, in the order they run at each point."""
-    cfg, hooks = trainer.cfg, []
-    if trainer.checkpoints.async_saver is not None:
-        hooks.append(SaveFence(trainer.checkpoints.async_saver))
+def step_hooks(cfg: Config, step: StepContext, saver, telemetry: StepTelemetry) -> list[StepHook]:
+    """The hooks the config turns on, in HOOK_ORDER. saver: checkpoint.async_save's saver (None without);
+    telemetry: the trainer's step figures (on for the straggler check)."""
+    hooks: list[StepHook] = []
+    if saver is not None:
+        hooks.append(SaveFence(saver))
     if cfg.optim.qk_clip_threshold:
-        hooks.append(QKClip(trainer, cfg.optim.qk_clip_threshold))
+        hooks.append(QKClip(step, cfg.optim.qk_clip_threshold))
     if cfg.precision.fp8 != "off" and RECIPES[cfg.precision.fp8].delayed:  # only delayed scaling keeps histories
-        hooks.append(AmaxHistories(trainer))
-    if trainer.telemetry.on:
-        hooks.append(StragglerWindows(trainer))
-    return [*hooks, Balancing(trainer)]
+        hooks.append(AmaxHistories(step))
+    if telemetry.on:
+        straggler = cfg.logging.straggler
+        check = StragglerCheck(step.parallel, ranks_per_node(cfg), straggler.threshold, straggler.windows,
+                               cfg.train.run_dir, mark=straggler.action == "exclude")
+        hooks.append(StragglerWindows(check, telemetry, straggler.every))
+    hooks.append(Balancing(step.model))
+    return sorted(hooks, key=lambda hook: HOOK_ORDER.index(hook.name))

@@ -9,6 +9,7 @@ or an evaluation's sum), set by the runner itself for the length of that pass.
 """
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,43 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from moe_pretrain.config import Config
+from moe_pretrain.config.stage import Stage
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.patches import placed_images
+from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.mtp import mtp_labels
 from moe_pretrain.ops.host_values import data_values
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
-from moe_pretrain.training.pipeline import Pipeline, StepShape
+from moe_pretrain.training.pipeline import Pipeline
 from parallel.paired_passes import run_paired
-from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext
 from parallel.torch_compat import without_outputs
 from parallel.vocab_parallel_loss import VocabularySplit
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits of this rank's positions and vocabulary slice, their labels) -> a summed score (0-dim)."""
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the next optimizer step does: from the staged schedule, or from data.* / optim.* without one."""
-
-    seq_len: int
-    rows: int
-    micro_batches: int
-    lr: float
-    stage: str
-    stage_end_tokens: int | None
-    stage_index: int = 0
-    rope_theta: float = 0.0
-    cp: int = 1
-    """Context-parallel size of the step (a stage's, else parallel.cp)."""
-    recompute: str = "none"
-    cp_mla: str = "ulysses"
-    """MLA's exchange under context parallelism (parallel/context_parallel.mla_exchange, resolved)."""
-    saved_inputs: str = "device"
-    """Where full recomputation keeps the layers' inputs (model/saved_inputs.py)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +73,7 @@ class StepRunner:
         """The multi-token-prediction blocks' targets of a batch, [B, model.mtp.layers, T] (model/mtp.py)."""
         return mtp_labels(batch.labels, batch.doc_ids, self.cfg.model.mtp.layers)
 
-    def forward_backward(self, plan: StepPlan, batches: list[Batch], loss_tokens: torch.Tensor,
+    def forward_backward(self, stage: Stage, batches: list[Batch], loss_tokens: torch.Tensor,
                          ahead: AheadTargets | None = None) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches, every loss over the step's global count of loss
         tokens (each multi-token-prediction block's over its own, `ahead`'s, weighted by model.mtp.loss_weight);
@@ -113,12 +94,12 @@ class StepRunner:
 
         parts: list[torch.Tensor] = []
         if self.pipeline is not None:
-            self._run_pipeline(plan, batches, plan.rows, lambda *a: objective(*a, parts=parts, share=True), train=True,
-                               ahead=torch.cat(ahead.labels) if depth else None)
+            self._run_pipeline(stage, batches, stage.rows, lambda *a: objective(*a, parts=parts, share=True),
+                               train=True, ahead=torch.cat(ahead.labels) if depth else None)
             if not parts or not self.pipeline.holds_last or self.ctx.tp_rank != 0:
                 return torch.zeros(1 + depth, dtype=torch.float64, device=self.ctx.device)
             return torch.stack(parts).sum(0)
-        local = self.ctx.context(plan.cp).local
+        local = self.ctx.context(stage.cp).local
 
         def forward(index: int) -> torch.Tensor:
             """Micro-batch `index`'s forward, to the loss its backward starts from."""
@@ -145,19 +126,20 @@ class StepRunner:
         return torch.stack(parts).sum(0)
 
     @torch.no_grad()
-    def score(self, plan: StepPlan, batch: Batch, rows: int, scorer: Scorer) -> torch.Tensor:
-        """Forward only over this rank's rows of `rows` global ones (through the schedule with a pipeline):
+    def score(self, stage: Stage, batch: Batch, rows: int, scorer: Scorer) -> torch.Tensor:
+        """Forward only over this rank's rows of `rows` global ones at the stage's length and split (through the
+        schedule with a pipeline):
         the sum of scorer over them (float64 on the device; with a pipeline zero except on the last stage's
         first tensor rank)."""
         if self.pipeline is not None:
-            return self._run_pipeline(plan, batch.split(plan.micro_batches), rows,
+            return self._run_pipeline(stage, batch.split(stage.micro_batches), rows,
                                       lambda logits, labels, _: scorer(logits, labels), train=False)
         with self.autocast():
             logits, _ = self.model(batch.tokens, batch.doc_ids, batch.patches, batch.image_mask,
                                    placed_images(batch.grids, batch.starts))
-        return scorer(logits, self.ctx.context(plan.cp).local(batch.labels)).to(torch.float64)
+        return scorer(logits, self.ctx.context(stage.cp).local(batch.labels)).to(torch.float64)
 
-    def _run_pipeline(self, plan: StepPlan, micro_batches: list[Batch], rows: int, score, train: bool,
+    def _run_pipeline(self, stage: Stage, micro_batches: list[Batch], rows: int, score, train: bool,
                       ahead: torch.Tensor | None = None) -> torch.Tensor:
         """Run the schedule over this rank's micro-batches; `score(logits, labels, [(block logits, block
         labels)])` gives each one's loss (this rank's positions; the blocks' pairs only with multi-token
@@ -165,7 +147,6 @@ class StepRunner:
         on the last stage's first tensor rank, zero elsewhere (float64)."""
         pipeline = self.pipeline
         pipeline.feed(micro_batches)
-        shape = StepShape(plan.seq_len, rows, plan.micro_batches, plan.cp)
         with data_values():  # the library splits these back into the micro-batches: real rows in a dry run too
             tokens, image_mask, labels = (torch.cat([getattr(batch, name) for batch in micro_batches])
                                           for name in ("tokens", "image_mask", "labels"))
@@ -176,8 +157,8 @@ class StepRunner:
         target = (torch.cat([labels.unsqueeze(1), ahead], dim=1) if depth else labels) \
             if pipeline.holds_last else None
         losses: list[torch.Tensor] = []
-        schedule = pipeline.schedule(shape)
-        self._pipeline_pass = score, self.ctx.context(plan.cp).local
+        schedule = pipeline.schedule(dataclasses.replace(stage, rows=rows))
+        self._pipeline_pass = score, self.ctx.context(stage.cp).local
         try:
             with self.autocast(), reused_in_step():
                 if train:

@@ -22,10 +22,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain.config import Config, ConfigError
-from moe_pretrain.config.stage_settings import stage_settings
+from moe_pretrain.config.stage import Stage
 from moe_pretrain.data import IGNORE_INDEX, Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from moe_pretrain.data.validation import ValidationData
+from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
@@ -36,16 +37,14 @@ from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.peak_flops import peak_flops
 from moe_pretrain.training.run_checkpoints import RunCheckpoints
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
-from moe_pretrain.training.stage_switch import StageModules, StageSwitch
+from moe_pretrain.training.stage_switch import StageSwitch
 from moe_pretrain.training.state import TrainingState
-from moe_pretrain.training.step_hooks import step_hooks
-from moe_pretrain.training.step_runner import AheadTargets, StepPlan, StepRunner
+from moe_pretrain.training.step_hooks import StepContext, step_hooks
+from moe_pretrain.training.step_runner import AheadTargets, StepRunner
 from moe_pretrain.training.step_telemetry import StepTelemetry
 from moe_pretrain.training.wandb_run import check_wandb
 from parallel.collectives import all_reduce_sum
-from parallel.context_parallel import mla_exchange
 from parallel.optimizer import ShardedOptimizer
-from parallel.parallelize import DTYPES
 from parallel.state import ParallelContext, resolve_layout
 
 log = logging.getLogger(__name__)
@@ -77,6 +76,14 @@ def check_vocabulary(cfg: Config, data: PretrainingData) -> None:
                           f"data ({vocab.kind} tokenizer + {vocab.size - vocab.base_size} special tokens)")
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next optimizer step does: its stage and its learning rate (Trainer.step_plan)."""
+
+    stage: Stage
+    lr: float
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
 
@@ -89,7 +96,7 @@ class Trainer:
         machine's device; a dry run passes those of the GPU it plays)."""
         self.ctx = ctx or ParallelContext.single()
         self.layout = resolve_layout(cfg, self.ctx.layout.world_size)
-        """The checked layout with every step shape's micro-batch count (derived where the config leaves 0)."""
+        """The checked layout with the run's stages, resolved (config/stage.py)."""
         self.dtype = DTYPES[cfg.train.dtype]
         if kernels is None:  # a forced kernel this machine lacks: fail now
             kernels = resolve_kernels(cfg, self.ctx.device, self.dtype)
@@ -108,14 +115,16 @@ class Trainer:
         self.pipeline = self.runner.pipeline
         self.stage_switch = StageSwitch(self.state.model, self.ctx, cfg.train.recompute_exchanges)
         self.checkpoints = RunCheckpoints(cfg, self.ctx, self.state, self.batches)
-        self.stage_settings = stage_settings(cfg)
-        """Each stage's cp, cp_mla, recompute and saved_inputs with the run's defaults (config/stage_settings.py)."""
+        self._planned: tuple[tuple[int, int], StepPlan] | None = None
+        """The last plan made, with the (step, tokens_seen) it is for: a step's plan is made once (step_plan)."""
         self.telemetry = StepTelemetry(self.ctx, self.model, on=bool(cfg.logging.straggler.every)
                                        and self.ctx.distributed)
         """This rank's window of step figures (training/step_telemetry.py), on for the straggler check (a step
         hook: training/step_hooks.py)."""
-        self.hooks = step_hooks(self)
+        self.hooks = step_hooks(cfg, StepContext(self.model, self.optimizer, self.ctx),
+                                self.checkpoints.async_saver, self.telemetry)
         """What each step runs around its update besides it (training/step_hooks.py)."""
+        self.checkpoints.hooks = self.hooks
         self.skipped_total = self.skipped_in_a_row = 0
         self.mfu = StepMFU(cfg.model, peak_flops(cfg.logging.peak_tflops, self.device, self.dtype)
                            * self.ctx.layout.world_size)
@@ -152,42 +161,35 @@ class Trainer:
         self.state.tokens_seen = value
 
     def step_plan(self, step: int | None = None, tokens_seen: int | None = None) -> StepPlan:
-        """The plan of the step after `step` steps and `tokens_seen` tokens (default: the next one)."""
+        """The plan of the step after `step` steps and `tokens_seen` tokens (default: the next one). Made once a
+        step: the step's plan is the one made while its batches were prepared ahead."""
+        key = (self.step if step is None else step, self.tokens_seen if tokens_seen is None else tokens_seen)
+        if self._planned is None or self._planned[0] != key:
+            self._planned = key, self._plan(*key)
+        return self._planned[1]
+
+    def _plan(self, step: int, tokens_seen: int) -> StepPlan:
         cfg = self.cfg
-        step = self.step if step is None else step
-        tokens_seen = self.tokens_seen if tokens_seen is None else tokens_seen
         if not cfg.stages:
-            s = self.stage_settings[0]
-            return StepPlan(cfg.data.seq_len, cfg.data.batch_size, self.layout.micro_batches[0],
-                            learning_rate(step, cfg.train.steps, cfg.optim), "main", None, cp=s.cp,
-                            recompute=s.recompute, cp_mla=self._mla_exchange(s.cp_mla, s.cp),
-                            saved_inputs=s.saved_inputs)
+            return StepPlan(self.layout.stages[0], learning_rate(step, cfg.train.steps, cfg.optim))
         point = stage_at(cfg.stages, tokens_seen)
-        stage, s = point.stage, self.stage_settings[point.index]
-        return StepPlan(stage.seq_len, stage.rows, self.layout.micro_batches[point.index],
-                        stage_learning_rate(point), stage.name, point.end_tokens, point.index, stage.rope_theta,
-                        s.cp, s.recompute, self._mla_exchange(s.cp_mla, s.cp), s.saved_inputs)
+        return StepPlan(self.layout.stages[point.index], stage_learning_rate(point))
 
-    def _mla_exchange(self, method: str, cp: int) -> str:
-        return mla_exchange(method, cp, self.cfg.model.mla.num_heads // self.cfg.parallel.tp)
-
-    def _batch_request(self, plan: StepPlan) -> BatchRequest:
-        """This rank's rows of the plan's batches; only ranks that embed images read their pixels."""
-        data_parallel = self.ctx.context(plan.cp)
+    def _batch_request(self, stage: Stage) -> BatchRequest:
+        """This rank's rows of the stage's batches; only ranks that embed images read their pixels."""
+        data_parallel = self.ctx.context(stage.cp)
         with_patches = self.pipeline is None or self.pipeline.holds_first
-        return BatchRequest(plan.stage_index, plan.rows // plan.micro_batches, plan.micro_batches,
-                            data_parallel.dp_rank, data_parallel.dp_size, with_patches)
+        return BatchRequest(stage, data_parallel.dp_rank, data_parallel.dp_size, with_patches)
 
-    def _next_micro_batches(self, plan: StepPlan) -> tuple[list[Batch], float]:
+    def _next_micro_batches(self, stage: Stage) -> tuple[list[Batch], float]:
         """This step's batches and the keys a query of theirs attends to (counted on the host, before they
         move to the device), then the next step's started in the background (unless this is the last)."""
         with data_values():  # real batches in a dry run as well
-            batches = self.batches.take(self._batch_request(plan))
+            batches = self.batches.take(self._batch_request(stage))
             keys = attended_keys(torch.cat([batch.doc_ids for batch in batches]))
             if self.step + 1 < (self.cfg.train.exit_at_step or self.cfg.train.steps):
-                step_tokens = plan.rows * plan.seq_len
-                self.batches.prepare_ahead(self._batch_request(self.step_plan(self.step + 1,
-                                                                              self.tokens_seen + step_tokens)))
+                ahead = self.step_plan(self.step + 1, self.tokens_seen + stage.batch_tokens)
+                self.batches.prepare_ahead(self._batch_request(ahead.stage))
             return [batch.to(self.device) for batch in batches], keys
 
     def train_step(self) -> StepResult:
@@ -203,12 +205,12 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         plan = self.step_plan()
-        self.stage_switch.apply(StageModules(plan.cp, plan.cp_mla, plan.recompute, plan.saved_inputs,
-                                             plan.rope_theta or cfg.model.mla.rope_theta))
-        batches, keys = self._next_micro_batches(plan)
+        stage = plan.stage
+        self.stage_switch.apply(stage)
+        batches, keys = self._next_micro_batches(stage)
         # Scalars stay on the device until the step's one host read below. Under context parallelism each
         # rank counts (and later scores) only its own positions.
-        local = ctx.context(plan.cp).local
+        local = ctx.context(stage.cp).local
         local_tokens = torch.stack([(local(b.labels) != IGNORE_INDEX).sum() for b in batches])
         loss_tokens = all_reduce_sum(local_tokens.sum(), ctx.dp_group).clamp_min(1)
         ahead = None
@@ -223,7 +225,7 @@ class Trainer:
         for hook in self.hooks:
             hook.before_step()
         with self.telemetry.part("forward_backward"):
-            sums = self.runner.forward_backward(plan, batches, loss_tokens, ahead)
+            sums = self.runner.forward_backward(stage, batches, loss_tokens, ahead)
         if self.pipeline is None:
             sums = all_reduce_sum(sums, ctx.dp_group)
             loss = sums[0] / loss_tokens
@@ -247,10 +249,9 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
         self.step += 1
-        step_tokens = plan.rows * plan.seq_len
-        self.tokens_seen += step_tokens
-        return StepResult(loss_value, grad_norm, lr, step_tokens, time.perf_counter() - start, plan.seq_len,
-                          plan.stage, skipped, plan.cp, self.batches.wait_s, tuple(mtp_losses), keys)
+        self.tokens_seen += stage.batch_tokens
+        return StepResult(loss_value, grad_norm, lr, stage.batch_tokens, time.perf_counter() - start, stage.seq_len,
+                          stage.name, skipped, stage.cp, self.batches.wait_s, tuple(mtp_losses), keys)
 
     def _count_skip(self, loss: float, grad_norm: float) -> None:
         self.skipped_total += 1
@@ -284,7 +285,7 @@ class Trainer:
             "data_wait_s": result.data_wait_s,
             "moe": self._moe_stats(),
             **({"mtp_loss": list(result.mtp_losses)} if result.mtp_losses else {}),
-            **{key: value for hook in self.hooks for key, value in hook.metrics().items()},
+            **{key: value for hook in self.hooks for key, value in hook.metrics(self.step).items()},
         }
 
     def _records_loads(self) -> bool:

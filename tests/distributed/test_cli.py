@@ -11,9 +11,10 @@ import torch
 
 from launch import plan, train
 from moe_pretrain.config import EX_CONFIG, ConfigError, load_config
+from moe_pretrain.config.stage import derived_micro_batches, resolve_stages
 from moe_pretrain.log import LEVEL_ENV, PACKAGES, setup_logging
 from moe_pretrain.planning import sizing
-from parallel.state import derive_micro_batches, init_parallel, resolve_layout
+from parallel.state import init_parallel, resolve_layout
 from tests.models import TINY
 
 PY = sys.executable
@@ -125,17 +126,19 @@ def test_one_process_uses_the_same_device_rule_as_many(monkeypatch):
 def test_micro_batches_are_derived_when_unset(world, layout, batch, expected):
     cfg = load_config("configs/smoke.yaml", [*TINY, *layout, f"data.batch_size={batch}", "model.num_layers=6"])
     assert cfg.data.micro_batches == 0
-    counts, chosen = derive_micro_batches(cfg)
-    assert counts == (expected,) and chosen and f"data.micro_batches={expected}" in chosen[0]
-    assert resolve_layout(cfg, world).micro_batches == (expected,)  # valid
+    chosen = derived_micro_batches(cfg)
+    assert [stage.micro_batches for stage in resolve_stages(cfg)] == [expected]
+    assert chosen and f"data.micro_batches={expected}" in chosen[0]
+    assert [stage.micro_batches for stage in resolve_layout(cfg, world).stages] == [expected]  # valid
     assert cfg.data.micro_batches == 0  # the config is read, not changed
 
 
 def test_micro_batches_for_stages_and_when_none_fits():
     stages = "stages=[{tokens: 64, seq_len: 8, batch_tokens: 32}, {tokens: 64, seq_len: 16, batch_tokens: 64}]"
     cfg = load_config("configs/full.yaml", ["parallel.pp=4", stages, "train.steps=3"])
-    assert derive_micro_batches(cfg) == ((4, 4), [f"stages[{i}].micro_batches=4 (the smallest count for "
-                                                  "parallel.pp=4: one round)" for i in (0, 1)])
+    assert [stage.micro_batches for stage in resolve_stages(cfg)] == [4, 4]
+    assert derived_micro_batches(cfg) == [f"stages[{i}].micro_batches=4 (the smallest count for parallel.pp=4: one "
+                                          "round)" for i in (0, 1)]
     odd = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.batch_size=3"])
     with pytest.raises(ConfigError, match=r"data.batch_size=3 must be divisible by data-parallel size 1 x "
                                           r"data.micro_batches=2"):
@@ -144,6 +147,6 @@ def test_micro_batches_for_stages_and_when_none_fits():
 
 def test_an_explicit_micro_batch_count_is_kept_and_checked():
     cfg = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.micro_batches=1"])
-    assert derive_micro_batches(cfg) == ((1,), [])
+    assert resolve_stages(cfg)[0].micro_batches == 1 and derived_micro_batches(cfg) == []
     with pytest.raises(ConfigError, match=r"data\.micro_batches=1 must be a multiple of parallel\.pp=2"):
         resolve_layout(cfg, 2)

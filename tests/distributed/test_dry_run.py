@@ -15,6 +15,8 @@ import torch.distributed as dist
 from gpu_kernels.fast_paths import resolve_for_gpu
 from launch.local import run_distributed
 from moe_pretrain.config import Config, StageConfig, load_config
+from moe_pretrain.config.stage import resolve_stages
+from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.dry_run import role_ranks, traced_step
@@ -22,8 +24,7 @@ from moe_pretrain.planning.plan_step_time import column_seconds, plan_groups
 from moe_pretrain.planning.plan_vs_dry_run import plan_of_traced_step
 from moe_pretrain.planning.stage_memory import RunLayout
 from parallel.collectives import gather_objects
-from parallel.parallelize import DTYPES
-from parallel.state import derive_micro_batches, destroy_parallel, init_parallel
+from parallel.state import destroy_parallel, init_parallel
 
 BASE = ["train.dtype=bfloat16", "data.prefetch=false", "eval.every=0", "logging.progress=false",
         "train.run_dir=/nonexistent", "cluster.gpus_per_node=2"]
@@ -64,7 +65,7 @@ def planned_ranks(cfg: Config, traced: list[tuple[int, int]]) -> dict[tuple[int,
     """The plan of the unstaged run as its one stage, priced at the documents each traced rank ran: by (cp rank,
     dp rank), each pipeline rank's row (MemoryPlanner.stage)."""
     batch = cfg.data.batch_size * cfg.data.seq_len
-    micro_batches = derive_micro_batches(cfg)[0][0]
+    micro_batches = resolve_stages(cfg)[0].micro_batches
     stage = StageConfig(name="run", tokens=batch * cfg.train.steps, seq_len=cfg.data.seq_len, batch_tokens=batch,
                         micro_batches=micro_batches)
     p = cfg.parallel
@@ -175,7 +176,8 @@ def test_the_op_census_counts_products_and_launches_by_their_shapes():
 
 def test_collectives_take_the_link_they_cross_and_only_the_optimizers_overlap():
     from moe_pretrain.config import ClusterConfig
-    from moe_pretrain.planning.step_time import GPUS, collective_seconds, predict
+    from moe_pretrain.gpus import GPUS
+    from moe_pretrain.planning.step_time import collective_seconds, predict
 
     cluster = ClusterConfig(gpus_per_node=8, nvlink_gb_s=400.0, nic_gb_s=50.0)
     gb = 10**9
@@ -202,19 +204,18 @@ def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_
     a step and the waits for the optimizer's traffic once, then the 1F1B bubble of pp 2 (one micro-batch slot in
     8). The MFU's attention follows the traced documents: between queries that saw 40 keys and 8, each MLA
     layer's model FLOPs differ by 3 x 2 x heads x (qk + v head dims) x 32 a token."""
+    from moe_pretrain.gpus import GPUS
     from moe_pretrain.planning.plan_step_time import traced_stage_step
-    from moe_pretrain.planning.stage_memory import StageLayout
-    from moe_pretrain.planning.step_time import GPUS
 
     cfg = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml"])
-    stage, gpu = cfg.stages[0], GPUS["h200"]
+    stage, gpu = dataclasses.replace(resolve_stages(cfg)[0], cp=1, recompute="none", micro_batches=8), GPUS["h200"]
     mfu = {}
     for keys in (40.0, 8.0):
         traces = [{"micro_batches": 2, "compute_s": 1.0, "compute_once_s": 0.2, "attended_keys": keys,
                    "exposed_s": {"ep": 0.5, "dp": 0.25}, "exposed_paired_s": {}, "pairs": 0},
                   {"micro_batches": 2, "compute_s": 0.5, "compute_once_s": 0.1, "attended_keys": keys,
                    "exposed_s": {}, "exposed_paired_s": {}, "pairs": 0}]
-        step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), traces, gpu)
+        step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, traces, gpu)
         slowest = (1.0 - 0.2) * 4 + 0.2 + 0.5 * 4 + 0.25
         assert step.rank_step_s == pytest.approx([slowest, (0.5 - 0.1) * 4 + 0.1])
         assert step.step_s == pytest.approx(slowest * (1 + 1 / 8))
@@ -230,7 +231,7 @@ def test_a_traced_cut_step_scales_to_the_stages_micro_batches_and_waits_out_the_
     # pairs; at 8 micro-batches it runs 6, and the same 2 warm-up forwards and 2 cool-down backwards.
     paired = {"micro_batches": 4, "compute_s": 1.0, "compute_once_s": 0.2, "attended_keys": 8.0,
               "exposed_s": {"ep": 0.5, "dp": 0.25}, "exposed_paired_s": {"ep": 0.3}, "pairs": 2}
-    step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, StageLayout(1, "none", 8), [paired], gpu)
+    step = traced_stage_step(cfg, RunLayout(8, 1, 2, 2), stage, [paired], gpu)
     assert step.rank_step_s == pytest.approx([(1.0 - 0.2) * 2 + 0.2 + 0.2 + 0.3 * 3 + 0.25])
 
 

@@ -210,9 +210,9 @@ def overlap_worker(rank, world_size, chunks):
     """One exchange of 64 tokens in `chunks` chunks, forward then backward, each laid out on the dry run's
     timeline (planning/timeline.py): (ep time on its links, ep time the compute waited for) per pass."""
     from moe_pretrain.config import ClusterConfig
+    from moe_pretrain.gpus import GPUS
     from moe_pretrain.planning.collective_traffic import CollectiveTraffic
     from moe_pretrain.planning.op_census import OpCensus
-    from moe_pretrain.planning.step_time import GPUS
     from moe_pretrain.planning.timeline import Timeline
     from parallel.collectives import watching_waits
 

@@ -28,8 +28,8 @@ from moe_pretrain.checkpoint.kimi_k3_config import release_config
 from moe_pretrain.config import load_config
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.data.patches import placed_images
+from moe_pretrain.model.meta import meta_model
 from moe_pretrain.training import Trainer
-from parallel.parallelize import meta_model
 from tests.checkpoints_cli import config_file_of, tool
 from tests.models import MXFP4_TINY, tiny_config
 
@@ -113,7 +113,7 @@ def test_full_size_names_and_shapes_are_the_released_layout():
     # Every released tensor is made from one of ours, shapes agreeing, and every one of ours is in the layout
     # (the vision tower and projector too: the release's 168 vision tensors, under its names), but for the
     # multi-token-prediction block, which the release does not carry (num_nextn_predict_layers 0).
-    model, _ = meta_model(cfg)
+    model = meta_model(cfg.model)
     ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for t in tensors:
         shape = ours[t.ours][1:] if t.expert is not None else ours[t.ours]

@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from launch.local import run_distributed
+from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.data import PretrainingData
+from moe_pretrain.model.meta import meta_model
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.pipeline import StepShape, stage_boundaries
-from parallel.parallelize import gather_full_state, meta_model
+from moe_pretrain.training.pipeline import stage_boundaries
+from parallel.parallelize import gather_full_state
 from parallel.plan import pipeline_chunks
 from parallel.state import ParallelContext, ParallelLayout, destroy_parallel, init_parallel
 from tests.helpers import rel_rms
@@ -161,7 +163,7 @@ def test_image_batches_hold_several_sizes(tmp_path):
     data = PretrainingData(layout_config(tmp_path, "float64", *IMAGES))
     grids = [grid for _ in range(STEPS) for grid in data.next_batch(8).image_grids]
     assert len({(h, w) for _, h, w in grids}) >= 3 and len(grids) >= 8, grids
-    model, _ = meta_model(layout_config(tmp_path, "float64", *IMAGES))
+    model = meta_model(layout_config(tmp_path, "float64", *IMAGES).model)
     vision = [name for name, _ in model.named_parameters() if name.startswith(("vision_tower.", "mm_projector."))]
     assert len(vision) == 12  # one block of 6 weights, patch and position embeddings, final norm; projector 3
 
@@ -229,7 +231,7 @@ def test_pipeline_boundaries_carry_only_what_the_receiver_differentiates(split):
     cfg = tiny_config("parallel.pp=2", "parallel.vpp=2", f"parallel.pipeline_layers={split}".replace(" ", ""),
                       "parallel.pipeline_schedule=interleaved_1f1b", "data.micro_batches=4", "data.batch_size=8")
     ctx = ParallelContext(ParallelLayout(world_size=2, pp=2, vpp=2))
-    shape = StepShape(cfg.data.seq_len, cfg.data.batch_size, 4)
+    shape = resolve_stages(cfg)[0]
     chunks = pipeline_chunks(cfg)
     ends = [stage_boundaries(cfg, ctx, shape, layers, i == 0, i == len(chunks) - 1, torch.float32, torch.bfloat16)
             for i, layers in enumerate(chunks)]

@@ -228,15 +228,17 @@ def test_plan_moves_the_saved_inputs_where_the_stage_says(monkeypatch):
     from dataclasses import replace
 
     from moe_pretrain.config import load_config
+    from moe_pretrain.config.stage import resolve_stages
+    from moe_pretrain.gpus import GPUS
     from moe_pretrain.planning import stage_memory
-    from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+    from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout
 
     cfg = load_config(["configs/full.yaml", "configs/stages/full.yaml"])
     planner, run = MemoryPlanner(cfg), RunLayout(2048, 4, 4, 128)
-    stage, layout = cfg.stages[3], stage_layouts_of(cfg)[3]
+    stage = resolve_stages(cfg)[3]
     # One pipeline rank under every policy (the first: the most micro-batches in flight); the worst rank may
     # differ between policies.
-    first = {policy: planner.stage(run, stage, replace(layout, saved_inputs=policy))["first"]
+    first = {policy: planner.stage(run, replace(stage, saved_inputs=policy))["first"]
              for policy in ("device", "host", "fp8")}
     device, host, fp8 = first["device"], first["host"], first["fp8"]
     moved = host["host_bytes"]
@@ -244,7 +246,7 @@ def test_plan_moves_the_saved_inputs_where_the_stage_says(monkeypatch):
     # The host policy frees what it moved but its prefetch window of layers' inputs (kept on the device).
     assert 0 < device["total_bytes"] - host["total_bytes"] < moved
     assert device["total_bytes"] - fp8["total_bytes"] == pytest.approx(moved * (1 - (1 + 4 / 128) / 2), rel=1e-9)
-    gpu = stage_memory.GPU_BYTES["h200"]
-    assert planner.fits(run, stage, replace(layout, saved_inputs="host"), gpu) is not None
+    gpu = GPUS["h200"].memory_bytes
+    assert planner.fits(run, replace(stage, saved_inputs="host"), gpu) is not None
     monkeypatch.setattr(stage_memory, "HOST_BYTES_PER_GPU", moved / 2)
-    assert planner.fits(run, stage, replace(layout, saved_inputs="host"), gpu) is None
+    assert planner.fits(run, replace(stage, saved_inputs="host"), gpu) is None

@@ -15,10 +15,11 @@ import pytest
 import yaml
 
 from moe_pretrain.config import load_config
+from moe_pretrain.config.stage import resolve_stages
+from moe_pretrain.gpus import GPUS
 from moe_pretrain.planning.fastest_layouts import fastest_layouts
 from moe_pretrain.planning.plan_step_time import traced_stage_step
-from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
-from moe_pretrain.planning.step_time import GPUS
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout
 
 FILES = ["--config", "configs/smoke.yaml", "--config", "configs/stages/tiny.yaml"]
 SAME = ("step_s", "compute_s", "flops", "launches", "peak_bytes", "collectives", "exposed_s")
@@ -57,8 +58,8 @@ def test_the_traced_ranking_plays_the_plans_fastest_as_their_config_layers_say(t
     chosen = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml", str(layer)])
     stage = [s.name for s in chosen.stages].index(winner["stage"])
     p = chosen.parallel
-    step = traced_stage_step(chosen, RunLayout(8, p.tp, p.pp, p.ep, p.vpp), chosen.stages[stage],
-                             stage_layouts_of(chosen)[stage], alone, GPUS["h200"])
+    step = traced_stage_step(chosen, RunLayout(8, p.tp, p.pp, p.ep, p.vpp), resolve_stages(chosen)[stage], alone,
+                             GPUS["h200"])
     assert step.step_s == pytest.approx(winner["step_s"], rel=1e-12)
     assert step.mfu == pytest.approx(winner["mfu"], rel=1e-12)
 

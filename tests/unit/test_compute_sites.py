@@ -4,12 +4,12 @@ line that made its node, so a module's launches are its own whatever runs around
 import torch
 from torch import nn
 
+from moe_pretrain.gpus import GPUS
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.init import initialize
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.planning.compute_sites import ComputeSites
 from moe_pretrain.planning.op_census import OpCensus
-from moe_pretrain.planning.step_time import GPUS
 
 
 def filed(run, leaves: list[torch.Tensor]) -> tuple[dict[str, list], int]:

@@ -2,33 +2,33 @@
 
 import torch
 
+from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.data import Batch, PretrainingData
 from moe_pretrain.data.prefetch import BatchPrefetcher, BatchRequest
 from tests.models import tiny_config
 
 FIELDS = ("tokens", "labels", "doc_ids", "image_mask", "patches")
-# Stage 0 packs 128-token rows, stage 1 256-token rows: (stage, global rows per micro-batch) per step.
-STEPS = [(0, 8), (0, 8), (0, 8), (1, 4), (1, 4), (1, 4)]
 MICRO_BATCHES = 2
+CONFIG = tiny_config(
+    "data.image_fraction=0.3", "data.text_doc_bytes=256", "train.steps=6",
+    f"stages=[{{name: a, tokens: 6144, seq_len: 128, batch_tokens: 2048, micro_batches: {MICRO_BATCHES}}}, "
+    f"{{name: b, tokens: 6144, seq_len: 256, batch_tokens: 2048, micro_batches: {MICRO_BATCHES}}}]")
+STAGES = resolve_stages(CONFIG)
+# Stage 0 packs 128-token rows (8 a micro-batch), stage 1 256-token rows (4 a micro-batch).
+STEPS = [STAGES[0]] * 3 + [STAGES[1]] * 3
 
 
 def staged_data() -> PretrainingData:
-    return PretrainingData(tiny_config(
-        "data.image_fraction=0.3", "data.text_doc_bytes=256", "train.steps=6",
-        "stages=[{name: a, tokens: 6144, seq_len: 128, batch_tokens: 2048}, "
-        "{name: b, tokens: 6144, seq_len: 256, batch_tokens: 2048}]"))
+    return PretrainingData(CONFIG)
 
 
 def take(prefetchers: list[BatchPrefetcher], step: int) -> list[list[Batch]]:
     """Every rank's micro-batches of `step`, each rank then preparing the next step in the background."""
-    stage, rows = STEPS[step]
     taken = []
     for shard, prefetcher in enumerate(prefetchers):
-        taken.append(prefetcher.take(BatchRequest(stage, rows, MICRO_BATCHES, shard, len(prefetchers), True)))
+        taken.append(prefetcher.take(BatchRequest(STEPS[step], shard, len(prefetchers), True)))
         if step + 1 < len(STEPS):
-            stage_next, rows_next = STEPS[step + 1]
-            prefetcher.prepare_ahead(BatchRequest(stage_next, rows_next, MICRO_BATCHES, shard, len(prefetchers),
-                                                  True))
+            prefetcher.prepare_ahead(BatchRequest(STEPS[step + 1], shard, len(prefetchers), True))
     return taken
 
 
@@ -70,7 +70,7 @@ def test_a_position_saved_while_the_next_step_is_prepared_is_the_taken_one():
     direct = BatchPrefetcher(staged_data(), background=False)
     take([direct], 0)
     take([direct], 1)  # where `running` is, with step 2 (stage 0) prepared ahead
-    other = BatchRequest(1, 4, MICRO_BATCHES, 0, 1, True)
+    other = BatchRequest(STAGES[1], 0, 1, True)
     a, b = running.take(other), direct.take(other)
     assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b))
     assert running.position == direct.position

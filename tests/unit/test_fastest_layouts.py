@@ -7,11 +7,14 @@ run layout is tried instead: every cp, recomputation, saved-input place, exchang
 allow. The fastest days found that way must be the search's, and the search's winner must fit.
 """
 
+import dataclasses
 import itertools
 
 import pytest
 
 from moe_pretrain.config import load_config
+from moe_pretrain.config.stage import resolve_stages
+from moe_pretrain.gpus import GPUS
 from moe_pretrain.planning.fastest_layouts import fastest_layouts
 from moe_pretrain.planning.plan_step_time import planned_step
 from moe_pretrain.planning.stage_memory import (
@@ -19,9 +22,7 @@ from moe_pretrain.planning.stage_memory import (
     RECOMPUTE_ORDER,
     SAVED_INPUTS_ORDER,
     MemoryPlanner,
-    StageLayout,
 )
-from moe_pretrain.planning.step_time import GPUS
 
 GPU_BYTES = 0.2e9
 
@@ -37,10 +38,11 @@ def every_fitting_step(planner: MemoryPlanner, run, stage) -> list[float]:
                 range(1, stage.rows // rows + 1), RECOMPUTE_ORDER, SAVED_INPUTS_ORDER, ("ulysses", "latent")):
             if saved != "device" and recompute != "full":
                 continue
-            layout = StageLayout(cp, recompute, micro, mla, saved)
-            result = planner.fits(run, stage, layout, GPU_BYTES, HEADROOM)
+            candidate = dataclasses.replace(stage, cp=cp, recompute=recompute, micro_batches=micro, cp_mla=mla,
+                                            saved_inputs=saved)
+            result = planner.fits(run, candidate, GPU_BYTES, HEADROOM)
             if result is not None:
-                found.append(planned_step(planner.cfg, run, stage, layout, result["ranks"], GPUS["h200"],
+                found.append(planned_step(planner.cfg, run, candidate, result["ranks"], GPUS["h200"],
                                           planner.cfg.cluster).days)
     return found
 
@@ -53,13 +55,13 @@ def test_the_fastest_layout_is_the_fastest_of_every_layout_that_fits():
     planner = MemoryPlanner(cfg)  # a fresh one: the brute force shares no cache with the search
     best = None
     for run in planner.run_layouts(8):
-        per_stage = [every_fitting_step(planner, run, stage) for stage in cfg.stages]
+        per_stage = [every_fitting_step(planner, run, stage) for stage in resolve_stages(cfg)]
         if all(per_stage):
             days = sum(min(steps) for steps in per_stage)
             best = days if best is None else min(best, days)
     assert ranked[0].days == pytest.approx(best, rel=1e-12)
     winner = ranked[0]
-    for stage, (layout, _) in zip(cfg.stages, winner.stages, strict=True):
-        assert planner.fits(winner.run, stage, layout, GPU_BYTES, HEADROOM) is not None
+    for stage, _ in winner.stages:
+        assert planner.fits(winner.run, stage, GPU_BYTES, HEADROOM) is not None
     # Not the smallest layout that fits (propose's: tp=1 pp=1 ep=8, tests/distributed/test_stages.py).
     assert (winner.run.tp, winner.run.pp) != (1, 1)

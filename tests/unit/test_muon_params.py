@@ -6,14 +6,14 @@ import re
 import torch
 
 from moe_pretrain.config import load_config
+from moe_pretrain.model.meta import meta_model
 from moe_pretrain.ops.newton_schulz import muon_update
 from moe_pretrain.training.muon_params import MuonRule, as_matrices, muon_rule
-from parallel.parallelize import meta_model
 
 
 def test_full_size_rules():
     cfg = load_config("configs/full.yaml")
-    model, _ = meta_model(cfg)
+    model = meta_model(cfg.model)
     rules = {re.sub(r"\.\d+\.", ".N.", name): muon_rule(name, p, cfg.model) for name, p in model.named_parameters()}
     adamw = sorted(name for name, rule in rules.items() if rule is None and not name.startswith("mtp."))
     per_head = {name: rule.head_rows for name, rule in rules.items() if rule and rule.head_rows}

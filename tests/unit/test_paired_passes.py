@@ -127,16 +127,17 @@ def test_the_plan_holds_one_micro_batch_more_in_flight_when_paired():
     from dataclasses import replace
 
     from moe_pretrain.config import load_config
-    from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout, stage_layouts_of
+    from moe_pretrain.config.stage import resolve_stages
+    from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout
 
     flights = {}
     for paired in (False, True):
         cfg = load_config(["configs/full.yaml", "configs/stages/full.yaml"],
                           [f"parallel.overlap_micro_batches={str(paired).lower()}"])
-        layout = stage_layouts_of(cfg)[0]
+        stage = resolve_stages(cfg)[0]
         for micro_batches in (64, 4):
-            ranks = MemoryPlanner(cfg).stage(RunLayout(2048, 4, 4, 128), cfg.stages[0],
-                                             replace(layout, micro_batches=micro_batches))["ranks"]
+            ranks = MemoryPlanner(cfg).stage(RunLayout(2048, 4, 4, 128),
+                                             replace(stage, micro_batches=micro_batches))["ranks"]
             flights[paired, micro_batches] = [rank["in_flight"] for rank in ranks]
     assert flights[False, 64] == [4, 3, 2, 1] and flights[True, 64] == [5, 4, 3, 2]
     assert flights[True, 4] == [4, 4, 3, 2]

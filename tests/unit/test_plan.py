@@ -4,7 +4,8 @@ placed by a rule or declared replicated, and a renamed module is caught (not sil
 import pytest
 
 from moe_pretrain.config import load_config
-from parallel.parallelize import build_model, meta_model
+from moe_pretrain.model.meta import meta_model
+from parallel.parallelize import build_model, describe_parameters
 from parallel.plan import MODEL_PLAN, REPLICATED, ShardingPlan
 from tests.models import tiny_config
 
@@ -12,7 +13,7 @@ from tests.models import tiny_config
 @pytest.fixture(scope="module")
 def full_size_names() -> list[str]:
     """Every parameter of configs/full.yaml's model (built on the meta device: every component is there)."""
-    _, parameters = meta_model(load_config("configs/full.yaml"))
+    parameters = describe_parameters(meta_model(load_config("configs/full.yaml").model))
     return list(parameters)
 
 

@@ -1,6 +1,8 @@
 """parallel/stragglers.judge on given window figures: who is named, after how many windows, and who is not; and
 the names the step telemetry reports blocked time under."""
 
+import json
+
 from moe_pretrain.training.step_telemetry import group_names
 from parallel.state import ContextGroup, ParallelContext, ParallelLayout
 from parallel.stragglers import GROUPS, RankIdentity, Streaks, WindowFigures, judge
@@ -32,6 +34,19 @@ def test_a_slow_rank_is_named_after_its_windows_and_its_victims_are_not():
     found = judge(window, ranks, streaks, 0.2, 3)
     assert found.stragglers == [2] and found.slow_nodes == [] and found.expert_load == []
     assert found.ratio == [1.0, 1.0, 2.0, 1.0]
+
+
+def test_the_count_goes_on_after_a_resume_of_the_same_world_and_starts_over_on_another():
+    ranks, streaks = identities(), Streaks.of(4)
+    window = figures([0.5, 0.5, 1.0, 0.5], blocked=[0.5, 0.5, 0.0, 0.5])
+    judge(window, ranks, streaks, 0.2, 3)
+    judge(window, ranks, streaks, 0.2, 3)
+    resumed = Streaks.of(4)
+    resumed.load_state_dict(json.loads(json.dumps(streaks.state_dict())))  # as a checkpoint keeps it
+    assert judge(window, ranks, resumed, 0.2, 3).stragglers == [2]  # the third window in a row
+    elsewhere = Streaks.of(8)
+    elsewhere.load_state_dict(streaks.state_dict())
+    assert elsewhere.ranks == [0] * 8
 
 
 def test_a_window_back_to_normal_resets_the_count():
