@@ -34,6 +34,7 @@ import torch.distributed as dist
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import AsyncSaver, find, shared_verify, verifying_load
 from moe_pretrain.config import load_config
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.collectives import barrier as group_barrier
 from parallel.collectives import gather_objects
@@ -91,7 +92,7 @@ def verify_and_load(trainer: Trainer, path: Path) -> None:
 def single_process(args: argparse.Namespace, tmp: Path) -> None:
     cfg = load_config("configs/smoke.yaml", model_overrides(args.hidden, args.layers, args.experts, f"{tmp}/run"))
     trainer = Trainer(cfg)
-    trainer.run()  # one step, then the end-of-run save (untimed warm-up of the code path)
+    run_training(trainer)  # one step, then the end-of-run save (untimed warm-up of the code path)
     rows: dict[str, list[float]] = {k: [] for k in ("raw_w", "save", "raw_r", "load", "raw_r_warm", "load_warm",
                                                    "stall", "sync", "step", "step_copying")}
     size = 0
@@ -150,7 +151,7 @@ def scaling_worker(rank: int, world: int, hidden: int, layers: int, experts: int
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        trainer.run()
+        run_training(trainer)
         group = trainer.state.checkpoint_group
         check = shared_verify(group)
         results = []

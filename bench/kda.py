@@ -3,7 +3,7 @@
 Run: .venv/bin/python bench/kda.py [--T 4096 --H 4 --K 64 --repeats 3 --documents 1]
 Prints the median time of each and the speed-up of the chunked form over the recurrence (the named
 reference), both measured in this run, so the ratio is meaningful on a shared, noisy machine.
-Goals (issue 12): forward >= 10x the recurrence's forward, forward + backward >= 30x.
+Goals: forward >= 10x the recurrence's forward, forward + backward >= 30x.
 With --documents N the sequence is packed with N equal documents (cu_seqlens).
 """
 

@@ -20,6 +20,7 @@ import torch
 
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.planning.rank_state import per_rank_bytes
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
@@ -45,7 +46,7 @@ def measure(rank: int, world_size: int, steps: int, overrides: list[str]) -> tup
                 seconds.append(time.perf_counter() - start)
 
             optimizer.update = timed
-            trainer.run()
+            run_training(trainer)
             sent = optimizer.exchange_bytes()
         finally:
             destroy_parallel()

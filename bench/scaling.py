@@ -16,6 +16,7 @@ import torch
 
 from launch.local import run_distributed
 from moe_pretrain.config import load_config
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 
@@ -26,7 +27,7 @@ def throughput(rank: int, world_size: int, steps: int, overrides: list[str]) -> 
                                                  "eval.every=0", f"train.run_dir={run_dir}", *overrides])
         ctx = init_parallel(cfg)
         try:
-            history = Trainer(cfg, ctx).run()
+            history = run_training(Trainer(cfg, ctx))
         finally:
             destroy_parallel()
     return statistics.median(h["tokens_per_s"] for h in history[1:])

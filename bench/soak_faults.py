@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from moe_pretrain.checkpoint import committed_checkpoints, verify
-from moe_pretrain.training.run_lock import LOCK
+from moe_pretrain.operations.run_lock import LOCK
 
 
 class Target(Protocol):

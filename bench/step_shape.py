@@ -1,6 +1,5 @@
 """The shape of one training step: host reads of tensor values, and collectives by purpose (calls and bytes),
-per step as depth and micro-batches grow, and an MLA layer's ops as documents per row grow (issue 25's
-before / after table).
+per step as depth and micro-batches grow, and an MLA layer's ops as documents per row grow.
 
 Run: .venv/bin/python bench/step_shape.py [--layers 2 8] [--micro-batches 1 4] [--world 2]
 The smoke model (layer pattern cut to the depth, 3 KDA : 1 MLA), fp32, one warm-up step, then one counted

@@ -36,9 +36,9 @@ from launch.signal_lead import signal_lead
 from launch.slurm_outcome import outcome_lines
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, LaunchConfig, add_config_arguments, load_config
 from moe_pretrain.config.cli import config_sources
-from moe_pretrain.training.outcome import LAUNCH_ID_VARIABLE
-from moe_pretrain.training.preemption import STOP_AT_VARIABLE
-from moe_pretrain.training.watchdog import FR_TRACE_PREFIX
+from moe_pretrain.operations.outcome import LAUNCH_ID_VARIABLE
+from moe_pretrain.operations.preemption import STOP_AT_VARIABLE
+from moe_pretrain.operations.watchdog import FR_TRACE_PREFIX
 from parallel.state import resolve_layout
 
 SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.,:=/@+%-]+$")

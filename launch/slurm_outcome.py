@@ -19,7 +19,7 @@ import shlex
 from pathlib import Path
 
 from moe_pretrain.config import LaunchConfig
-from moe_pretrain.training.outcome import (
+from moe_pretrain.operations.outcome import (
     FINISHED,
     INTERRUPTED,
     LAUNCH_ID_VARIABLE,

@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from launch import train as training
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, load_config_from_args
-from moe_pretrain.training.outcome import LOST_PEER, read_record
+from moe_pretrain.operations.outcome import LOST_PEER, read_record
 
 
 def exit_code(code: int) -> int:

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 -m launch.train --config configs/smoke.yaml parallel.ep=2
 
 Under torchrun every rank validates the layout before any collective, so a bad layout fails on every rank with the
-same message. Exit codes (moe_pretrain/training/outcome.py): 0 finished, 75 preempted after a checkpoint (requeue
+same message. Exit codes (moe_pretrain/operations/outcome.py): 0 finished, 75 preempted after a checkpoint (requeue
 me), 76 hung (watchdog), 78 permanent failure (bad config or data, no checkpoint that verifies, repeated non-finite
 loss), 74 the checkpoint's file system is full, 77 a rank was lost (its process or node died: the remaining ranks
 name it), 130 interrupted by Ctrl-C after a checkpoint, 1 --require-loss-drop not met. A relaunch of a finished run
@@ -22,7 +22,7 @@ import sys
 
 from moe_pretrain.config import EX_CONFIG, ConfigError, add_config_arguments, load_config_from_args
 from moe_pretrain.log import setup_logging
-from moe_pretrain.training.outcome import ended_before_restart
+from moe_pretrain.operations.outcome import ended_before_restart
 
 log = logging.getLogger("launch.train")
 

@@ -15,8 +15,7 @@ from moe_pretrain.checkpoint import CheckpointError
 from moe_pretrain.checkpoint.store import CheckpointMismatchError, StorageFullError
 from moe_pretrain.config import Config, ConfigError
 from moe_pretrain.data import DataError
-from moe_pretrain.training import Trainer
-from moe_pretrain.training.outcome import (
+from moe_pretrain.operations.outcome import (
     FINISHED,
     INTERRUPTED,
     LOST_PEER,
@@ -26,7 +25,10 @@ from moe_pretrain.training.outcome import (
     write_refusal,
     write_status,
 )
-from moe_pretrain.training.run_lock import RunDirBusyError, RunDirLock
+from moe_pretrain.operations.run_lock import RunDirBusyError, RunDirLock
+from moe_pretrain.operations.run_loop import run_training
+from moe_pretrain.operations.wandb_run import check_wandb
+from moe_pretrain.training import Trainer
 from moe_pretrain.training.trainer import NonFiniteError
 from moe_pretrain.writable import write_problem
 from parallel.collectives import gather_objects
@@ -143,10 +145,11 @@ def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int
     try:
         lock = own_run_dir(cfg, ctx)
         check_output_directories(cfg, ctx)
+        check_wandb(cfg)  # before the model is built
         trainer = Trainer(cfg, ctx)
         log.info(start_line(cfg, trainer))
         log.info(describe_fast_paths(trainer.model))
-        history = trainer.run()
+        history = run_training(trainer)
     except Preempted as stop:
         log.info(f"{stop}; exiting with {stop.exit_code}" + ("" if stop.interrupted else " (requeue)"))
         if ctx.is_logging_rank:
@@ -172,7 +175,7 @@ def train(cfg: Config, rank: int, require_loss_drop: float | None = None) -> int
             lock.release()
     if ctx.is_logging_rank:
         write_status(cfg.train.run_dir, FINISHED, trainer.step, "finished", trainer.checkpoints.last)
-    if not history:  # a relaunch of a finished run: Trainer.run said so
+    if not history:  # a relaunch of a finished run: run_training said so
         return FINISHED
     # One batch's loss swings with its content (stdlib files differ wildly in entropy): compare the
     # run's first step (before any resume) with the mean of the last ten.

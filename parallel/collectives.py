@@ -49,46 +49,46 @@ def inside_backend() -> bool:
     return getattr(_BACKEND, "depth", 0) > 0
 
 
-_WATCHERS: list = []
-"""Meters told when an asynchronous collective starts and when it is waited for (planning/timeline.py)."""
+class CollectiveObserver:
+    """What a meter of the collectives may be told; each meter overrides what it measures (the step's timeline,
+    planning/timeline.py: when asynchronous collectives start and are waited for; the step telemetry,
+    training/step_telemetry.py: how long each call that may wait for other ranks waits, by group)."""
+
+    def started(self) -> object:
+        """An asynchronous collective started; the token its wait hands back to waited."""
+        return None
+
+    def waited(self, token: object) -> None:
+        """The collective started with `token` was waited for."""
+
+    def blocking(self, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager:
+        """Around a call that may wait for the group's other ranks (a blocking collective, or the wait of a
+        started one)."""
+        return contextlib.nullcontext()
+
+
+_OBSERVERS: list[CollectiveObserver] = []
 
 
 @contextlib.contextmanager
-def _registered(registry: list, observer) -> Iterator[None]:
-    """The observer in the registry for the block."""
-    registry.append(observer)
+def observing(observer: CollectiveObserver) -> Iterator[None]:
+    """Every collective of the block is told to `observer` (with those observing already)."""
+    _OBSERVERS.append(observer)
     try:
         yield
     finally:
-        registry.remove(observer)
-
-
-def watching_waits(watcher) -> contextlib.AbstractContextManager:
-    """Within the block, watcher.started() is called as each Pending is made (its result: a token) and
-    watcher.waited(token) as it is waited for."""
-    return _registered(_WATCHERS, watcher)
-
-
-_BLOCK_METERS: list = []
-"""Meters of how long this rank waited in each collective, by group (training/step_telemetry.py)."""
-
-
-def metering_blocks(meter) -> contextlib.AbstractContextManager:
-    """Within the block, every collective call that may wait for other ranks (a blocking one, or the wait of a
-    started one) runs inside meter.blocking(group), a context manager that times it as the meter's device
-    does (the host's clock on CPU; events on the current stream on a GPU)."""
-    return _registered(_BLOCK_METERS, meter)
+        _OBSERVERS.remove(observer)
 
 
 @contextlib.contextmanager
 def _blocking(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Around a call that may wait for the group's other ranks: timed by the block meters (none: nothing)."""
-    if not _BLOCK_METERS:
+    """Around a call that may wait for the group's other ranks: inside every observer's blocking(group)."""
+    if not _OBSERVERS:
         yield
         return
     with contextlib.ExitStack() as meters:
-        for meter in _BLOCK_METERS:
-            meters.enter_context(meter.blocking(group))
+        for observer in _OBSERVERS:
+            meters.enter_context(observer.blocking(group))
         yield
 
 
@@ -98,13 +98,13 @@ class Pending:
 
     def __init__(self, work: dist.Work, group: dist.ProcessGroup | None):
         self.work, self.group = work, group
-        self.watched = [(watcher, watcher.started()) for watcher in _WATCHERS]
+        self.observed = [(observer, observer.started()) for observer in _OBSERVERS]
 
     def wait(self) -> None:
         with backend_ops(), _blocking(self.group):
             self.work.wait()
-        for watcher, token in self.watched:
-            watcher.waited(token)
+        for observer, token in self.observed:
+            observer.waited(token)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -1,4 +1,4 @@
-"""Per-Head Muon under ZeRO-1: whole matrices orthogonalised on one owner rank each (issue 29; the Kimi K3
+"""Per-Head Muon under ZeRO-1: whole matrices orthogonalised on one owner rank each (the Kimi K3
 report's §2.5 and §5.2.2).
 
 ZeRO-1 gives each data-parallel rank a flat slice of a bucket's gradient (parallel/optimizer.py), but Newton-

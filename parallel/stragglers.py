@@ -12,33 +12,20 @@ threshold over its stage's ranks on other nodes, for as many windows, the node i
 expert-parallel group's mean rows is reported as expert load, not as slow hardware, even when it is also slow:
 routing, not the machine, is the cause.
 
-Every rank sends one vector of a few floats per window (WindowFigures.vector) in one all-gather; every rank
-judges the same figures, and rank 0 logs and records them (<run_dir>/stragglers.jsonl, one line per window
-with every rank's figures and what was found).
+Every rank sends one vector of a few floats per window (WindowFigures.vector) in one all-gather and every rank
+judges the same figures (operations/stragglers.py gathers them, logs what was found and keeps the records);
+this module is the judgement alone.
 """
 
-import collections
 import dataclasses
-import json
-import logging
 import os
 import socket
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from parallel.collectives import all_gather_stacked, gather_objects
 from parallel.state import ParallelContext
-
-log = logging.getLogger(__name__)
-
-SLOW_HOSTS_FILE = "slow_hosts"
-"""<run_dir>/slow_hosts: hosts the check marked for exclusion (logging.straggler.action=exclude), one a line; the
-SLURM job excludes those it holds as it next requeues (launch/slurm_outcome.py). Delete a line to let a repaired
-host back."""
 
 GROUPS = ("tp", "cp", "dp", "ep", "edp", "pp", "world", "other")
 """The groups whose blocked time is reported, in the order the window's figures carry them."""
@@ -201,75 +188,3 @@ def judge(figures: list[WindowFigures], identities: list[RankIdentity], streaks:
     findings.stragglers = [i.rank for i in identities
                            if streaks.ranks[i.rank] >= windows and i.rank not in on_slow_node]
     return findings
-
-
-class StragglerCheck:
-    """Run at the end of every window by the trainer's step hook (training/step_hooks.StragglerWindows;
-    collective: every rank calls check)."""
-
-    def __init__(self, ctx: ParallelContext, ranks_per_node: int, threshold: float, windows: int,
-                 run_dir: str | Path, mark: bool = False):
-        """mark: write the named ranks' and nodes' hosts to <run_dir>/slow_hosts (logging.straggler.action=
-        exclude); the run itself goes on."""
-        self.ctx, self.threshold, self.windows, self.mark = ctx, threshold, windows, mark
-        self.slow_hosts = Path(run_dir) / SLOW_HOSTS_FILE
-        self.identities: list[RankIdentity] = gather_objects(identity_of(ctx, ranks_per_node), dist.group.WORLD
-                                                             if ctx.distributed else None)
-        self.streaks = Streaks.of(len(self.identities))
-        self.stage_sizes = collections.Counter(i.pp for i in self.identities)
-        """Ranks per pipeline stage (a straggler line says how many peers it was compared with)."""
-        self.record = Path(run_dir) / "stragglers.jsonl"
-
-    def check(self, step: int, window: WindowFigures) -> dict[str, float]:
-        """Judge the window ending at `step`: log what it found (rank 0), append its record, and return the
-        metrics it adds to the step's record."""
-        vector = torch.tensor(window.vector(), dtype=torch.float64, device=self.ctx.device)
-        group = dist.group.WORLD if self.ctx.distributed else None
-        gathered = all_gather_stacked(vector, group).tolist()  # the window's one collective and host read
-        figures = [WindowFigures.from_vector(values) for values in gathered]
-        findings = judge(figures, self.identities, self.streaks, self.threshold, self.windows)
-        if self.ctx.is_logging_rank:
-            self._report(step, figures, findings)
-        return {"straggler_ratio_max": max(findings.ratio), "expert_load_max": max(findings.load),
-                "stragglers": float(len(findings.stragglers) + len(findings.slow_nodes))}
-
-    def _report(self, step: int, figures: list[WindowFigures], findings: Findings) -> None:
-        for rank in findings.stragglers:
-            identity = self.identities[rank]
-            log.warning(f"straggler: {identity.describe()} computes {findings.ratio[rank]:.2f}x the median of the "
-                        f"{self.stage_sizes[identity.pp]} ranks of its pipeline stage, {self.streaks.ranks[rank]} "
-                        f"windows in a row (step {step})")
-        for node in findings.slow_nodes:
-            ranks = [i.rank for i in self.identities if i.node == node]
-            log.warning(f"straggler node {node} (host {self.identities[ranks[0]].host}): all its {len(ranks)} ranks "
-                        f"({', '.join(map(str, ranks))}) compute at least {findings.node_ratio[node]:.2f}x the "
-                        f"median of their stages' ranks on other nodes, {self.streaks.nodes[node]} windows in a row "
-                        f"(step {step})")
-        for rank in findings.expert_load:
-            log.warning(f"expert load: {self.identities[rank].describe()} received {findings.load[rank]:.2f}x the "
-                        f"mean rows of its expert-parallel group (step {step}): routing, not the hardware")
-        if self.mark:
-            self._mark_hosts([self.identities[r].host for r in findings.stragglers]
-                             + [i.host for i in self.identities if i.node in findings.slow_nodes])
-        with self.record.open("a") as out:
-            out.write(json.dumps({
-                "step": step,
-                "ranks": [{"rank": i.rank, "host": i.host, "node": i.node, "pp": i.pp, "compute_s": f.compute_s,
-                           "step_s": f.step_s,
-                           "blocked_s": f.blocked_s, "parts_s": f.parts_s, "data_s": f.data_s,
-                           "checkpoint_s": f.checkpoint_s,
-                           "steps": f.steps, "expert_rows": f.expert_rows, "ratio": findings.ratio[i.rank],
-                           "load": findings.load[i.rank]} for i, f in zip(self.identities, figures, strict=True)],
-                "stragglers": findings.stragglers, "slow_nodes": findings.slow_nodes,
-                "node_ratio": {str(node): r for node, r in findings.node_ratio.items()},
-                "expert_load": findings.expert_load}) + "\n")
-
-    def _mark_hosts(self, hosts: list[str]) -> None:
-        """Add these hosts to <run_dir>/slow_hosts (those not there yet), for the next requeue to exclude."""
-        marked = set(self.slow_hosts.read_text().split()) if self.slow_hosts.is_file() else set()
-        new = [host for host in dict.fromkeys(hosts) if host not in marked]
-        if new:
-            with self.slow_hosts.open("a") as out:
-                out.writelines(f"{host}\n" for host in new)
-            log.warning(f"straggler: marked {', '.join(new)} in {self.slow_hosts}: the next requeue excludes "
-                        "it (logging.straggler.action=exclude); this run goes on")

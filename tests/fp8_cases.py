@@ -10,6 +10,7 @@ from gpu_kernels.choice import Kernels
 from moe_pretrain.fp8 import RECIPES
 from moe_pretrain.fp8.settings import Fp8Settings
 from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.state import ParallelContext
 from tests.models import tiny_config
@@ -52,7 +53,7 @@ def losses_with_fp8(tmp_path: Path, recipes: tuple[str, ...], ctx: ParallelConte
         cfg = tiny_config("train.steps=20", "train.dtype=bfloat16", f"precision.fp8={fp8}", *extra)
         cfg.train.run_dir, cfg.logging.progress = str(tmp_path / fp8), False
         trainer = Trainer(cfg, ctx)
-        history = trainer.run()
+        history = run_training(trainer)
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # high-precision weights
         losses[fp8], first = sum(h["loss"] for h in history[-5:]) / 5, history[0]["loss"]
         assert math.isfinite(losses[fp8])

@@ -1,5 +1,6 @@
 """Short training runs of the tiny model shared by the CPU tests and their GPU counterparts (tests/gpu/)."""
 
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.state import ParallelContext
 from tests.models import tiny_config
@@ -19,7 +20,7 @@ def bf16_trainer(tmp_path, steps: int, dtype: str = "bfloat16", ctx: ParallelCon
 
 def bf16_and_float32_losses(tmp_path, ctx: ParallelContext | None = None, *overrides: str) -> dict[str, list[float]]:
     """20 steps of the tiny model in each dtype: {dtype: step losses}."""
-    return {dtype: [h["loss"] for h in bf16_trainer(tmp_path, 20, dtype, ctx, *overrides).run()]
+    return {dtype: [h["loss"] for h in run_training(bf16_trainer(tmp_path, 20, dtype, ctx, *overrides))]
             for dtype in ("float32", "bfloat16")}
 
 
@@ -36,5 +37,5 @@ def saved_inputs_training(tmp_path, policy: str, ctx: ParallelContext | None = N
     cfg = tiny_config("train.steps=4", "train.dtype=bfloat16", "train.recompute=full",
                       f"train.saved_inputs={policy}", f"train.run_dir={tmp_path / policy}", "logging.progress=false")
     trainer = Trainer(cfg, ctx)
-    history = [(h["loss"], h["grad_norm"]) for h in trainer.run()]
+    history = [(h["loss"], h["grad_norm"]) for h in run_training(trainer)]
     return history, trainer.model.state_dict(), trainer

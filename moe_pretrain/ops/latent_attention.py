@@ -1,5 +1,5 @@
 """Causal attention within packed documents whose keys and values are expanded, block by block, from a
-compact per-key latent: MLA's context parallelism by the latent (issue 24).
+compact per-key latent: MLA's context parallelism by the latent.
 
 Shape legend: N queries (this rank's positions, any order), M keys (every position of the flattened
 packed batch, in sequence order), H heads, D query-key dims, Dv value dims, C latent width (MLA's

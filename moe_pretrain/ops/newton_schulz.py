@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalisation, Muon's update direction (issue 29; the report's Per-Head Muon, §2.5).
+"""Newton-Schulz orthogonalisation, Muon's update direction (the report's Per-Head Muon, §2.5).
 
 Muon replaces a matrix's momentum M = U S V^T by (nearly) U V^T: every direction of the update moves the weight
 by about the same amount. The quintic iteration X <- a X + b (X X^T) X + c (X X^T)^2 X, five times from X = M /

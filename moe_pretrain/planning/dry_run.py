@@ -42,7 +42,7 @@ from moe_pretrain.planning.op_census import OpCensus
 from moe_pretrain.planning.peak_sites import PeakSites
 from moe_pretrain.planning.timeline import Timeline
 from moe_pretrain.training import Trainer
-from parallel.collectives import watching_waits
+from parallel.collectives import observing
 from parallel.paired_passes import pairs_run
 from parallel.state import ParallelContext, destroy_parallel, init_parallel
 
@@ -189,7 +189,7 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
         timeline = Timeline()
         with fake or contextlib.nullcontext(), host, ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
                 CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
-                watching_waits(timeline):
+                observing(timeline):
             pairs_before = pairs_run()
             result = trainer.train_step()
         trainer.optimizer.finish_parameter_gathers()

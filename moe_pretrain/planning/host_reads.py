@@ -1,4 +1,4 @@
-"""Counting the host reads of tensor values a piece of code makes, and where (issue 25's meter).
+"""Counting the host reads of tensor values a piece of code makes, and where.
 
 On a GPU every read of a tensor's value on the host (item, tolist, bool / int / float / index of a tensor)
 and every op whose output shape depends on the values (nonzero, unique, masked_select, bincount,

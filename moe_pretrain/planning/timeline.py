@@ -19,6 +19,7 @@ import collections
 from dataclasses import dataclass
 
 from moe_pretrain.planning.step_time import BACKWARD_SHARE
+from parallel.collectives import CollectiveObserver
 from parallel.paired_passes import pair_running
 
 
@@ -29,9 +30,9 @@ class _Collective:
     waited: bool = False
 
 
-class Timeline:
+class Timeline(CollectiveObserver):
     """compute(seconds) and issue(group, seconds) in the order the step runs them; started() / waited(token)
-    from parallel/collectives.watching_waits for the asynchronous ones."""
+    from parallel/collectives.observing for the asynchronous ones."""
 
     def __init__(self):
         self.compute_s = 0.0

@@ -1,5 +1,5 @@
 """Counting the torch functions a piece of code calls: the ops a forward issues, each a kernel launch on a GPU
-(issue 25's meter for launches that grow with the documents of a row). Counts are of calls, exact and the
+(the meter for launches that grow with the documents of a row). Counts are of calls, exact and the
 same on every machine."""
 
 from torch.overrides import TorchFunctionMode

@@ -1,16 +1,7 @@
-"""Training loop, optimizer and schedules, metrics.
+"""The training step and what it is made of: the trainer (one step), the step runner, the pipeline, the stage
+switch, the step's hooks, the optimizer's groups and schedules, the run's state and its checkpoints. The job
+around the steps (the run loop, its locks, watchdog, stop signals and records) is moe_pretrain/operations/."""
 
-Trainer is imported when first asked for: it brings torch, and launch/train.py reads how an earlier worker group
-ended (outcome.py) before any of that is imported."""
-
-from typing import Any
+from moe_pretrain.training.trainer import Trainer
 
 __all__ = ["Trainer"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Trainer":
-        from moe_pretrain.training.trainer import Trainer
-
-        return Trainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Which parameters Muon updates, and how (issue 29: Per-Head Muon, the report's §2.5).
+"""Which parameters Muon updates, and how (Per-Head Muon, the report's §2.5).
 
 Muon takes the 2-D weight matrices of the blocks (and of the vision tower and projector); each is orthogonalised
 whole, except Q / K / V, which are orthogonalised head block by head block: KDA's q / k / v projections

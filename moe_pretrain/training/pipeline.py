@@ -1,32 +1,28 @@
 """Pipeline parallelism over torch.distributed.pipelining (1F1B, interleaved 1F1B, zero bubble, GPipe).
 
-The layers are cut into pp x vpp contiguous chunks (parallel/plan.py, pipeline_chunks); rank r holds
-chunks r, r + pp, ... (interleaved placement). Between chunks travels the AttnRes state, so a
-boundary need not align with an AttnRes block: the bank (its first entry, the embeddings, [B, T, D], and
-the block sums after it stacked as [B, N - 1, T, D]) and, unless a block closes at the boundary, the running
-block sum; with multi-token prediction (model.mtp.layers) the embeddings of the tokens ahead, looked up on
-the first stage, travel beside the bank's first entry to the last stage, whose output is then the logits and
-each block's logits (model/mtp.py). Each crosses in the dtype it has in the model: under bf16 autocast the
-bank's first entry and the block sums are bf16 (the model casts its embeddings' output to the compute dtype)
-and the embeddings ahead fp32 (looked up outside autocast), so a pipeline computes what one process does and
-sends half the bytes fp32 would. Only floating-point tensors that the receiver uses
-cross: torch 2.10 and 2.11 (the GPU image has 2.10) make every received buffer require grad, which an
-integer tensor cannot, and refuse to send back a gradient that is None. The document ids every stage
-needs for its masks come from each rank's own batch instead (every stage reads its rows, without
-pixels), split into micro-batches by the step and handed to each stage beforehand (Pipeline.feed), as
-host-readable values: a dry run (launch/dryrun.py) keeps them real while the library's own splits would
-make them fake. The first stage's positional inputs are the tokens and the image mask (the library splits
-them into micro-batches along B). The images come the same way as the document ids: their placements (row,
-first position, grid: host integers the vision tower and the image exchange work from) and their patches,
-each micro-batch's a view of the step's flat [P, patch_dim] (a per-row padded tensor the library could
-split would hold the most patches any row could, about four a position, for every row of the step). Every
+Chunks. The layers are cut into pp x vpp contiguous chunks (parallel/plan.py, pipeline_chunks); rank r holds
+chunks r, r + pp, ... (interleaved placement).
+
+What crosses a boundary: the AttnRes state, so a boundary need not align with an AttnRes block: the bank (its
+first entry, the embeddings, [B, T, D], and the block sums after it stacked as [B, N - 1, T, D]) and, unless a
+block closes at the boundary, the running block sum; with multi-token prediction (model.mtp.layers) the
+embeddings of the tokens ahead, looked up on the first stage, travel to the last stage, whose output is then
+the logits and each block's logits (model/mtp.py). Each crosses in its dtype in the model: under bf16 autocast
+the bank's first entry and the block sums are bf16 and the embeddings ahead fp32, so a pipeline computes what
+one process does. Only floating-point tensors that the receiver uses cross: torch 2.10 and 2.11 make every
+received buffer require grad (an integer tensor cannot) and refuse to send back a gradient that is None.
+
+What each stage reads from its own batch instead: the document ids for its masks (every stage reads its rows,
+without pixels), split into micro-batches by the step and handed over beforehand (Pipeline.feed) as
+host-readable values, which a dry run keeps real where the library's splits would make them fake; on the first
+stage the images' placements and patches, each micro-batch's a view of the step's flat [P, patch_dim]. The
+first stage's positional inputs are the tokens and the image mask (the library splits them along B). Every
 schedule runs each stage's forwards in micro-batch order, so each forward takes the next in turn.
 
-Stage boundaries are declared statically (input_args / output_args): the library's alternative,
-a shape-inference forward on the first step, would run the routers and the expert all-to-alls an
-extra time and count a micro-batch twice in the balancing statistics. The gradients' shapes follow from
-them (torch >= 2.12 derives them from input_args / output_args; 2.10 and 2.11, the GPU image's, from the
-forward's outputs), so the input_grads / output_grads arguments, which 2.10 does not have, are not passed.
+Boundaries are declared from the step's shape (input_args / output_args, a Stage's), not inferred by a first
+forward, which would run the routers and the expert all-to-alls an extra time and count a micro-batch twice
+in the balancing statistics. torch >= 2.12 derives the gradients' shapes from them, 2.10 and 2.11 from the
+forward's outputs: input_grads / output_grads, which 2.10 lacks, are not passed.
 """
 
 from collections import deque

@@ -7,9 +7,9 @@ gradient norm is not finite). A hook sees what its StepContext gives it, never t
 optimizer, this rank's place in the layout. A hook that carries state across steps returns it from
 state_dict, and the run's checkpoints keep it (training/state.py) and hand it back through load_state_dict.
 
-A new per-step update is a StepHook here, its name in HOOK_ORDER and a line in step_hooks; the step itself
-does not change. (torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip
-decision.)
+A new per-step update is a StepHook here, its name in HOOK_ORDER and a line in step_hooks (or, for the job's
+own, Trainer.add_hook from the run loop: operations/stragglers.py); the step itself does not change.
+(torchtitan hangs such updates on the optimizer as step hooks; ours also need the skip decision.)
 """
 
 from dataclasses import dataclass
@@ -22,11 +22,9 @@ from torch import nn
 from moe_pretrain.config import Config
 from moe_pretrain.fp8 import RECIPES, advance_amax_histories
 from moe_pretrain.model.qk_clip import clip_heads, start_recording
-from moe_pretrain.training.step_telemetry import StepTelemetry
 from parallel.collectives import all_reduce_max
 from parallel.optimizer import ShardedOptimizer
-from parallel.state import ParallelContext, ranks_per_node
-from parallel.stragglers import StragglerCheck
+from parallel.state import ParallelContext
 
 HOOK_ORDER = ("save_fence", "qk_clip", "amax_histories", "straggler_windows", "balancing")
 """The order the hooks run in at every point. The save fence comes first: a background save's copy must be
@@ -148,30 +146,9 @@ class SaveFence(StepHook):
         self.saver.before_update()
 
 
-class StragglerWindows(StepHook):
-    """logging.straggler: at the end of every window of logging.straggler.every steps, the ranks' figures (the
-    step telemetry's window) judged together (parallel/stragglers.py; its one all-gather: every rank calls
-    metrics every step); the step's record gets what it found. Its state: how many windows in a row each rank
-    and node was found slow, so a resumed run goes on counting."""
-
-    name = "straggler_windows"
-
-    def __init__(self, check: StragglerCheck, telemetry: StepTelemetry, every: int):
-        self.check, self.telemetry, self.every = check, telemetry, every
-
-    def metrics(self, step: int) -> dict[str, float]:
-        return self.check.check(step, self.telemetry.take()) if step % self.every == 0 else {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.check.streaks.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check.streaks.load_state_dict(state)
-
-
-def step_hooks(cfg: Config, step: StepContext, saver, telemetry: StepTelemetry) -> list[StepHook]:
-    """The hooks the config turns on, in HOOK_ORDER. saver: checkpoint.async_save's saver (None without);
-    telemetry: the trainer's step figures (on for the straggler check)."""
+def step_hooks(cfg: Config, step: StepContext, saver) -> list[StepHook]:
+    """The training hooks the config turns on, in HOOK_ORDER (the job's own, the straggler check, the run loop
+    adds: Trainer.add_hook). saver: checkpoint.async_save's saver (None without)."""
     hooks: list[StepHook] = []
     if saver is not None:
         hooks.append(SaveFence(saver))
@@ -179,10 +156,13 @@ def step_hooks(cfg: Config, step: StepContext, saver, telemetry: StepTelemetry) 
         hooks.append(QKClip(step, cfg.optim.qk_clip_threshold))
     if cfg.precision.fp8 != "off" and RECIPES[cfg.precision.fp8].delayed:  # only delayed scaling keeps histories
         hooks.append(AmaxHistories(step))
-    if telemetry.on:
-        straggler = cfg.logging.straggler
-        check = StragglerCheck(step.parallel, ranks_per_node(cfg), straggler.threshold, straggler.windows,
-                               cfg.train.run_dir, mark=straggler.action == "exclude")
-        hooks.append(StragglerWindows(check, telemetry, straggler.every))
     hooks.append(Balancing(step.model))
+    return in_order(hooks)
+
+
+def in_order(hooks: list[StepHook]) -> list[StepHook]:
+    """hooks sorted by HOOK_ORDER (a hook whose name it lacks is refused: its place would be a guess)."""
+    unknown = [hook.name for hook in hooks if hook.name not in HOOK_ORDER]
+    if unknown:
+        raise ValueError(f"step hooks {unknown} have no place in training/step_hooks.HOOK_ORDER")
     return sorted(hooks, key=lambda hook: HOOK_ORDER.index(hook.name))

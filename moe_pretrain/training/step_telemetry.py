@@ -25,14 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_pretrain.model.moe import LatentMoE
-from parallel.collectives import metering_blocks
+from parallel.collectives import CollectiveObserver, observing
 from parallel.state import ParallelContext
 from parallel.stragglers import WindowFigures
 
 
-class StepTelemetry:
+class StepTelemetry(CollectiveObserver):
     """Sums this rank's figures over the current window; the trainer adds each step's, the block meter each
-    collective's wait (pass it to parallel.collectives.metering_blocks)."""
+    collective's wait (an observer of the collectives: parallel/collectives.observing)."""
 
     def __init__(self, ctx: ParallelContext, model: nn.Module, on: bool):
         """on: the straggler check reads the windows; off, nothing is timed or kept (no meter on the collectives,
@@ -62,8 +62,8 @@ class StepTelemetry:
         self.window.checkpoint_s += checkpoint_s
 
     def metering(self) -> contextlib.AbstractContextManager:
-        """Around a step: its collectives' waits timed (parallel.collectives.metering_blocks), when on."""
-        return metering_blocks(self) if self.on else contextlib.nullcontext()
+        """Around a step: its collectives' waits timed (parallel/collectives.observing), when on."""
+        return observing(self) if self.on else contextlib.nullcontext()
 
     def part(self, name: str) -> contextlib.AbstractContextManager:
         """Time the block as the step's part `name` (parallel.stragglers.PARTS), when on."""

@@ -5,8 +5,8 @@ data-parallel rank takes its slice of every global micro-batch; every loss is di
 global count of loss tokens, so summing gradients over ranks and micro-batches gives exactly the
 gradient of the token-mean loss of the whole global batch, whatever the layout. Then the sharded
 optimizer reduces, clips, steps and gathers, and the routers move their biases on global statistics.
-What the trainer advances, and what checkpoints hold, is a TrainingState (state.py); the loop around the
-steps is run_loop.py, and the run's checkpoints are run_checkpoints.py.
+What the trainer advances, and what checkpoints hold, is a TrainingState (state.py); the run's checkpoints are
+run_checkpoints.py; the loop around the steps is operations/run_loop.py.
 """
 
 import contextlib
@@ -30,7 +30,6 @@ from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.saved_inputs import SavedInputs
 from moe_pretrain.ops.host_values import data_values, scalar_list
-from moe_pretrain.training import run_loop
 from moe_pretrain.training.mfu import StepMFU
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
@@ -39,10 +38,9 @@ from moe_pretrain.training.run_checkpoints import RunCheckpoints
 from moe_pretrain.training.schedule import stage_at, stage_learning_rate
 from moe_pretrain.training.stage_switch import StageSwitch
 from moe_pretrain.training.state import TrainingState
-from moe_pretrain.training.step_hooks import StepContext, step_hooks
+from moe_pretrain.training.step_hooks import StepContext, StepHook, in_order, step_hooks
 from moe_pretrain.training.step_runner import AheadTargets, StepRunner
 from moe_pretrain.training.step_telemetry import StepTelemetry
-from moe_pretrain.training.wandb_run import check_wandb
 from parallel.collectives import all_reduce_sum
 from parallel.optimizer import ShardedOptimizer
 from parallel.state import ParallelContext, resolve_layout
@@ -100,7 +98,6 @@ class Trainer:
         self.dtype = DTYPES[cfg.train.dtype]
         if kernels is None:  # a forced kernel this machine lacks: fail now
             kernels = resolve_kernels(cfg, self.ctx.device, self.dtype)
-        check_wandb(cfg)
         self.cfg = cfg
         self.data = PretrainingData(cfg)
         check_vocabulary(cfg, self.data)
@@ -120,9 +117,8 @@ class Trainer:
         self.telemetry = StepTelemetry(self.ctx, self.model, on=bool(cfg.logging.straggler.every)
                                        and self.ctx.distributed)
         """This rank's window of step figures (training/step_telemetry.py), on for the straggler check (a step
-        hook: training/step_hooks.py)."""
-        self.hooks = step_hooks(cfg, StepContext(self.model, self.optimizer, self.ctx),
-                                self.checkpoints.async_saver, self.telemetry)
+        hook the run loop adds: operations/stragglers.py)."""
+        self.hooks = step_hooks(cfg, StepContext(self.model, self.optimizer, self.ctx), self.checkpoints.async_saver)
         """What each step runs around its update besides it (training/step_hooks.py)."""
         self.checkpoints.hooks = self.hooks
         self.skipped_total = self.skipped_in_a_row = 0
@@ -134,6 +130,11 @@ class Trainer:
     def model(self) -> torch.nn.Module:
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
         return self.state.model
+
+    def add_hook(self, hook: StepHook) -> None:
+        """Run `hook` with the step's own, in its place in HOOK_ORDER (in place of one of its name); the run's
+        checkpoints keep its state."""
+        self.hooks = self.checkpoints.hooks = in_order([*(h for h in self.hooks if h.name != hook.name), hook])
 
     @property
     def saved_inputs(self) -> SavedInputs | None:
@@ -298,7 +299,3 @@ class Trainer:
         m = self.cfg.model  # the multi-token-prediction blocks' layers follow the backbone's
         return combine_moe_stats(self.model.routers(), m.num_layers + m.mtp.layers, m.moe.num_experts,
                                  self._records_loads(), group, self.device)
-
-    def run(self) -> list[dict]:
-        """Train to train.steps (or train.exit_at_step): training/run_loop.py."""
-        return run_loop.run(self)

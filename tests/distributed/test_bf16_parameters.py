@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from launch.local import run_distributed
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
 from parallel.optimizer import ParamGroupSpec, ShardedOptimizer
@@ -34,7 +35,7 @@ def train(rank, world_size, run_dir, overrides):
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        losses = [h["loss"] for h in trainer.run()]
+        losses = [h["loss"] for h in run_training(trainer)]
         masters = [b.master.clone() for b in trainer.optimizer.buckets if b.master is not None]
         everyone = [None] * world_size
         dist.all_gather_object(everyone, masters)

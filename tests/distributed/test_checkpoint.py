@@ -7,6 +7,7 @@ import torch
 
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import CheckpointError, committed_checkpoints, verify
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.parallelize import gather_full_state
 from parallel.state import destroy_parallel, init_parallel
@@ -28,13 +29,13 @@ def losses_of(history):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     trainer = Trainer(config(tmp_path_factory.mktemp("full") / "run", "train.resume=none"))
-    return losses_of(trainer.run()), trainer.model.state_dict()
+    return losses_of(run_training(trainer)), trainer.model.state_dict()
 
 
 def test_resume_is_bitwise_exact_on_the_same_layout(tmp_path, uninterrupted):
-    first = losses_of(Trainer(config(tmp_path, "train.exit_at_step=3")).run())
+    first = losses_of(run_training(Trainer(config(tmp_path, "train.exit_at_step=3"))))
     resumed_trainer = Trainer(config(tmp_path))
-    resumed = losses_of(resumed_trainer.run())
+    resumed = losses_of(run_training(resumed_trainer))
     assert first == uninterrupted[0][:3]
     assert resumed == uninterrupted[0][3:]  # bitwise: same floats, same order of operations
     for name, tensor in uninterrupted[1].items():
@@ -44,7 +45,7 @@ def test_resume_is_bitwise_exact_on_the_same_layout(tmp_path, uninterrupted):
 
 
 def test_checkpoint_layout_on_disk(tmp_path):
-    Trainer(config(tmp_path, "train.exit_at_step=2", "checkpoint.every=1")).run()
+    run_training(Trainer(config(tmp_path, "train.exit_at_step=2", "checkpoint.every=1")))
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_00000002"
     assert [p.name for _, p in committed_checkpoints(root)] == ["step_00000002", "step_00000001"]
@@ -74,50 +75,50 @@ def damage(path, how):
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_run_passes_its_step(tmp_path, caplog, uninterrupted,
                                                                                target, how, message):
     """The damaged step_3 used to keep its name: the resumed run's save at step 3 then failed on every relaunch."""
-    Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")).run()  # saves steps 2 and 3
+    run_training(Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")))  # saves steps 2 and 3
     root = tmp_path / "checkpoints"
     newest = root / "step_00000003"
     damage(newest / target, how)
     problems = verify(newest)
     assert problems and message in problems[0] and target in problems[0]
     passed = Trainer(config(tmp_path, "train.exit_at_step=3"))  # resumes step 2, then must save step 3 again
-    assert losses_of(passed.run()) == uninterrupted[0][2:3]
+    assert losses_of(run_training(passed)) == uninterrupted[0][2:3]
     assert any("skipping" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     aside = [p for p in root.iterdir() if p.name.startswith("step_00000003.damaged-")]
     assert len(aside) == 1 and message in (aside[0] / "DAMAGED.txt").read_text()  # kept, with the reason
     assert verify(newest) == [] and (root / "latest").read_text().strip() == newest.name
     later = Trainer(config(tmp_path))  # a later relaunch resumes the new step 3
-    assert losses_of(later.run()) == uninterrupted[0][3:] and later.step == STEPS
+    assert losses_of(run_training(later)) == uninterrupted[0][3:] and later.step == STEPS
 
 
 def test_latest_names_the_checkpoint_resumed_when_a_newer_one_is_damaged(tmp_path):
-    Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")).run()
+    run_training(Trainer(config(tmp_path, "train.exit_at_step=3", "checkpoint.every=2")))
     root = tmp_path / "checkpoints"
     damage(root / "step_00000003" / "__0_0.distcp", "truncate")
     trainer = Trainer(config(tmp_path, "train.exit_at_step=2"))  # resumes step 2: nothing left to train
-    assert trainer.run() == [] and (root / "latest").read_text().strip() == "step_00000002"
+    assert run_training(trainer) == [] and (root / "latest").read_text().strip() == "step_00000002"
     assert [step for step, _ in committed_checkpoints(root)] == [2]
 
 
 def test_partial_save_directory_is_ignored(tmp_path, uninterrupted):
-    Trainer(config(tmp_path, "train.exit_at_step=2")).run()
+    run_training(Trainer(config(tmp_path, "train.exit_at_step=2")))
     (tmp_path / "checkpoints" / "step_00000004.tmp").mkdir()  # a save that died before committing
-    resumed = losses_of(Trainer(config(tmp_path)).run())
+    resumed = losses_of(run_training(Trainer(config(tmp_path))))
     assert resumed == uninterrupted[0][2:]
 
 
 def test_retention_keeps_last_and_multiples(tmp_path):
-    Trainer(config(tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.keep_every=3")).run()
+    run_training(Trainer(config(tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.keep_every=3")))
     kept = [step for step, _ in committed_checkpoints(tmp_path / "checkpoints")]
     assert kept == [6, 5, 3]
 
 
 def test_resume_from_a_named_checkpoint_and_bad_paths(tmp_path):
-    Trainer(config(tmp_path / "a", "train.exit_at_step=2")).run()
+    run_training(Trainer(config(tmp_path / "a", "train.exit_at_step=2")))
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
-        Trainer(config(tmp_path / "b", f"train.resume={tmp_path / 'nowhere'}")).run()
+        run_training(Trainer(config(tmp_path / "b", f"train.resume={tmp_path / 'nowhere'}")))
     trainer = Trainer(config(tmp_path / "c", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}"))
-    assert len(trainer.run()) == STEPS - 2
+    assert len(run_training(trainer)) == STEPS - 2
 
 
 def layout_worker(rank, world_size, run_dir, overrides):
@@ -125,7 +126,7 @@ def layout_worker(rank, world_size, run_dir, overrides):
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        history = trainer.run()
+        history = run_training(trainer)
         return losses_of(history), gather_full_state(trainer.model, ctx)
     finally:
         destroy_parallel()
@@ -136,7 +137,7 @@ def test_save_on_tp2_ep2_resume_on_one_process(tmp_path, uninterrupted):
     first, _ = run_distributed(layout_worker, 2, str(tmp_path), ["parallel.tp=2", "parallel.ep=2",
                                                                    "train.exit_at_step=3"])
     trainer = Trainer(config(tmp_path))
-    resumed = losses_of(trainer.run())
+    resumed = losses_of(run_training(trainer))
     assert first + resumed == pytest.approx(uninterrupted[0], rel=1e-9)
     for name, tensor in uninterrupted[1].items():
         assert rel_rms(trainer.model.state_dict()[name], tensor) < 1e-9, name
@@ -149,7 +150,7 @@ def test_save_on_tp2_ep2_four_processes_resume_on_pp2_dp2(tmp_path):
                                                                    "train.exit_at_step=3"])
     resumed, state = run_distributed(layout_worker, 4, str(tmp_path), ["parallel.pp=2", mb])
     reference = Trainer(config(tmp_path / "ref", mb, "train.resume=none"))
-    expected = losses_of(reference.run())
+    expected = losses_of(run_training(reference))
     assert first + resumed == pytest.approx(expected, rel=1e-9)
     for name, tensor in reference.model.state_dict().items():
         assert rel_rms(state[name], tensor) < 1e-9, name
@@ -163,24 +164,24 @@ def test_muon_momentum_resumes_bitwise_and_reshards(tmp_path):
     tensor- and expert-parallel shards reshard as the backbone's."""
     muon = "optim.name=muon model.mtp.layers=1"
     straight = Trainer(config(tmp_path / "straight", *muon.split()))
-    expected = losses_of(straight.run())
-    first = losses_of(Trainer(config(tmp_path / "same", *muon.split(), "train.exit_at_step=3")).run())
+    expected = losses_of(run_training(straight))
+    first = losses_of(run_training(Trainer(config(tmp_path / "same", *muon.split(), "train.exit_at_step=3"))))
     resumed = Trainer(config(tmp_path / "same", *muon.split()))
-    assert first + losses_of(resumed.run()) == expected
+    assert first + losses_of(run_training(resumed)) == expected
     for name, tensor in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
     saved, _ = run_distributed(layout_worker, 4, str(tmp_path / "moved"), [
         *muon.split(), "parallel.tp=2", "parallel.ep=2", "train.exit_at_step=3"])
     moved = Trainer(config(tmp_path / "moved", *muon.split()))
-    assert saved + losses_of(moved.run()) == pytest.approx(expected, rel=1e-9)
+    assert saved + losses_of(run_training(moved)) == pytest.approx(expected, rel=1e-9)
     for name, tensor in straight.model.state_dict().items():
         assert rel_rms(moved.model.state_dict()[name], tensor) < 1e-9, name
 
 
 def test_resume_with_another_optimizer_names_the_key(tmp_path):
-    Trainer(config(tmp_path, "train.exit_at_step=1")).run()
+    run_training(Trainer(config(tmp_path, "train.exit_at_step=1")))
     with pytest.raises(CheckpointError, match=r"optim\.name: checkpoint adamw, this run muon"):
-        Trainer(config(tmp_path, "optim.name=muon")).run()
+        run_training(Trainer(config(tmp_path, "optim.name=muon")))
 
 
 class NoisyTrainer(Trainer):
@@ -198,22 +199,22 @@ class NoisyTrainer(Trainer):
 
 def test_rng_state_is_restored_on_the_same_world(tmp_path):
     straight = NoisyTrainer(config(tmp_path / "straight", "train.steps=4"))
-    straight.run()
+    run_training(straight)
     first = NoisyTrainer(config(tmp_path / "split", "train.steps=4", "train.exit_at_step=2"))
-    first.run()
+    run_training(first)
     torch.manual_seed(12345)  # whatever happens in between
     resumed = NoisyTrainer(config(tmp_path / "split", "train.steps=4"))
-    resumed.run()
+    run_training(resumed)
     assert len(set(straight.noise)) == 4  # the draws differ step to step, so a replay would show
     assert first.noise + resumed.noise == straight.noise
 
 
 @pytest.mark.timeout(300)
 def test_save_on_one_process_resume_on_pp2(tmp_path, uninterrupted):
-    first = losses_of(Trainer(config(tmp_path, "data.micro_batches=2", "train.exit_at_step=3")).run())
+    first = losses_of(run_training(Trainer(config(tmp_path, "data.micro_batches=2", "train.exit_at_step=3"))))
     resumed, state = run_distributed(layout_worker, 2, str(tmp_path), ["parallel.pp=2", "data.micro_batches=2"])
     reference = Trainer(config(tmp_path / "ref", "data.micro_batches=2", "train.resume=none"))
-    expected = losses_of(reference.run())
+    expected = losses_of(run_training(reference))
     assert first + resumed == pytest.approx(expected, rel=1e-9)
     for name, tensor in reference.model.state_dict().items():
         assert rel_rms(state[name], tensor) < 1e-9, name

@@ -12,6 +12,7 @@ import pytest
 
 from launch.local import run_distributed
 from moe_pretrain.checkpoint import committed_checkpoints
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
@@ -81,14 +82,14 @@ def faulty_worker(rank, world_size, run_dir, phase, faulty_rank):
     ctx = init_parallel(cfg)
     inject(phase, faulty_rank)
     try:
-        Trainer(cfg, ctx).run()
+        run_training(Trainer(cfg, ctx))
     finally:
         destroy_parallel()
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return [h["loss"] for h in Trainer(config(tmp_path_factory.mktemp("full") / "run")).run()]
+    return [h["loss"] for h in run_training(Trainer(config(tmp_path_factory.mktemp("full") / "run")))]
 
 
 @pytest.mark.timeout(240)
@@ -113,7 +114,7 @@ def test_fault_during_save_then_resume(tmp_path, uninterrupted, phase, faulty_ra
     if error:
         assert not (root / "step_00000002.tmp").exists()  # removed by the failed save itself
     trainer = Trainer(config(tmp_path))
-    resumed = [h["loss"] for h in trainer.run()]
+    resumed = [h["loss"] for h in run_training(trainer)]
     assert resumed == pytest.approx(uninterrupted[max(committed):], rel=1e-9)
     assert not (root / "step_00000002.tmp").exists()  # the partial save was cleaned up by the next one
 
@@ -124,7 +125,7 @@ def async_worker(rank, world_size, run_dir, fail_on_rank, policy):
     if fail_on_rank >= 0:
         inject("disk_full", fail_on_rank)  # the background write of the step-2 save fails
     try:
-        return [h["loss"] for h in Trainer(cfg, ctx).run()]
+        return [h["loss"] for h in run_training(Trainer(cfg, ctx))]
     finally:
         destroy_parallel()
 
@@ -137,7 +138,7 @@ def test_async_saves_commit_and_resume_exactly(tmp_path, uninterrupted):
     assert [step for step, _ in committed_checkpoints(root)] == [4, 3, 2, 1]
     assert (root / "latest").read_text().strip() == "step_00000004"
     # Resume from the async-written step-2 checkpoint on one process: exact continuation.
-    resumed = Trainer(config(tmp_path / "b", f"train.resume={root / 'step_00000002'}")).run()
+    resumed = run_training(Trainer(config(tmp_path / "b", f"train.resume={root / 'step_00000002'}")))
     assert [h["loss"] for h in resumed] == pytest.approx(uninterrupted[2:], rel=1e-9)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from moe_pretrain.checkpoint import committed_checkpoints
 from moe_pretrain.model.counts import count
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.checkpoints_cli import tool
 from tests.models import tiny_config
@@ -16,7 +17,7 @@ from tests.models import tiny_config
 def checkpoints(tmp_path):
     cfg = tiny_config("train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4", f"train.run_dir={tmp_path}",
                       "logging.progress=false")
-    Trainer(cfg).run()
+    run_training(Trainer(cfg))
     return tmp_path / "checkpoints", cfg
 
 
@@ -102,7 +103,7 @@ def tp_ep_worker(rank, world_size, run_dir):
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        trainer.run()
+        run_training(trainer)
         return gather_full_state(trainer.model, ctx)
     finally:
         destroy_parallel()

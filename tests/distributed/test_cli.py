@@ -11,10 +11,9 @@ import torch
 
 from launch import plan, train
 from moe_pretrain.config import EX_CONFIG, ConfigError, load_config
-from moe_pretrain.config.stage import derived_micro_batches, resolve_stages
 from moe_pretrain.log import LEVEL_ENV, PACKAGES, setup_logging
 from moe_pretrain.planning import sizing
-from parallel.state import init_parallel, resolve_layout
+from parallel.state import init_parallel
 from tests.models import TINY
 
 PY = sys.executable
@@ -119,34 +118,7 @@ def test_one_process_uses_the_same_device_rule_as_many(monkeypatch):
         init_parallel(load_config("configs/smoke.yaml", [*TINY, "parallel.backend=nccl"]))
 
 
-@pytest.mark.parametrize(("world", "layout", "batch", "expected"), [
-    (1, [], 8, 1), (2, ["parallel.pp=2"], 8, 2), (4, ["parallel.pp=2"], 8, 2), (4, ["parallel.pp=4"], 8, 4),
-    (2, ["parallel.pp=2"], 6, 2), (8, ["parallel.pp=2"], 24, 2), (4, ["parallel.pp=2", "parallel.tp=2"], 4, 2),
-])
-def test_micro_batches_are_derived_when_unset(world, layout, batch, expected):
-    cfg = load_config("configs/smoke.yaml", [*TINY, *layout, f"data.batch_size={batch}", "model.num_layers=6"])
-    assert cfg.data.micro_batches == 0
-    chosen = derived_micro_batches(cfg)
-    assert [stage.micro_batches for stage in resolve_stages(cfg)] == [expected]
-    assert chosen and f"data.micro_batches={expected}" in chosen[0]
-    assert [stage.micro_batches for stage in resolve_layout(cfg, world).stages] == [expected]  # valid
-    assert cfg.data.micro_batches == 0  # the config is read, not changed
 
 
-def test_micro_batches_for_stages_and_when_none_fits():
-    stages = "stages=[{tokens: 64, seq_len: 8, batch_tokens: 32}, {tokens: 64, seq_len: 16, batch_tokens: 64}]"
-    cfg = load_config("configs/full.yaml", ["parallel.pp=4", stages, "train.steps=3"])
-    assert [stage.micro_batches for stage in resolve_stages(cfg)] == [4, 4]
-    assert derived_micro_batches(cfg) == [f"stages[{i}].micro_batches=4 (the smallest count for parallel.pp=4: one "
-                                          "round)" for i in (0, 1)]
-    odd = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.batch_size=3"])
-    with pytest.raises(ConfigError, match=r"data.batch_size=3 must be divisible by data-parallel size 1 x "
-                                          r"data.micro_batches=2"):
-        resolve_layout(odd, 2)
 
 
-def test_an_explicit_micro_batch_count_is_kept_and_checked():
-    cfg = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.micro_batches=1"])
-    assert resolve_stages(cfg)[0].micro_batches == 1 and derived_micro_batches(cfg) == []
-    with pytest.raises(ConfigError, match=r"data\.micro_batches=1 must be a multiple of parallel\.pp=2"):
-        resolve_layout(cfg, 2)

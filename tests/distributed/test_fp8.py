@@ -12,6 +12,7 @@ from moe_pretrain.config import ConfigError
 from moe_pretrain.fp8 import RECIPES, Fp8Experts, advance_amax_histories, fp8_grouped_mm, fp8_unavailable_reason
 from moe_pretrain.fp8.experts import FP8_HISTORY
 from moe_pretrain.fp8.quantize import quantize, scaled_matmul
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.state import TrainingState
@@ -190,7 +191,7 @@ def delayed_worker(rank, world_size, run_dir, overrides):
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        trainer.run()
+        run_training(trainer)
         histories = {k: v for k, v in trainer.model.state_dict().items() if k.endswith(FP8_HISTORY)}
         return {k: all_gather_stacked(v.contiguous(), dist.group.WORLD) for k, v in histories.items()}
     finally:

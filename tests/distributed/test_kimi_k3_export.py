@@ -29,6 +29,7 @@ from moe_pretrain.config import load_config
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.data.patches import placed_images
 from moe_pretrain.model.meta import meta_model
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.checkpoints_cli import config_file_of, tool
 from tests.models import MXFP4_TINY, tiny_config
@@ -142,7 +143,7 @@ def released_rounding(model: torch.nn.Module, cfg) -> None:
 def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     cfg = tiny_config(*MXFP4_TINY, "train.steps=2", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
     source = Trainer(cfg)
-    source.run()
+    run_training(source)
     config_file = config_file_of(cfg, tmp_path)
 
     done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "hf", "--format", "kimi-k3-hf")
@@ -191,7 +192,7 @@ def test_export_then_import_gives_identical_logits_and_files(tmp_path):
     export(tmp_path / "imported" / "step_00000000", tmp_path / "hf2", layout="kimi-k3-hf", workers=2)
     for file in sorted((tmp_path / "hf").glob("*.safetensors")):
         assert file.read_bytes() == (tmp_path / "hf2" / file.name).read_bytes(), file.name
-    assert len(resumed.run()) == 3  # and it trains on from step 0 with a fresh optimizer
+    assert len(run_training(resumed)) == 3  # and it trains on from step 0 with a fresh optimizer
 
 
 RELEASE_CONFIG = json.loads((Path(__file__).parents[1] / "assets" / "kimi_k3_release_config.json").read_text())
@@ -300,7 +301,7 @@ def test_a_release_checkpoint_imports_and_exports_back_byte_for_byte(tmp_path):
 def test_bf16_experts_export_and_import_the_unquantized_variant(tmp_path):
     cfg = tiny_config(*MXFP4_TINY, "train.steps=1", f"train.run_dir={tmp_path / 'run'}", "logging.progress=false")
     source = Trainer(cfg)
-    source.run()
+    run_training(source)
     export(tmp_path / "run" / "checkpoints" / "step_00000001", tmp_path / "hf", layout="kimi-k3-hf", experts="bf16")
     release = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "quantization_config" not in release["text_config"]
@@ -336,7 +337,7 @@ def test_continued_pretraining_imports_the_release_and_trains_a_new_stage(tmp_pa
     trainer = Trainer(tiny_config(*MXFP4_TINY, stage, "train.steps=2", "logging.progress=false",
                                   f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                                   f"train.resume={tmp_path / 'ckpt' / 'step_00000000'}"))
-    history = trainer.run()
+    history = run_training(trainer)
     assert [(h["step"], h["stage"], h["seq_len"]) for h in history] == [(1, "long", 192), (2, "long", 192)]
     assert all(math.isfinite(h["loss"]) for h in history)
     assert (tmp_path / "ckpt" / "step_00000002").is_dir()  # it saves on beside the import

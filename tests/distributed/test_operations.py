@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_pretrain.training.outcome import HUNG, PERMANENT, REQUEUE
+from moe_pretrain.operations.outcome import HUNG, PERMANENT, REQUEUE
 from tests.models import TINY
 from tests.processes import TRAIN, signal_long_run, torchrun
 

@@ -14,6 +14,7 @@ from launch.local import run_distributed
 from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.data import PretrainingData
 from moe_pretrain.model.meta import meta_model
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.pipeline import stage_boundaries
 from parallel.parallelize import gather_full_state
@@ -37,7 +38,7 @@ def train_worker(rank, world_size, run_dir, dtype, overrides):
     ctx = init_parallel(cfg)
     try:
         trainer = Trainer(cfg, ctx)
-        history = trainer.run()
+        history = run_training(trainer)
         dropped = [layer["tokens_dropped"] for h in history for layer in h["moe"].values()]
         assert dropped and set(dropped) == {0}, dropped  # every routed copy reached its expert, on any layout
         assert receive_buffers_held(trainer.pipeline) == 0
@@ -71,7 +72,7 @@ def expert_loads(history: list[dict]) -> list[dict[str, float]]:
 
 def single_process(tmp_path, dtype):
     trainer = Trainer(layout_config(tmp_path / "single", dtype))
-    history = trainer.run()
+    history = run_training(trainer)
     return [(h["loss"], h["grad_norm"]) for h in history], trainer.model.state_dict(), trainer.optimizer.state_bytes()
 
 
@@ -143,7 +144,7 @@ def test_mtp_layout_matches_single_process_float64(tmp_path, world_size, overrid
 def assert_layout_matches_single_process(tmp_path, world_size, overrides, worker=train_worker):
     ref_cfg_overrides = [o for o in overrides if not o.startswith("parallel.")]
     trainer = Trainer(layout_config(tmp_path / "single", "float64", *ref_cfg_overrides))
-    ref_history = trainer.run()
+    ref_history = run_training(trainer)
     ref_losses = [(h["loss"], h["grad_norm"], *h.get("mtp_loss", ())) for h in ref_history]
     ref_state = trainer.model.state_dict()
     losses, state, identical, _, loads = run_distributed(
@@ -194,7 +195,7 @@ def test_bf16_pipeline_matches_one_process(tmp_path):
     worst and the norms to between 1e-5 and 2.4e-3 over five seeds. A stage that stopped learning or
     dropped a boundary gradient moves a zero-initialised pseudo-query by 100%."""
     trainer = Trainer(layout_config(tmp_path / "single", "bfloat16", "data.micro_batches=2"))
-    history = trainer.run()
+    history = run_training(trainer)
     ref_losses, ref_norms = [h["loss"] for h in history], [h["grad_norm"] for h in history]
     ref_state = trainer.model.state_dict()
     pairs, state, identical, _, _ = run_distributed(

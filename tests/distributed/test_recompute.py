@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from launch.local import run_distributed
 from moe_pretrain.model.kda import KimiDeltaAttention
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
 from moe_pretrain.training import Trainer
 from parallel.collectives import gather_objects
@@ -21,7 +22,7 @@ def run(tmp_path, mode):
     cfg = tiny_config("train.steps=3", "train.dtype=float64", "logging.progress=false",
                       f"train.run_dir={tmp_path / mode}", f"train.recompute={mode}")
     trainer = Trainer(cfg)
-    history = trainer.run()
+    history = run_training(trainer)
     return [(h["loss"], h["grad_norm"]) for h in history], trainer.model.state_dict(), history
 
 
@@ -83,7 +84,7 @@ def kept_exchanges_worker(rank, world_size, run_dir, exchanges, overrides):
         trainer = Trainer(cfg, ctx)
         groups = {"ep": ctx.ep_group, "ep rail": ctx.ep_rail_group, "ep node": ctx.ep_node_group}
         with CollectiveTraffic(groups) as traffic:
-            history = trainer.run()
+            history = run_training(trainer)
         losses = [(h["loss"], h["grad_norm"]) for h in history]
         sent = sum(traffic.sent_bytes().get(group, 0) for group in groups)
         return losses, gather_full_state(trainer.model, ctx), gather_objects(sent, dist.group.WORLD)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_pretrain.config import CheckpointConfig, ConfigError
-from moe_pretrain.training.outcome import INTERRUPTED, REQUEUE
-from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
+from moe_pretrain.operations.outcome import INTERRUPTED, REQUEUE
+from moe_pretrain.operations.preemption import StopSignals, stop_at_from_env
 from tests.helpers import steps_done
 from tests.processes import TRAIN, signal_long_run, torchrun, wait_for_step
 

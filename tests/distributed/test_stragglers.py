@@ -18,8 +18,9 @@ import pytest
 
 from launch.local import run_distributed
 from launch.report import write_report
+from moe_pretrain.operations.run_loop import run_training
+from moe_pretrain.operations.stragglers import StragglerWindows
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.step_hooks import StragglerWindows
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import tiny_config
 
@@ -42,7 +43,7 @@ def straggler_worker(rank, world_size, run_dir, slow_ranks, overrides):
         trainer = Trainer(cfg, ctx)
         if rank in slow_ranks:
             slow_down(trainer.model)
-        history = trainer.run()
+        history = run_training(trainer)
         return [record.get("stragglers") for record in history]
     finally:
         destroy_parallel()
@@ -63,7 +64,7 @@ def routed_to_first_experts(rank, world_size, run_dir):
                 router.expert_bias.zero_()
                 router.expert_bias[:4] = 10.0
         trainer.model.register_forward_pre_hook(bias)
-        trainer.run()
+        run_training(trainer)
         check = next(hook.check for hook in trainer.hooks if isinstance(hook, StragglerWindows))
         return [identity.ep for identity in check.identities]
     finally:

@@ -17,6 +17,7 @@ from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data.long_context_eval import long_document_rows, position_edges, probe_batches, probe_tokenizer
 from moe_pretrain.data.patches import placed_images
 from moe_pretrain.data.validation import ValidationData
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from parallel.state import destroy_parallel, init_parallel
 from tests.models import STAGES, tiny_config
@@ -86,7 +87,7 @@ def test_evaluations_are_the_direct_computation_and_run_at_stage_ends(tmp_path, 
     cfg = tiny_config(STAGES, *EVAL, "train.steps=6", "train.dtype=float64", "logging.progress=false",
                       f"train.run_dir={tmp_path}", "eval.probe_samples=3", "checkpoint.keep_last=5")
     trainer = Trainer(cfg)
-    history = trainer.run()
+    history = run_training(trainer)
     evaluated = [h["step"] for h in history if "eval_loss" in h]
     assert evaluated == [2, 4, 6]  # eval.every=0: the end of each stage (and of the run)
     assert [h["step"] for h in history if "probe_accuracy" in h] == [2, 4, 6]
@@ -124,7 +125,8 @@ def layout_worker(rank, world_size, run_dir, overrides):
                       "data.batch_size=8", f"train.run_dir={run_dir}", *overrides)
     ctx = init_parallel(cfg)
     try:
-        return [{k: v for k, v in h.items() if k.startswith(("eval_", "probe_"))} for h in Trainer(cfg, ctx).run()]
+        history = run_training(Trainer(cfg, ctx))
+        return [{k: v for k, v in h.items() if k.startswith(("eval_", "probe_"))} for h in history]
     finally:
         destroy_parallel()
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_pretrain.model.experts import GroupedExperts
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.models import tiny_config
 from tests.training_cases import assert_bf16_tracks_float32, bf16_and_float32_losses, bf16_trainer
@@ -59,7 +60,7 @@ def test_bf16_recomputation_reuses_the_steps_copies_and_trains_identically(tmp_p
         cfg = tiny_config("train.steps=3", "train.dtype=bfloat16", f"train.recompute={mode}",
                           f"train.run_dir={tmp_path / mode}", "logging.progress=false")
         trainer = Trainer(cfg)
-        runs[mode] = ([(h["loss"], h["grad_norm"]) for h in trainer.run()], trainer.model.state_dict())
+        runs[mode] = ([(h["loss"], h["grad_norm"]) for h in run_training(trainer)], trainer.model.state_dict())
     for mode in ("selective", "full"):
         assert runs[mode][0] == runs["none"][0], mode
         assert all(torch.equal(runs[mode][1][k], v) for k, v in runs["none"][1].items()), mode

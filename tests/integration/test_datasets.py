@@ -20,6 +20,7 @@ from moe_pretrain.data.image_size import default_max_pixels, fitted_size
 from moe_pretrain.data.indexed import IndexedDocuments
 from moe_pretrain.data.preprocess import ImageRules, preprocess
 from moe_pretrain.data.tokenizers import load_tokenizer
+from moe_pretrain.operations.run_loop import run_training
 from tests.models import tiny_config
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓", "the theory of the thing"]
@@ -336,6 +337,6 @@ def test_training_reads_a_preprocessed_blend(tmp_path):
     from moe_pretrain.training import Trainer
     cfg = tiny_config(f"data.blend=[{{path: {a}}}, {{path: {b}}}]", "train.steps=12", "logging.progress=false",
                       f"train.run_dir={tmp_path / 'run'}", "data.image_fraction=0")
-    history = Trainer(cfg).run()
+    history = run_training(Trainer(cfg))
     assert history[-1]["loss"] < history[0]["loss"] - 1.0
     assert torch.isfinite(torch.tensor([h["loss"] for h in history])).all()

@@ -1,6 +1,6 @@
 """The docs point at what exists: every relative link, every repository path and every `python -m` module that
-README.md and docs/*.md name (a renamed file or module cannot leave a stale pointer), and every command the
-README's tour runs answers --help."""
+README.md and docs/*.md name (a renamed file or module cannot leave a stale pointer), every command the
+README's tour runs answers --help, and docs/layout.md lists every package and module of the code."""
 
 import importlib.util
 import re
@@ -15,7 +15,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("moe_pretrain", "parallel", "launch", "tests", "bench", "configs", "gpu_kernels", "checkpoints_tool", "docs",
        ".ci")
 """Top-level directories a path in the docs may start with."""
-PACKAGE = ("model", "planning", "training", "ops", "checkpoint", "fp8", "config")
+PACKAGE = ("model", "planning", "training", "operations", "ops", "checkpoint", "fp8", "config")
 """moe_pretrain's sub-packages, which the docs also name without the moe_pretrain/ prefix (not data/: the docs'
 example datasets live there)."""
 PATH = re.compile(r"(?<![\w./<-])((?:\.ci|[a-z_]+)/[\w./-]*[\w/])")
@@ -61,3 +61,24 @@ def test_every_command_of_the_readme_answers_help():
         done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0 and "usage" in done.stdout.lower(), (module, done.stderr[-2000:])
+
+
+CODE_ROOTS = ("moe_pretrain", "parallel", "gpu_kernels", "launch", "checkpoints_tool", "bench")
+SECTION = re.compile(r"^## `([\w/]+)/`", re.M)
+
+
+def test_the_layout_page_lists_every_package_and_module_and_only_those():
+    listed: dict[str, set[str]] = {}
+    for section in re.split(r"(?=^## `)", (ROOT / "docs" / "layout.md").read_text(), flags=re.M)[1:]:
+        package = SECTION.match(section).group(1)
+        listed[package] = set(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \|", section, re.M))
+    on_disk = {}
+    for root in CODE_ROOTS:
+        for folder in [ROOT / root, *(p.parent for p in (ROOT / root).rglob("__init__.py"))]:
+            if "__pycache__" not in folder.parts:
+                on_disk[str(folder.relative_to(ROOT))] = {f.name for f in folder.iterdir()
+                                                          if f.suffix in (".py", ".sh") and f.name != "__init__.py"}
+    assert sorted(set(on_disk) - set(listed)) == [], "packages docs/layout.md does not list"
+    assert sorted(set(listed) - set(on_disk)) == [], "packages docs/layout.md lists that do not exist"
+    for package, modules in on_disk.items():
+        assert sorted(modules ^ listed[package]) == [], f"docs/layout.md's {package}/: modules missing or gone"

@@ -18,6 +18,7 @@ import torch
 from moe_pretrain.config import load_config
 from moe_pretrain.data.embedded import synthetic_image_dataset
 from moe_pretrain.data.preprocess import preprocess
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.models import EVAL_OFF
 
@@ -40,7 +41,7 @@ def golden_losses(work: Path) -> list[float]:
     blend = f"data.blend=[{{path: golden-text, weight: 0.9}}, {{path: {images}, weight: 0.1}}]"
     cfg = load_config(SMOKE, [*OVERRIDES, blend, "train.run_dir=run"])
     with contextlib.chdir(work):
-        return [h["loss"] for h in Trainer(cfg).run()]
+        return [h["loss"] for h in run_training(Trainer(cfg))]
 
 
 @pytest.mark.timeout(240)

@@ -11,6 +11,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from moe_pretrain.config import ConfigError
 from moe_pretrain.data import DataError, PretrainingData
 from moe_pretrain.data.indexed import IndexedDocuments
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.models import tiny_config
 
@@ -49,7 +50,7 @@ def test_training_on_megatron_datasets_given_as_a_data_path(tmp_path):
     assert [(b.path, b.weight) for b in cfg.data.blend] == [(code, 0.3), (prose, 0.7)]
     batch = PretrainingData(cfg).next_batch(4)
     assert int(batch.image_mask.sum()) == 0 and batch.tokens.max() < 262
-    history = Trainer(cfg).run()
+    history = run_training(Trainer(cfg))
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
     with pytest.raises(ConfigError, match=r"data\.blend='0\.3 /a 0\.7': expected weight / prefix pairs"):
         tiny_config("data.blend=0.3 /a 0.7")

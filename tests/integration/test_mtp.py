@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from moe_pretrain.data import IGNORE_INDEX, PretrainingData
 from moe_pretrain.data.patches import placed_images
 from moe_pretrain.model.mtp import mtp_labels
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.checkpoints_cli import config_file_of, tool
 from tests.models import MXFP4_TINY, tiny_config
@@ -78,10 +79,10 @@ def test_loss_weight_trains_the_blocks_and_zero_leaves_the_backbone_alone(tmp_pa
     """loss_weight 0: the backbone's losses and weights are those of a model without blocks (1e-12; the blocks
     take their own initialisation, not the backbone's) and the blocks do not move; 0.3: they train."""
     plain = Trainer(config(tmp_path / "plain"))
-    plain_losses = [h["loss"] for h in plain.run()]
+    plain_losses = [h["loss"] for h in run_training(plain)]
     off = Trainer(config(tmp_path / "off", "model.mtp.layers=1", "model.mtp.loss_weight=0"))
     start = {name: p.detach().clone() for name, p in off.model.named_parameters() if name.startswith("mtp.")}
-    assert [h["loss"] for h in off.run()] == pytest.approx(plain_losses, rel=1e-12)
+    assert [h["loss"] for h in run_training(off)] == pytest.approx(plain_losses, rel=1e-12)
     backbone = plain.model.state_dict()
     for name, tensor in off.model.state_dict().items():
         if not name.startswith("mtp."):
@@ -92,7 +93,7 @@ def test_loss_weight_trains_the_blocks_and_zero_leaves_the_backbone_alone(tmp_pa
     assert max(moved.values()) < 1e-3, moved
     on = Trainer(config(tmp_path / "on", "model.mtp.layers=1", "model.mtp.loss_weight=0.3"))
     start = {name: p.detach().clone() for name, p in on.model.named_parameters() if name.startswith("mtp.")}
-    on.run()
+    run_training(on)
     trained = [name for name, p in on.model.named_parameters()
                if name.startswith("mtp.") and not torch.allclose(p.detach(), start[name], rtol=1e-3, atol=0)]
     assert "mtp.0.projection.weight" in trained and "mtp.0.layer.mixer.q_up.weight" in trained, trained
@@ -106,7 +107,7 @@ def test_release_export_keeps_the_blocks_aside_and_a_release_without_them_starts
     the backbone as imported, the block at its initial values."""
     cfg = config(tmp_path / "run", *MXFP4_TINY, "model.mtp.layers=1", "train.steps=1", "train.dtype=float32")
     trained = Trainer(cfg)
-    trained.run()
+    run_training(trained)
     done = tool("export", tmp_path / "run" / "checkpoints", tmp_path / "hf", "--format", "kimi-k3-hf")
     assert done.returncode == 0, done.stderr
     assert "1 multi-token-prediction block(s) (mtp.*)" in done.stdout and "num_nextn_predict_layers 0" in done.stdout

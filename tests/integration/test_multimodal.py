@@ -15,6 +15,7 @@ from moe_pretrain.data.embedded import to_pixels
 from moe_pretrain.data.patches import PlacedImage, expand_images
 from moe_pretrain.data.synthetic_images import COLOURS, make_image
 from moe_pretrain.data.vocabulary import BYTES
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.models import EVAL_OFF
 
@@ -65,7 +66,7 @@ def test_caption_colour_is_predicted_from_the_image(tmp_path):
         "model.moe.expert_intermediate=32", "model.moe.shared_intermediate=32", "optim.warmup_steps=10",
         "logging.progress=false", f"train.run_dir={tmp_path}", *EVAL_OFF])
     trainer = Trainer(cfg)
-    trainer.run()
+    run_training(trainer)
     seen = colour_accuracy(trainer.model, cfg, wrong_images=False)
     wrong = colour_accuracy(trainer.model, cfg, wrong_images=True)
     chance = 1 / len(COLOURS)

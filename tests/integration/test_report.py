@@ -6,6 +6,7 @@ import pytest
 
 from launch.report import main as report_main
 from launch.report import read_metrics, stage_boundaries
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from tests.models import tiny_config
 
@@ -17,8 +18,8 @@ STAGES = ("stages=[{name: short, tokens: 768, seq_len: 96, batch_tokens: 384}, "
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    Trainer(tiny_config(STAGES, "train.steps=4", "logging.expert_load_every=3", "logging.progress=false",
-                        "eval.tokens=200", f"train.run_dir={run_dir}")).run()
+    run_training(Trainer(tiny_config(STAGES, "train.steps=4", "logging.expert_load_every=3",
+                                     "logging.progress=false", "eval.tokens=200", f"train.run_dir={run_dir}")))
     return run_dir
 
 

@@ -15,8 +15,9 @@ import pytest
 from launch import train as launcher
 from launch import training_run
 from moe_pretrain.checkpoint import committed_checkpoints
+from moe_pretrain.operations.run_lock import LOCK, STALE_S, stale_reason
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.run_lock import LOCK, STALE_S, stale_reason
 from tests.models import TINY, tiny_config
 
 BASE = ["--config", "configs/smoke.yaml", *TINY, "train.dtype=float64", "logging.progress=false"]
@@ -36,8 +37,8 @@ def errors(capsys) -> list[str]:
 @pytest.fixture
 def saved_run(tmp_path):
     """A run stopped at step 2 (checkpoints 1 and 2) whose status.json says so."""
-    Trainer(tiny_config("train.steps=4", "train.exit_at_step=2", "checkpoint.every=1", "train.dtype=float64",
-                        "logging.progress=false", f"train.run_dir={tmp_path}")).run()
+    run_training(Trainer(tiny_config("train.steps=4", "train.exit_at_step=2", "checkpoint.every=1",
+                                     "train.dtype=float64", "logging.progress=false", f"train.run_dir={tmp_path}")))
     (tmp_path / "status.json").write_text(json.dumps(STATUS))
     return tmp_path
 

@@ -4,8 +4,10 @@ order by a real step, and a hook's state kept by the run's checkpoints and hande
 import pytest
 from torch import nn
 
+from moe_pretrain.operations.run_loop import run_training
+from moe_pretrain.operations.stragglers import straggler_windows
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.step_hooks import HOOK_ORDER, StepContext, StepHook, step_hooks
+from moe_pretrain.training.step_hooks import HOOK_ORDER, StepContext, StepHook, in_order, step_hooks
 from moe_pretrain.training.step_telemetry import StepTelemetry
 from parallel.state import ParallelContext
 from tests.models import EVAL_OFF, tiny_config
@@ -14,14 +16,18 @@ RUN = ["train.dtype=float64", "logging.progress=false", *EVAL_OFF]
 
 
 def test_every_hook_turned_on_is_assembled_in_the_declared_order(tmp_path):
+    """The training hooks, then the job's straggler check added in its place; a hook without one is refused."""
     cfg = tiny_config("optim.qk_clip_threshold=100", "precision.fp8=delayed", "logging.straggler.every=2",
                       "parallel.ranks_per_node=1", f"train.run_dir={tmp_path}")
     ctx, model = ParallelContext.single(), nn.Module()
     step = StepContext(model, None, ctx)
-    every = step_hooks(cfg, step, saver=object(), telemetry=StepTelemetry(ctx, model, on=True))
-    assert [hook.name for hook in every] == list(HOOK_ORDER)
-    fewest = step_hooks(tiny_config(), step, saver=None, telemetry=StepTelemetry(ctx, model, on=False))
-    assert [hook.name for hook in fewest] == ["balancing"]
+    hooks = step_hooks(cfg, step, saver=object())
+    windows = straggler_windows(cfg, ctx, StepTelemetry(ctx, model, on=True))
+    assert [hook.name for hook in in_order([windows, *hooks])] == list(HOOK_ORDER)
+    assert [hook.name for hook in step_hooks(tiny_config(), step, saver=None)] == ["balancing"]
+    assert straggler_windows(cfg, ctx, StepTelemetry(ctx, model, on=False)) is None
+    with pytest.raises(ValueError, match=r"step hooks \['unplaced'\] have no place"):
+        in_order([*hooks, Recorder("unplaced", [])])
 
 
 class Recorder(StepHook):
@@ -53,11 +59,11 @@ def test_a_step_calls_its_hooks_point_by_point_in_order_and_a_resume_gives_back_
     overrides = [*RUN, "train.steps=3", "checkpoint.every=1", f"train.run_dir={tmp_path}"]
     trainer = Trainer(tiny_config(*overrides, "train.exit_at_step=2"))
     trainer.hooks = trainer.checkpoints.hooks = [Recorder("a", calls), Recorder("b", calls)]
-    trainer.run()
+    run_training(trainer)
     points = ["before_step", "before_update", "after_update"]
     assert calls == 2 * [f"{name}.{point}" for point in points for name in "ab"]
 
     resumed = Trainer(tiny_config(*overrides))
     resumed.hooks = resumed.checkpoints.hooks = [Recorder("a", []), Recorder("b", [])]
-    assert len(resumed.run()) == 1  # resumed at step 2, one step to go
+    assert len(run_training(resumed)) == 1  # resumed at step 2, one step to go
     assert [hook.updates for hook in resumed.hooks] == [3, 3]

@@ -6,6 +6,7 @@ import pytest
 from checkpoints_tool.reshard import reshard
 from moe_pretrain.checkpoint.export import export
 from moe_pretrain.config import load_config
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.planning.measured import LiveTensorBytes
 from moe_pretrain.training import Trainer
 
@@ -18,7 +19,7 @@ MODEL_BYTES = 176e6
 def probe_checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("probe")
     cfg = load_config(PROBE, [*SMALL, "train.steps=1", f"train.run_dir={run}"])
-    Trainer(cfg).run()
+    run_training(Trainer(cfg))
     return run / "checkpoints" / "step_00000001"
 
 

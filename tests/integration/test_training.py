@@ -14,6 +14,7 @@ import yaml
 
 from moe_pretrain.config import ConfigError, OptimConfig, load_config
 from moe_pretrain.gpus import gpu_of_device
+from moe_pretrain.operations.run_loop import run_training
 from moe_pretrain.training import Trainer
 from moe_pretrain.training.optim import learning_rate
 from moe_pretrain.training.peak_flops import peak_flops
@@ -26,7 +27,7 @@ def run(cfg, tmp_path, name="run"):
     cfg.train.run_dir = str(tmp_path / name)
     cfg.logging.progress = False
     trainer = Trainer(cfg)
-    return trainer, trainer.run()
+    return trainer, run_training(trainer)
 
 
 @pytest.mark.slow
@@ -251,7 +252,7 @@ def test_training_with_our_triton_kernels_follows_training_with_the_references(t
         trainer = bf16_trainer(tmp_path / triton, 3, dtype, None, f"kernels.triton={triton}")
         assert all(module.fused == (triton == "triton") for module in trainer.model.modules()
                    if hasattr(module, "fused"))
-        runs[triton] = [(h["loss"], h["grad_norm"]) for h in trainer.run()]
+        runs[triton] = [(h["loss"], h["grad_norm"]) for h in run_training(trainer)]
     for (loss, norm), (ref_loss, ref_norm) in zip(runs["triton"], runs["torch"], strict=True):
         assert loss == pytest.approx(ref_loss, abs=BF16_LOSS_GAP), runs
         assert norm == pytest.approx(ref_norm, rel=BF16_LOSS_GAP), runs

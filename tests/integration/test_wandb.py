@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from moe_pretrain.config import ConfigError
+from moe_pretrain.operations.run_loop import run_training
+from moe_pretrain.operations.wandb_run import RUN_ID_FILE
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.wandb_run import RUN_ID_FILE
 from tests.models import tiny_config
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="wandb is part of the test extra")
@@ -49,8 +50,8 @@ def history(run_file: Path) -> tuple[str, list[dict]]:
 def test_offline_wandb_gets_the_step_scalars_and_a_resume_keeps_the_run(tmp_path):
     overrides = ("logging.wandb.project=moe-test", "logging.wandb.mode=offline", "logging.progress=false",
                  "checkpoint.every=2", f"train.run_dir={tmp_path}", "train.steps=4")
-    first = Trainer(tiny_config(*overrides, "train.exit_at_step=2")).run()
-    second = Trainer(tiny_config(*overrides)).run()
+    first = run_training(Trainer(tiny_config(*overrides, "train.exit_at_step=2")))
+    second = run_training(Trainer(tiny_config(*overrides)))
     # run.finish() returns before W&B's service process has written the whole file; its teardown waits for that
     # process to end (as the atexit hook of a training process does)
     wandb.teardown()
@@ -67,7 +68,7 @@ def test_offline_wandb_gets_the_step_scalars_and_a_resume_keeps_the_run(tmp_path
     assert "moe/2/router_entropy" in logged[0]
 
 
-def test_wandb_without_the_package_stops_at_start(monkeypatch):
+def test_wandb_without_the_package_stops_at_start(monkeypatch, tmp_path):
     import builtins
 
     real_import = builtins.__import__
@@ -78,4 +79,5 @@ def test_wandb_without_the_package_stops_at_start(monkeypatch):
         return real_import(name, *args, **kwargs)
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(ConfigError, match=r"logging\.wandb\.project='p' needs the wandb package"):
-        Trainer(tiny_config("logging.wandb.project=p"))
+        run_training(Trainer(tiny_config("logging.wandb.project=p", f"train.run_dir={tmp_path}")))
+    assert not any(tmp_path.iterdir())  # refused before the run wrote anything

@@ -3,7 +3,7 @@
 
 import pytest
 
-from moe_pretrain.training.outcome import (
+from moe_pretrain.operations.outcome import (
     HUNG,
     LOST_PEER,
     PERMANENT,

@@ -1,4 +1,4 @@
-"""launch.plan ends with one verdict line, and prints its numbers whole (issue 56, item 4): a plan in which a stage
+"""launch.plan ends with one verdict line, and prints its numbers whole: a plan in which a stage
 does not fit, or has no valid layout, says so on that stage's step line, in the total and in the verdict, which
 names the smallest layout that fits as --propose finds it. The smoke schedule (configs/stages/tiny.yaml)."""
 

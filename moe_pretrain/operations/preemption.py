@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.config.errors import ConfigError
-from moe_pretrain.training.outcome import INTERRUPTED
+from moe_pretrain.operations.outcome import INTERRUPTED
 from parallel.collectives import all_reduce_max
 
 log = logging.getLogger(__name__)

@@ -1,42 +1,41 @@
 """The run: train to train.steps (or train.exit_at_step), resuming per train.resume, evaluating, saving
 checkpoints at intervals, stage ends and on an agreed stop signal, and writing the run directory's records.
 
-The trainer (trainer.py) does one step; this is the loop around it, with what a run must never lose: a
+The trainer (training/trainer.py) does one step; this is the loop around it, with what a run must never lose: a
 relaunch of a finished run does nothing, a restart before the first checkpoint keeps the earlier attempt's
 metrics aside, a run directory holding another run's metrics is refused, and a stop signal saves first.
 """
 
-from __future__ import annotations
-
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import yaml
 
 from moe_pretrain import checkpoint
 from moe_pretrain.config import ConfigError, config_to_dict
+from moe_pretrain.operations.metrics import MetricsWriter, ProgressBar
+from moe_pretrain.operations.outcome import Preempted
+from moe_pretrain.operations.preemption import StopSignals, stop_at_from_env
+from moe_pretrain.operations.stragglers import straggler_windows
+from moe_pretrain.operations.wandb_run import check_wandb, open_wandb_run
+from moe_pretrain.operations.watchdog import StepWatchdog
+from moe_pretrain.training import Trainer
 from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
-from moe_pretrain.training.metrics import MetricsWriter, ProgressBar
-from moe_pretrain.training.outcome import Preempted
-from moe_pretrain.training.preemption import StopSignals, stop_at_from_env
-from moe_pretrain.training.wandb_run import open_wandb_run
-from moe_pretrain.training.watchdog import StepWatchdog
 from parallel.collectives import barrier
-
-if TYPE_CHECKING:
-    from moe_pretrain.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def run(trainer: Trainer) -> list[dict]:
+def run_training(trainer: Trainer) -> list[dict]:
     """Train to train.steps (or train.exit_at_step), resuming per train.resume and saving checkpoints;
     rank 0 writes run_dir/config.yaml and run_dir/metrics.jsonl. Returns the steps' records: empty
     when the resumed checkpoint is already at the end (a relaunch of a finished run)."""
     cfg, ctx = trainer.cfg, trainer.ctx
+    check_wandb(cfg)
+    if (windows := straggler_windows(cfg, ctx, trainer.telemetry)) is not None:
+        trainer.add_hook(windows)  # before the resume, which hands the hooks their states
     run_dir = Path(cfg.train.run_dir)
     checkpoints = trainer.checkpoints
     resumed = checkpoints.resume() is not None

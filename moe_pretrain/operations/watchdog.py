@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_pretrain.training.outcome import HUNG, write_status
+from moe_pretrain.operations.outcome import HUNG, write_status
 
 log = logging.getLogger(__name__)
 
