@@ -11,6 +11,8 @@ kernels and precision sections into the choices its device can run, refusing a f
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from moe_pretrain.ops.host_values import READ, HostValues
+
 if TYPE_CHECKING:
     from moe_pretrain.fp8.settings import Fp8Settings
 
@@ -29,6 +31,9 @@ class Kernels:
     """MLA's document-causal attention: one FlexAttention call per layer, or one SDPA per document."""
     fp8: "Fp8Settings | None" = None
     """The routed experts' FP8 recipe and GEMM engine (precision.fp8, kernels.fp8_gemm); None: compute dtype."""
+    host: HostValues = field(default=READ, compare=False)
+    """How the modules read device values on the host: a real run's reads, or the dry run's assumed ones
+    (ops/host_values.py)."""
     why_not: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     """(path, reason) for each fast path resolve() left on its reference: what the start-up report says."""
 

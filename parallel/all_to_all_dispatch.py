@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.model.token_dispatch import DispatchMetadata, Experts, LocalTokenDispatcher, inverse_order
-from moe_pretrain.ops.host_values import split_sizes
+from moe_pretrain.ops.host_values import READ, HostValues
 from parallel.chunk_pipeline import run_interleaved
 from parallel.collectives import all_to_all_counts, finish_rows, start_rows
 from parallel.fp8_dispatch import FP8_ROWS, row_bytes
@@ -37,9 +37,10 @@ def block_regroup(counts_SE: torch.Tensor, total: int) -> torch.Tensor:
 
 class AllToAllTokenDispatcher(LocalTokenDispatcher):
     def __init__(self, num_experts: int, group: dist.ProcessGroup, rank: int, *, fused: bool = False,
-                 fp8: bool = False, chunks: int = 1):
+                 fp8: bool = False, chunks: int = 1, host: HostValues = READ):
+        """host: how the split sizes are read (ops/host_values.py)."""
         super().__init__(num_experts, fused=fused)
-        self.group = group
+        self.group, self.host = group, host
         self.size = dist.get_world_size(group)
         self.rank = rank
         if num_experts % self.size:
@@ -62,7 +63,7 @@ class AllToAllTokenDispatcher(LocalTokenDispatcher):
         # Every chunk's counts in one exchange and its split sizes in one read of the device: [chunk, rank, expert]
         receive = all_to_all_counts(send.transpose(0, 1).reshape(self.size, -1), self.group)
         receive = receive.reshape(self.size, self.chunks, -1).transpose(0, 1)
-        splits = split_sizes(send, receive, [rows.shape[0] for rows, _, _ in parts], self.rank)
+        splits = self.host.split_sizes(send, receive, [rows.shape[0] for rows, _, _ in parts], self.rank)
         row = row_bytes(x_TL.shape[1], x_TL.element_size(), self.fp8)
         self.bytes_sent += sum(sum(out) - out[self.rank] for out, _ in splits) * row
         self.rows_received += sum(sum(received) for _, received in splits)

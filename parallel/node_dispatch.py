@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_pretrain.model.token_dispatch import Experts, LocalTokenDispatcher, inverse_order
-from moe_pretrain.ops.host_values import node_split_sizes
+from moe_pretrain.ops.host_values import READ, HostValues
 from moe_pretrain.ops.routing import expert_load
 from parallel.all_to_all_dispatch import block_regroup
 from parallel.chunk_pipeline import run_interleaved
@@ -51,8 +51,11 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
     permutes = False  # rows are gathered by index (token_of_row, row_of_copy), never permuted
 
     def __init__(self, num_experts: int, rank: int, rail_group: dist.ProcessGroup | None,
-                 node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False, chunks: int = 1):
+                 node_group: dist.ProcessGroup | None, *, fused: bool = False, fp8: bool = False, chunks: int = 1,
+                 host: HostValues = READ):
+        """host: how the split sizes are read (ops/host_values.py)."""
         super().__init__(num_experts, fused=fused)
+        self.host = host
         self.fp8 = fp8
         self.codec = FP8_ROWS if fp8 else None
         """The rail exchange's rows as FP8 (parallel.dispatch_fp8); the node exchange's stay in their dtype."""
@@ -86,7 +89,7 @@ class NodeTokenDispatcher(LocalTokenDispatcher):
         receive_CGE = all_to_all_counts(forward_CGE.transpose(0, 1).reshape(self.ranks_per_node, -1),
                                         self.node_group)
         receive_CGE = receive_CGE.reshape(self.ranks_per_node, self.chunks, -1).transpose(0, 1)
-        splits = node_split_sizes(rail_send, rail[:, :, 0], forward_CGE.sum(2), receive_CGE.sum(2),
+        splits = self.host.node_split_sizes(rail_send, rail[:, :, 0], forward_CGE.sum(2), receive_CGE.sum(2),
                                   [idx.shape[0] for _, idx, _ in parts], k, self.num_experts, self.rank)
         row = row_bytes(x_TL.shape[1], x_TL.element_size(), self.fp8)
         self.bytes_across_nodes += sum(sum(rail_out) - rail_out[self.node] for (rail_out, _), _ in splits) * row

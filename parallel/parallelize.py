@@ -29,6 +29,7 @@ from moe_pretrain.model.init import Init, draw, parameter_inits
 from moe_pretrain.model.meta import meta_model
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.token_dispatch import LocalTokenDispatcher
+from moe_pretrain.ops.host_values import HostValues
 from parallel.activation_plan import apply_activation_plan, splits_of
 from parallel.all_to_all_dispatch import AllToAllTokenDispatcher
 from parallel.collectives import all_gather_stacked, gather_objects
@@ -91,16 +92,19 @@ def shard_parameters(model: nn.Module, plan: ShardingPlan, ctx: ParallelContext,
     apply_activation_plan(model, splits_of(ctx, layout.cp, mla))
     for module in model.modules():
         if isinstance(module, LatentMoE) and layout.ep > 1:
-            module.dispatcher = expert_dispatcher(module.cfg.num_experts, ctx, fused=module.dispatcher.fused)
+            module.dispatcher = expert_dispatcher(module.cfg.num_experts, ctx, fused=module.dispatcher.fused,
+                                                  host=module.router.host)
     if ctx.distributed:
         for router in model.routers().values():
             router.balancer.stats = GroupStatistics(ctx.tp_dp_group)
 
 
-def expert_dispatcher(num_experts: int, ctx: ParallelContext, *, fused: bool) -> LocalTokenDispatcher:
+def expert_dispatcher(num_experts: int, ctx: ParallelContext, *, fused: bool, host: HostValues
+                      ) -> LocalTokenDispatcher:
     """The expert-parallel dispatcher parallel.expert_dispatch names (flat, or by node), its rows in FP8 with
-    parallel.dispatch_fp8, its tokens in parallel.dispatch_chunks chunks."""
-    options = dict(fused=fused, fp8=ctx.dispatch_fp8, chunks=ctx.dispatch_chunks)
+    parallel.dispatch_fp8, its tokens in parallel.dispatch_chunks chunks, its split sizes read by `host` (the
+    model's: ops/host_values.py)."""
+    options = dict(fused=fused, fp8=ctx.dispatch_fp8, chunks=ctx.dispatch_chunks, host=host)
     if ctx.expert_dispatch == "node":
         return NodeTokenDispatcher(num_experts, ctx.ep_rank, ctx.ep_rail_group, ctx.ep_node_group, **options)
     return AllToAllTokenDispatcher(num_experts, ctx.ep_group, ctx.ep_rank, **options)

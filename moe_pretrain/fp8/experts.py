@@ -25,6 +25,7 @@ from torch import nn
 
 from moe_pretrain.fp8.quantize import Quantized, quantize
 from moe_pretrain.fp8.settings import Fp8Settings
+from moe_pretrain.ops.host_values import READ, HostValues
 from moe_pretrain.step_reuse import reused
 from parallel.collectives import all_reduce_max
 
@@ -46,8 +47,9 @@ def amax_buffers(num_experts: int, settings: Fp8Settings | None) -> dict[str, to
 class Fp8Experts:
     """One experts module's FP8 GEMMs for one forward: the settings, and the module's amax buffers."""
 
-    def __init__(self, settings: Fp8Settings, owner: nn.Module):
-        self.settings, self.recipe, self.owner = settings, settings.recipe, owner
+    def __init__(self, settings: Fp8Settings, owner: nn.Module, host: HostValues = READ):
+        """host: how an engine that loops over the experts reads their rows (ops/host_values.py)."""
+        self.settings, self.recipe, self.owner, self.host = settings, settings.recipe, owner, host
 
     def quantize(self, t: torch.Tensor, name: str, expert: int, *, weight: bool = False,
                  grad: bool = False) -> Quantized:

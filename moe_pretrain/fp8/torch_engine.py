@@ -6,7 +6,6 @@ import torch
 
 from moe_pretrain.fp8.experts import Fp8Experts
 from moe_pretrain.fp8.quantize import scaled_matmul
-from moe_pretrain.ops.host_values import expert_rows
 
 
 class _Fp8GroupedMM(torch.autograd.Function):
@@ -52,7 +51,7 @@ def fp8_backward_loop(fp8: Fp8Experts, name: str, x_RI: torch.Tensor, w_EOI: tor
 def torch_grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, fp8: Fp8Experts,
                      name: str) -> torch.Tensor:
     """fp8_grouped_mm's contract through this engine."""
-    split = expert_rows(counts, x_RI.shape[0])
+    split = fp8.host.expert_rows(counts, x_RI.shape[0])
     if sum(split) != x_RI.shape[0]:
         raise ValueError(f"fp8_grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
     return _Fp8GroupedMM.apply(x_RI, w_EOI, split, fp8, name)

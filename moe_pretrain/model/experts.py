@@ -38,6 +38,8 @@ class GroupedExperts(nn.Module):
         """ops.grouped_mm's kernel (Kernels.grouped_gemm) for the compute-dtype GEMMs."""
         self.fused = kernels.triton
         """SiTU-GLU through our Triton kernel (Kernels.triton)."""
+        self.host = kernels.host
+        """How the per-expert loops read the rows of each expert (ops/host_values.py)."""
         self.fp8_settings = kernels.fp8
         """precision.fp8's recipe and GEMM engine; None: the GEMMs run in the compute dtype."""
         self.recompute_act = False
@@ -59,7 +61,7 @@ class GroupedExperts(nn.Module):
         """
         w_gate, w_up, w_down = self.compute_weights()
         x_RL = x_RL.to(w_gate.dtype)
-        fp8 = None if self.fp8_settings is None else Fp8Experts(self.fp8_settings, self)
+        fp8 = None if self.fp8_settings is None else Fp8Experts(self.fp8_settings, self, self.host)
         gate, up = self._matmul(x_RL, w_gate, counts, "gate", fp8), self._matmul(x_RL, w_up, counts, "up", fp8)
         h = self._activation(gate, up, w_down.dtype)
         with rebuilt_when_saved(self.recompute_act and fp8 is None, h, self._activation, gate, up, w_down.dtype):
@@ -71,5 +73,5 @@ class GroupedExperts(nn.Module):
     def _matmul(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, name: str,
                 fp8: Fp8Experts | None) -> torch.Tensor:
         if fp8 is None:
-            return grouped_mm(x_RI, w_EOI, counts, self.grouped_gemm)
+            return grouped_mm(x_RI, w_EOI, counts, self.grouped_gemm, self.host)
         return fp8_grouped_mm(x_RI, w_EOI, counts, fp8, name)

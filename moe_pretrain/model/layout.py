@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from gpu_kernels.flex_attention import document_block_mask
-from moe_pretrain.ops.host_values import data_values
+from moe_pretrain.ops.host_values import READ, HostValues
 
 
 def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -35,25 +35,28 @@ class DocumentLayout:
     """[B, T] offset of each position from its document's start (RoPE positions, conv validity)."""
     cu_seqlens: torch.Tensor
     """[N + 1] int64 offsets of the N documents in the flattened [1, B*T] sequence (fla convention)."""
+    host: HostValues = field(default=READ, compare=False, repr=False)
+    """How values the data decides are computed (real in a dry run as well: ops/host_values.py)."""
     _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocumentLayout":
+    def from_doc_ids(cls, doc_ids: torch.Tensor, host: HostValues = READ) -> "DocumentLayout":
         """doc_ids [B, T]: the document number of each position (non-decreasing along T)."""
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         B, T = doc_ids.shape
-        with data_values():  # the data decides these: real values in a dry run as well
+        with host.data_values():  # the data decides these: real values in a dry run as well
             cu_seqlens = document_starts(doc_ids)
             flat_starts = cu_seqlens[:-1]
             positions = torch.arange(B * T, device=doc_ids.device)
             start_of = flat_starts[torch.searchsorted(flat_starts, positions, right=True) - 1]
-            return cls((positions - start_of).reshape(B, T), cu_seqlens)
+            return cls((positions - start_of).reshape(B, T), cu_seqlens, host)
 
     @classmethod
-    def single_documents(cls, batch: int, seq_len: int, device: torch.device) -> "DocumentLayout":
+    def single_documents(cls, batch: int, seq_len: int, device: torch.device, host: HostValues = READ
+                         ) -> "DocumentLayout":
         """Every row one document (no packing)."""
-        return cls.from_doc_ids(torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len))
+        return cls.from_doc_ids(torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq_len), host)
 
     def positions_held_by(self, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """position_in_doc of the positions `keep` selects from a [B, T] tensor (a context-parallel rank's:
@@ -64,7 +67,7 @@ class DocumentLayout:
         """make(), a value the data decides (real in a dry run as well), computed once per forward under `key`
         and shared by every layer that asks for it: a rank's positions, its latent exchange's route."""
         if key not in self._derived:
-            with data_values():
+            with self.host.data_values():
                 self._derived[key] = make()
         return self._derived[key]
 

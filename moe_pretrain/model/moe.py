@@ -24,7 +24,7 @@ class LatentMoE(nn.Module):
                  kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
-        self.router = Router(dim, cfg, init_std)
+        self.router = Router(dim, cfg, init_std, kernels.host)
         self.latent_down = make_linear(dim, cfg.latent_size, init_std=init_std)
         self.experts = GroupedExperts(
             cfg.num_experts, cfg.latent_size, cfg.expert_intermediate, beta=cfg.situ_beta,

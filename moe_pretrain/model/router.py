@@ -13,13 +13,14 @@ from moe_pretrain.model.balancing import make_balancer
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.recompute import recomputing
 from moe_pretrain.ops import expert_load, route, router_scores
+from moe_pretrain.ops.host_values import READ, HostValues
 from moe_pretrain.ops.norms import compute_dtype
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, cfg: MoEConfig, init_std: float):
+    def __init__(self, dim: int, cfg: MoEConfig, init_std: float, host: HostValues = READ):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.host = cfg, host
         self.gate = make_linear(dim, cfg.num_experts, init_std=init_std)
         self.gate.cast_weights = ()  # read in fp32 below: held in fp32 under any train.param_dtype
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
@@ -35,7 +36,8 @@ class Router(nn.Module):
         dtype = compute_dtype(self.gate.weight.dtype)
         with torch.autocast(x_TD.device.type, enabled=False):
             logits = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
-            topk_idx, topk_weight = route(logits, self.expert_bias, self.cfg.top_k, self.cfg.routed_scaling)
+            topk_idx, topk_weight = route(logits, self.expert_bias, self.cfg.top_k, self.cfg.routed_scaling,
+                                          self.host)
             # Statistics come only from forwards that train: not eval, and not the no-grad passes a
             # pipeline schedule makes to infer shapes, which would count a micro-batch twice.
             if not (self.training and torch.is_grad_enabled()):

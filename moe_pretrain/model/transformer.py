@@ -91,8 +91,8 @@ class MoETransformer(nn.Module):
         """The documents of tokens [B, T]: doc_ids [B, T], or one per row."""
         B, T = tokens.shape
         if doc_ids is None:
-            return DocumentLayout.single_documents(B, T, tokens.device)
-        return DocumentLayout.from_doc_ids(doc_ids)
+            return DocumentLayout.single_documents(B, T, tokens.device, self.kernels.host)
+        return DocumentLayout.from_doc_ids(doc_ids, self.kernels.host)
 
     def embed(self, tokens: torch.Tensor, patches: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
               images: list[PlacedImage] | None = None) -> torch.Tensor:

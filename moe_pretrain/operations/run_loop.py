@@ -22,7 +22,6 @@ from moe_pretrain.operations.stragglers import straggler_windows
 from moe_pretrain.operations.wandb_run import check_wandb, open_wandb_run
 from moe_pretrain.operations.watchdog import StepWatchdog
 from moe_pretrain.training import Trainer
-from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from parallel.collectives import barrier
 
 log = logging.getLogger(__name__)
@@ -82,16 +81,15 @@ def run_training(trainer: Trainer) -> list[dict]:
             record = trainer.metrics(result)
             at_boundary = trainer.tokens_seen == stage.end_tokens
             if _evaluation_due(trainer, at_boundary):
-                record.update(evaluate(trainer.runner, trainer.validation, stage))
-                if cfg.eval.long_context and (at_boundary or trainer.step == cfg.train.steps):
-                    record.update(evaluate_long_context(trainer.runner, trainer.validation, stage))
+                record.update(trainer.evaluate(stage, long_context=cfg.eval.long_context and (
+                    at_boundary or trainer.step == cfg.train.steps)))
             if writer is not None:
                 writer.write(record)
             history.append(record)
             bar.update(trainer.step - 1, result.loss, record["tokens_per_s"], result.lr, record.get("eval_loss"))
             checkpoints.poll()
             time_due = bool(save_interval_s) and time.monotonic() - last_save_time >= save_interval_s
-            agreed = signals.agreed(ctx.distributed, trainer.device, save_due=time_due,
+            agreed = signals.agreed(ctx.distributed, ctx.device, save_due=time_due,
                                     next_step_s=result.seconds)
             at_interval = bool(cfg.checkpoint.every) and trainer.step % cfg.checkpoint.every == 0
             if at_boundary or at_interval or agreed.save_due:
@@ -107,8 +105,7 @@ def run_training(trainer: Trainer) -> list[dict]:
         checkpoints.wait()
         checkpoint.wait_for_deletions()  # a finished run leaves no pruned checkpoint half deleted
     finally:
-        trainer.optimizer.finish_parameter_gathers()  # the caller may read the parameters
-        trainer.batches.close()
+        trainer.close()
         watchdog.close()
         signals.close()
         if writer is not None:
@@ -119,7 +116,7 @@ def run_training(trainer: Trainer) -> list[dict]:
 def _evaluation_due(trainer: Trainer, at_stage_end: bool) -> bool:
     """eval.every steps, and (eval.at_stage_end) after a stage's and the run's last step."""
     evaluation = trainer.cfg.eval
-    if trainer.validation is None:
+    if not trainer.evaluates:
         return False
     every = bool(evaluation.every) and trainer.step % evaluation.every == 0
     return every or (evaluation.at_stage_end and (at_stage_end or trainer.step == trainer.cfg.train.steps))

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from moe_pretrain.ops.host_values import expert_rows
+from moe_pretrain.ops.host_values import READ, HostValues
 
 _ALIGNMENT_BYTES = 16
 
@@ -118,10 +118,11 @@ class _LoopMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, kernel: str = "auto",
+               host: HostValues = READ) -> torch.Tensor:
     """[R, I] rows grouped by expert (counts [E] tensor, counts[e] rows of expert e, summing to R) -> [R, O],
     in x's dtype, which must be w's (no autocast inside: the caller chooses the compute dtype). kernel:
-    grouped / loop / auto (Kernels.grouped_gemm)."""
+    grouped / loop / auto (Kernels.grouped_gemm); host: how the loop reads the counts (ops/host_values.py)."""
     if x_RI.dtype != w_EOI.dtype:
         raise ValueError(f"grouped_mm: rows are {x_RI.dtype} but weights are {w_EOI.dtype}")
     if counts.shape != (w_EOI.shape[0],):
@@ -129,7 +130,7 @@ def grouped_mm(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts: torch.Tensor, ke
     with torch.autocast(x_RI.device.type, enabled=False):
         if uses_grouped_kernel(x_RI, w_EOI, kernel):
             return _GroupedKernelMM.apply(x_RI.contiguous(), w_EOI, torch.cumsum(counts, 0, dtype=torch.int32))
-        split = expert_rows(counts, x_RI.shape[0])
+        split = host.expert_rows(counts, x_RI.shape[0])
         if sum(split) != x_RI.shape[0]:
             raise ValueError(f"grouped_mm: counts {split} must sum to the {x_RI.shape[0]} rows")
         return _LoopMM.apply(x_RI, w_EOI, split)

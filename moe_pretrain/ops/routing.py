@@ -6,7 +6,7 @@ fp64); bias [n] is the balancing bias, which steers selection but never the comb
 
 import torch
 
-from moe_pretrain.ops.host_values import routed
+from moe_pretrain.ops.host_values import READ, HostValues
 from moe_pretrain.ops.norms import compute_dtype
 
 
@@ -16,11 +16,12 @@ def router_scores(logits: torch.Tensor) -> torch.Tensor:
 
 
 def route(
-    logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float = 1.0
+    logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float = 1.0, host: HostValues = READ
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select k experts per token by score + bias; weights are the raw scores renormalised.
 
-    logits [m, n] -> (topk_idx [m, k] int64, topk_weight [m, k] in >= fp32, summing to `scaling`).
+    logits [m, n] -> (topk_idx [m, k] int64, topk_weight [m, k] in >= fp32, summing to `scaling`). host: the
+    dry run's assumed routing replaces the choice (ops/host_values.py).
     """
     if logits.dim() != 2:
         raise ValueError(f"route: logits must be [tokens, experts], got {tuple(logits.shape)}")
@@ -29,7 +30,7 @@ def route(
         raise ValueError(f"route: k={k} must be in [1, {n}] (experts)")
     scores = router_scores(logits)
     _, topk_idx = torch.topk(scores + bias.to(scores.dtype).detach(), k, dim=-1)
-    topk_idx = routed(topk_idx, n)  # the dry run's assumed routing, when one is in force
+    topk_idx = host.routed(topk_idx, n)
     selected = scores.gather(1, topk_idx)
     topk_weight = selected / selected.sum(dim=-1, keepdim=True) * scaling
     return topk_idx, topk_weight

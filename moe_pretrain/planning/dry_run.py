@@ -27,12 +27,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gpu_kernels.choice import Kernels
 from gpu_kernels.fast_paths import fast_paths, resolve_for_gpu
+from gpu_kernels.fast_paths import resolve as resolve_kernels
 from moe_pretrain.config import Config
 from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.gpus import GPUS, GpuSpec
 from moe_pretrain.model.counts import count
-from moe_pretrain.ops.host_values import assuming
+from moe_pretrain.ops.host_values import AssumedHostValues
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
 from moe_pretrain.planning.compute_sites import ComputeSites
@@ -177,7 +178,9 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     (a real run under them routes as the dry run assumes, to compare the two); kernels: the model's (None:
     this machine's)."""
     start = time.perf_counter()
-    host = assuming(assumptions) if assumptions is not None else contextlib.nullcontext()
+    if assumptions is not None:  # every host read of the trainer and its model answered by them
+        kernels = dataclasses.replace(kernels or resolve_kernels(cfg, ctx.device, DTYPES[cfg.train.dtype]),
+                                      host=AssumedHostValues(assumptions))
     with PeakSites() as live:
         trainer = Trainer(cfg, ctx, fake=fake, kernels=kernels)
         trainer.tokens_seen = sum(s.tokens for s in cfg.stages[:stage])
@@ -187,13 +190,12 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                  f"({played.micro_batches} micro-batches of {played.rows // played.micro_batches} x {played.seq_len} "
                  "tokens)")
         timeline = Timeline()
-        with fake or contextlib.nullcontext(), host, ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
+        with fake or contextlib.nullcontext(), ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
                 CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
                 observing(timeline):
             pairs_before = pairs_run()
             result = trainer.train_step()
-        trainer.optimizer.finish_parameter_gathers()
-        trainer.batches.close()
+        trainer.close()
     optimizer = trainer.optimizer
     model_flops = (count(cfg.model, played.seq_len, result.attended_keys)["flops_per_token"] * played.batch_tokens
                    / ctx.layout.world_size)

@@ -23,7 +23,7 @@ from moe_pretrain.data.patches import placed_images
 from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.model import MoETransformer
 from moe_pretrain.model.mtp import mtp_labels
-from moe_pretrain.ops.host_values import data_values
+from moe_pretrain.ops.host_values import READ, HostValues
 from moe_pretrain.ops.norms import compute_dtype
 from moe_pretrain.step_reuse import reused_in_step
 from moe_pretrain.training.pipeline import Pipeline
@@ -47,9 +47,11 @@ class AheadTargets:
 
 
 class StepRunner:
-    def __init__(self, cfg: Config, ctx: ParallelContext, model: MoETransformer, data: PretrainingData):
-        """model: this rank's model (the whole model, or its pipeline chunks under their global names)."""
-        self.cfg, self.ctx, self.model, self.data = cfg, ctx, model, data
+    def __init__(self, cfg: Config, ctx: ParallelContext, model: MoETransformer, data: PretrainingData,
+                 host: HostValues = READ):
+        """model: this rank's model (the whole model, or its pipeline chunks under their global names); host: how
+        the values the data decides are computed (ops/host_values.py)."""
+        self.cfg, self.ctx, self.model, self.data, self.host = cfg, ctx, model, data, host
         self.dtype = DTYPES[cfg.train.dtype]
         self.pipeline = Pipeline(model, cfg, ctx, self._pipeline_loss) if ctx.layout.pp > 1 else None
         self.vocabulary = VocabularySplit(ctx.tp_group if ctx.layout.tp > 1 else None)
@@ -147,7 +149,7 @@ class StepRunner:
         on the last stage's first tensor rank, zero elsewhere (float64)."""
         pipeline = self.pipeline
         pipeline.feed(micro_batches)
-        with data_values():  # the library splits these back into the micro-batches: real rows in a dry run too
+        with self.host.data_values():  # the library splits these back into micro-batches: real rows in a dry run
             tokens, image_mask, labels = (torch.cat([getattr(batch, name) for batch in micro_batches])
                                           for name in ("tokens", "image_mask", "labels"))
         args = (tokens, image_mask) if pipeline.holds_first else ()

@@ -29,7 +29,7 @@ from moe_pretrain.data.validation import ValidationData
 from moe_pretrain.dtypes import DTYPES
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.saved_inputs import SavedInputs
-from moe_pretrain.ops.host_values import data_values, scalar_list
+from moe_pretrain.training.evaluation import evaluate, evaluate_long_context
 from moe_pretrain.training.mfu import StepMFU
 from moe_pretrain.training.moe_stats import combine_moe_stats
 from moe_pretrain.training.optim import learning_rate
@@ -108,7 +108,9 @@ class Trainer:
         with fake or contextlib.nullcontext():
             self.state = TrainingState(cfg, self.ctx, kernels=kernels, draw_values=fake is None)
         self.state.token_ids = self.data.vocabulary.special_ids()
-        self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data)
+        self.host = kernels.host
+        """How the step reads device values on the host (ops/host_values.py: a dry run's are assumed)."""
+        self.runner = StepRunner(cfg, self.ctx, self.state.model, self.data, self.host)
         self.pipeline = self.runner.pipeline
         self.stage_switch = StageSwitch(self.state.model, self.ctx, cfg.train.recompute_exchanges)
         self.checkpoints = RunCheckpoints(cfg, self.ctx, self.state, self.batches)
@@ -130,6 +132,24 @@ class Trainer:
     def model(self) -> torch.nn.Module:
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
         return self.state.model
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has held-out data to evaluate on (eval.tokens > 0)."""
+        return self.validation is not None
+
+    def evaluate(self, stage: Stage, long_context: bool = False) -> dict[str, float]:
+        """The held-out loss at the stage's length and split, and with long_context the loss by position and the
+        retrieval probe (training/evaluation.py; collective: every rank calls it)."""
+        record = evaluate(self.runner, self.validation, stage)
+        if long_context:
+            record.update(evaluate_long_context(self.runner, self.validation, stage))
+        return record
+
+    def close(self) -> None:
+        """At the end of a run: the parameters gathered for whoever reads them next, no batch prepared ahead."""
+        self.optimizer.finish_parameter_gathers()
+        self.batches.close()
 
     def add_hook(self, hook: StepHook) -> None:
         """Run `hook` with the step's own, in its place in HOOK_ORDER (in place of one of its name); the run's
@@ -185,7 +205,7 @@ class Trainer:
     def _next_micro_batches(self, stage: Stage) -> tuple[list[Batch], float]:
         """This step's batches and the keys a query of theirs attends to (counted on the host, before they
         move to the device), then the next step's started in the background (unless this is the last)."""
-        with data_values():  # real batches in a dry run as well
+        with self.host.data_values():  # real batches in a dry run as well
             batches = self.batches.take(self._batch_request(stage))
             keys = attended_keys(torch.cat([batch.doc_ids for batch in batches]))
             if self.step + 1 < (self.cfg.train.exit_at_step or self.cfg.train.steps):
@@ -236,7 +256,8 @@ class Trainer:
         mtp = sums[1:] / ahead.tokens if ahead is not None else sums[1:]
         with self.telemetry.part("optimizer"):
             norm = self.optimizer.reduce_gradients()
-        loss_value, grad_norm, *mtp_losses = scalar_list(torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp]))
+        scalars = torch.cat([torch.stack([loss, norm.to(loss.dtype)]), mtp])
+        loss_value, grad_norm, *mtp_losses = self.host.scalar_list(scalars)
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         for hook in self.hooks:
             hook.before_update()

@@ -1,7 +1,7 @@
 """The dry run (launch/dryrun.py) plays a rank as the real run of the same layout does: the same live tensor
 bytes, FLOPs, collectives per group and host reads, rank by rank, against a gloo run of 8 processes routing
-as the dry run assumes (ops/host_values.routed). The plan (planning/stage_memory.py) agrees with both on each
-rank's bytes sent per group and its FLOPs, within PLAN_TOLERANCE."""
+as the dry run assumes (ops/host_values.AssumedHostValues.routed). The plan (planning/stage_memory.py) agrees
+with both on each rank's bytes sent per group and its FLOPs, within PLAN_TOLERANCE."""
 
 import dataclasses
 import json

@@ -2,6 +2,8 @@
 this machine cannot run are refused naming their key, the model's modules are built with the choices (no process
 state: two models with different choices run side by side), and the report reads them from the built model."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -15,7 +17,7 @@ from moe_pretrain.fp8 import RECIPES
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.init import initialize
-from moe_pretrain.ops.host_values import assuming
+from moe_pretrain.ops.host_values import AssumedHostValues
 from moe_pretrain.planning.assumed_values import AssumedValues
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
@@ -120,13 +122,13 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
     assert set(dict(kernels.why_not)) == {"attention"}
     narrow = resolve_for_gpu(tiny_config("model.kda.head_dim=16"), torch.bfloat16)  # a chunk of 16
     assert narrow.kda == "torch" and "model.kda.chunk_size in (32, 64), not 16" in narrow.reason("kda")
-    model = build_model(cfg, kernels=kernels)
+    model = build_model(cfg, kernels=dataclasses.replace(kernels, host=AssumedHostValues(AssumedValues())))
     assert "MLA attention: one SDPA per document (in a dry run: FlexAttention refuses a backward" in describe(model)
     assert all(f"Triton {name}: on" in describe(model) for name in ("SiTU-GLU", "MoE permute", "AttnRes mix",
                                                                          "RMSNorm", "short convolution"))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     doc_ids = torch.zeros_like(tokens)  # real, as the data loader's are in a dry run: one document a row
-    with FakeTensorMode(allow_non_fake_inputs=True), assuming(AssumedValues()), OpCensus() as ops, \
+    with FakeTensorMode(allow_non_fake_inputs=True), OpCensus() as ops, \
             torch.autocast("cpu", torch.bfloat16):
         logits, balance = model(tokens, doc_ids)
         (logits.float().logsumexp(-1).mean() + balance).backward()
