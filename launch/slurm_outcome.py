@@ -30,7 +30,7 @@ from moe_pretrain.operations.outcome import (
     STATES,
     STORAGE_FULL,
 )
-from parallel.stragglers import SLOW_HOSTS_FILE
+from moe_pretrain.operations.stragglers import SLOW_HOSTS_FILE
 
 NODE_CHECK_TIMEOUT_S = 300
 """The node check's time on every node together (CUDA start-up and one product per GPU take seconds)."""
