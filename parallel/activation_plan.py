@@ -9,7 +9,7 @@ neither. A rank of a tp x cp block holds some positions of its rows: its context
   parallel embedding's all-reduce). The multi-token-prediction blocks' embeddings go through the same module.
 - ImagesSplit: the image merge becomes ImageSplit, which deals the images over the block and sends each
   token to the rank holding its position (parallel/image_split.py).
-- MixerSplit: each sequence mixer takes its variant for the splits (parallel/context_parallel_mixers.py).
+- MixerSplit: each sequence mixer takes its strategies for the splits (parallel/context_parallel_mixers.py).
 The head's logits are split over the vocabulary by its COLUMN placement; the step runner reads its scores
 through parallel/vocab_parallel_loss.VocabularySplit, which combines the slices wherever tp > 1. How many
 positions each of these holds (position_counts) is what the pipeline declares its boundary shapes from.

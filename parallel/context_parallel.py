@@ -6,7 +6,7 @@ A row's T positions form 2 cp fragments; rank r holds fragments r and 2 cp - 1 -
 one from the back (Megatron-core's layout), so every rank has the same share of causal attention and of
 recurrent work. Local tensors [B, T / cp, ...] hold a rank's two fragments one after the other. Everything
 position-wise (embeddings, norms, MLPs, routing, the loss) just runs on the local tokens; only the
-sequence mixers talk across ranks, through their cp variants (context_parallel_mixers.py) and the
+sequence mixers talk across ranks, through their cp strategies (context_parallel_mixers.py) and the
 exchanges here:
 - MLA by the latent (parallel.cp_mla=latent): the per-token latent MLA's keys and values come from
   (kv_lora_rank + rope dims: 576 values at full size, against H x 320 expanded) goes to each rank whose

@@ -4,8 +4,9 @@ Shape legend: B batch, T positions, D hidden, H heads, K = V = head_dim.
 q, k = L2Norm(SiLU(ShortConv(W x))), v = SiLU(ShortConv(W_v x)); channel-wise log decay g from the
 low-rank f = W_fb W_fa x; beta = sigmoid(W_b x); y = W_o [sigmoid(W_g x) * RMSNorm_head(o)].
 The packed batch is flattened to [1, B*T] so documents (and rows) are cu_seqlens segments. The layer knows
-nothing of context parallelism: the parallel set-up swaps in parallel/context_parallel_mixers.py's variant,
-which overrides the three steps that see across positions (_rows, _convolve, _recur).
+nothing of context parallelism: it holds a strategy for the steps that see across positions (its `split`:
+positions, rows, convolutions, recurrence), whole rows by default; the activation plan sets the
+context-parallel one (parallel/context_parallel_mixers.py).
 Under tensor parallelism the layer holds H / tp heads (parallel/plan.py) and its column projections
 return the whole sequence, so head counts and T are read from the tensors, not the config.
 """
@@ -41,6 +42,35 @@ def a_log_init(gate: str) -> Constant | LogUniform:
     return Constant(0.0) if gate == "lower_bound" else LogUniform(1.0, 16.0, log=True)
 
 
+class WholeRows:
+    """KDA over rows its rank holds whole: the batch's own rows, convolutions that start at each row, the
+    recurrence over the packed documents."""
+
+    def positions(self, layout: DocumentLayout) -> torch.Tensor:
+        """[B, T] the offsets in their documents of the positions the layer runs over: every one."""
+        return layout.position_in_doc
+
+    def rows(self, x_BT_: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The rows the recurrence and the convolutions run over: the batch's own."""
+        return x_BT_
+
+    def convolve(self, projected: torch.Tensor, short_conv: ShortConvolution, positions: torch.Tensor,
+                 layout: DocumentLayout) -> torch.Tensor:
+        """A short convolution and its SiLU over each row (nothing precedes a row's first position)."""
+        return short_conv(projected, positions, None, silu=True)
+
+    def recur(self, layer: "KimiDeltaAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              g: torch.Tensor, beta: torch.Tensor, positions: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The chunked delta rule over the packed documents (cu_seqlens segments of the flat batch)."""
+        B, T = positions.shape
+        flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        return kda(*flat, cu_seqlens=layout.cu_seqlens, document_bounds=layout.document_bounds,
+                   chunk_size=layer.cfg.chunk_size, lower_bound=layer.gate_floor, fla=layer.fla)[0]
+
+
+WHOLE_ROWS = WholeRows()
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, dim: int, cfg: KDAConfig, *, norm_eps: float, init_std: float, out_std: float,
                  kernels: Kernels = REFERENCES):
@@ -73,6 +103,8 @@ class KimiDeltaAttention(nn.Module):
         """Recompute the chunked KDA op in backward (train.recompute lists core)."""
         self.recompute_pre = False
         """Recompute the pre-ops from the projections to the op's inputs (train.recompute lists kda_pre)."""
+        self.split: WholeRows = WHOLE_ROWS
+        """How the steps that see across positions run over this rank's rows (set by the activation plan)."""
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""
@@ -85,9 +117,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         K = self.cfg.head_dim
-        positions = self._positions(layout)
+        positions = self.split.positions(layout)
         B, T = positions.shape  # this rank's positions, whatever tensor-parallel shard x holds
-        pos = self._rows(positions, layout)
+        pos = self.split.rows(positions, layout)
         projected = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
         if self.recompute_pre and self.recompute_core:
             o = maybe_recompute(True, self._pre_and_recur, *projected, pos, layout)
@@ -106,38 +138,21 @@ class KimiDeltaAttention(nn.Module):
         """The projections -> the chunked op's (q, k, v, g, beta): short convolutions and SiLU, L2 norms, the
         decay gate and beta (train.recompute's kda_pre recomputes them)."""
         heads = self._heads
-        q = l2_norm(heads(self._convolve(q, self.q_conv, pos, layout)), fused=self.fused)
-        k = l2_norm(heads(self._convolve(k, self.k_conv, pos, layout)), fused=self.fused)
-        v = heads(self._convolve(v, self.v_conv, pos, layout))
-        g = self.decay(heads(self._rows(f, layout)))
-        return q, k, v, g, torch.sigmoid(self._rows(b, layout).to(g.dtype))
+        q = l2_norm(heads(self.split.convolve(q, self.q_conv, pos, layout)), fused=self.fused)
+        k = l2_norm(heads(self.split.convolve(k, self.k_conv, pos, layout)), fused=self.fused)
+        v = heads(self.split.convolve(v, self.v_conv, pos, layout))
+        g = self.decay(heads(self.split.rows(f, layout)))
+        return q, k, v, g, torch.sigmoid(self.split.rows(b, layout).to(g.dtype))
 
     def _pre_and_recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                        pos: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """kda_pre and core as one region: from the projections to the op's output."""
         return self._recur(*self._pre_ops(q, k, v, f, b, pos, layout), pos, layout)
 
-    def _positions(self, layout: DocumentLayout) -> torch.Tensor:
-        """[B, T] the offsets in their documents of the positions this layer runs over: every one."""
-        return layout.position_in_doc
-
-    def _rows(self, x_BT_: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """The rows the recurrence and the convolutions run over: the batch's own."""
-        return x_BT_
-
-    def _convolve(self, projected: torch.Tensor, short_conv: ShortConvolution, positions: torch.Tensor,
-                  layout: DocumentLayout) -> torch.Tensor:
-        """A short convolution and its SiLU over each row (nothing precedes a row's first position)."""
-        return short_conv(projected, positions, None, silu=True)
-
     def _recur(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                positions: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
-        """The chunked delta rule over the packed documents (cu_seqlens segments of the flat batch)."""
-        B, T = positions.shape
-        flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        return kda(*flat, cu_seqlens=layout.cu_seqlens, document_bounds=layout.document_bounds,
-                   chunk_size=self.cfg.chunk_size,
-                   lower_bound=self.gate_floor, fla=self.fla)[0]
+        """The recurrence as the split runs it (one region for train.recompute's core)."""
+        return self.split.recur(self, q, k, v, g, beta, positions, layout)
 
     @property
     def gate_floor(self) -> float | None:

@@ -9,9 +9,11 @@ layer, gpu_kernels/flex_attention.py, with the block mask built once per forward
 With position = nope (full size) the rope dims are plain extra dims, never rotated.
 Under tensor parallelism the up-projections return H / tp heads over the whole sequence while the
 down-projections see this rank's sequence shard: the shared k_rope must be gathered along T to match. The
-layer knows nothing of either split: the parallel set-up swaps in a variant from
-parallel/context_parallel_mixers.py that gathers k_rope (_whole_sequence), trades heads for positions
-around _core (Ulysses) or replaces _attend by the latent exchange (parallel.cp_mla).
+layer knows nothing of either split: it holds two strategies the activation plan sets
+(parallel/context_parallel_mixers.py): `keys`, which makes k_rope whole along T (gathered under sequence
+parallelism), and `exchange`, which attends across the context-parallel ranks (Ulysses trades heads for
+positions around the core; the latent exchange gathers the latent and expands keys a block at a time:
+parallel.cp_mla). The defaults, LocalAttention and WholeSequence, are a rank holding whole rows.
 """
 
 import torch
@@ -40,6 +42,39 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+class LocalAttention:
+    """How an MLA layer attends when its rank holds whole rows: over every position, its keys and values
+    expanded at once from the latent. The context-parallel exchanges (parallel/context_parallel_mixers.py) are
+    the other strategies a layer may hold; the activation plan sets the one its split asks for."""
+
+    def positions(self, layout: DocumentLayout) -> torch.Tensor:
+        """[B, T] the offsets in their documents of the positions the layer attends from: every one."""
+        return layout.position_in_doc
+
+    def attend(self, mla: "GatedMLA", q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout
+               ) -> torch.Tensor:
+        return mla.attend_expanded(q_latent, latent, layout)
+
+    def core(self, mla: "GatedMLA", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout
+             ) -> torch.Tensor:
+        return mla.document_core(q, k, v, layout)
+
+    def place_maxima(self, maxima: torch.Tensor) -> torch.Tensor:
+        """The heads' maxima as QK-clip records them: this rank attended with all of its heads."""
+        return maxima
+
+
+class WholeSequence:
+    """The shared rotary key (and the latent exchange's latent) as the layer holds it: whole along T (under
+    sequence parallelism the strategy that gathers its shards: parallel/context_parallel_mixers.py)."""
+
+    def gather(self, x_BT_: torch.Tensor) -> torch.Tensor:
+        return x_BT_
+
+
+LOCAL_ATTENTION, WHOLE_SEQUENCE = LocalAttention(), WholeSequence()
+
+
 class GatedMLA(nn.Module):
     def __init__(self, dim: int, cfg: MLAConfig, *, init_std: float, out_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
@@ -66,14 +101,18 @@ class GatedMLA(nn.Module):
         self.max_logits: MaxLogitRecord | None = None
         """Each head's largest logit of the step's training forwards, for QK-clip (model/qk_clip.py); None: not
         recorded (optim.qk_clip_threshold = 0)."""
+        self.exchange: LocalAttention = LOCAL_ATTENTION
+        """How the layer attends across the ranks that split its rows (set by the activation plan)."""
+        self.keys: WholeSequence = WHOLE_SEQUENCE
+        """How the shared rotary key is made whole along T (set by the activation plan)."""
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         B, T = self._positions(layout).shape  # the positions this rank attends from, whatever shard x holds
-        attn = self._attend(self.q_down(x), self.kv_down(x), layout)
+        attn = self.exchange.attend(self, self.q_down(x), self.kv_down(x), layout)
         gate = torch.sigmoid(self.g_proj(x)).reshape(*attn.shape)
         return self.o_proj((attn * gate).reshape(B, T, -1))
 
-    def _queries(self, q_latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    def queries(self, q_latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         """The queries [B, T, H, Dn + Dr] from their latent: norm, up-projection, rotary."""
         cfg = self.cfg
         positions = self._positions(layout)
@@ -84,25 +123,21 @@ class GatedMLA(nn.Module):
         return q
 
     def _positions(self, layout: DocumentLayout) -> torch.Tensor:
-        """[B, T] the offsets in their documents of the positions this layer attends from: every one."""
-        return layout.position_in_doc
+        """[B, T] the offsets in their documents of the positions this layer attends from (its exchange's)."""
+        return self.exchange.positions(layout)
 
-    def _whole_sequence(self, x_BT_: torch.Tensor) -> torch.Tensor:
-        """A tensor of the positions between the layers made whole along T for the up projections: as it is
-        (the sequence-parallel variant gathers its shards: parallel/context_parallel_mixers.py)."""
-        return x_BT_
-
-    def _attend(self, q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+    def attend_expanded(self, q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout
+                          ) -> torch.Tensor:
         """Every position's keys and values expanded at once from this rank's latent [c_KV | k_rope], the
         queries from theirs; mla_up and core (train.recompute) recompute the expansion, the attention, or both
         as one region from the latents."""
         c_kv, k_rope = latent.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        k_rope = self._whole_sequence(k_rope)
+        k_rope = self.keys.gather(k_rope)
         if self.recompute_up and self.recompute_core:
             return maybe_recompute(True, self._expand_and_attend, q_latent, c_kv, k_rope, layout)
         # Two regions: each stops its recomputation before its up-projection where the backward does not need
         # that projection's output again (torch.utils.checkpoint stops once it has what the backward reads).
-        q = maybe_recompute(self.recompute_up, self._queries, q_latent, layout)
+        q = maybe_recompute(self.recompute_up, self.queries, q_latent, layout)
         k, v = maybe_recompute(self.recompute_up, self._keys_values, c_kv, k_rope, layout)
         return maybe_recompute(self.recompute_core, self._core, q, k, v, layout)
 
@@ -120,9 +155,14 @@ class GatedMLA(nn.Module):
     def _expand_and_attend(self, q_latent: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
                            layout: DocumentLayout) -> torch.Tensor:
         """mla_up and core as one region, from the latents to the attention's output."""
-        return self._core(self._queries(q_latent, layout), *self._keys_values(c_kv, k_rope, layout), layout)
+        return self._core(self.queries(q_latent, layout), *self._keys_values(c_kv, k_rope, layout), layout)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
+        """The attention core as the exchange runs it (one region for train.recompute's core)."""
+        return self.exchange.core(self, q, k, v, layout)
+
+    def document_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout
+                      ) -> torch.Tensor:
         """Causal attention within each document: [B, T, H, D] -> [B, T, H, Dv]; one FlexAttention call on the
         GPU (Kernels.attention), one SDPA per document otherwise (the reference)."""
         rows, positions, heads = q.shape[:3]
@@ -131,16 +171,12 @@ class GatedMLA(nn.Module):
             out = flex_document_attention(*flat, layout.attention_mask, self.scale)
         else:
             out = document_causal_attention(*flat, layout.document_bounds, self.scale)
-        if self._records_max_logits():
-            self._note_max_logits(document_max_logits(flat[0], flat[1], layout.document_bounds, self.scale), layout)
+        if self.records_max_logits():
+            self.max_logits.note(self.exchange.place_maxima(
+                document_max_logits(flat[0], flat[1], layout.document_bounds, self.scale)))
         return out.reshape(rows, positions, heads, -1)
 
-    def _records_max_logits(self) -> bool:
+    def records_max_logits(self) -> bool:
         """Whether this forward notes its heads' largest logits: a training forward's first pass only (a
         recomputation in backward computes the same logits; its pass would be paid again for nothing)."""
         return self.max_logits is not None and torch.is_grad_enabled() and not recomputing()
-
-    def _note_max_logits(self, maxima: torch.Tensor, layout: DocumentLayout) -> None:
-        """Record the maxima of the heads this core saw: all of this rank's (a variant that splits heads
-        places them)."""
-        self.max_logits.note(maxima)
