@@ -7,6 +7,8 @@ from moe_pretrain.model.init import initialize
 from moe_pretrain.model.mla import GatedMLA
 
 EVAL_OFF = ("eval.tokens=0", "eval.every=0")
+EVAL = ("eval.tokens=400", "eval.holdout=0.05")
+"""Held-out validation on: 400 tokens of each dataset's held-out 5%."""
 """configs/smoke.yaml evaluates every 50 steps and at the end; runs that measure something else need not."""
 
 TINY = [
