@@ -214,7 +214,7 @@ def init_parallel(cfg: Config, backend: str | None = None) -> ParallelContext:
     """
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     layout = resolve_layout(cfg, world_size)
-    derived = derived_micro_batches(cfg)
+    derived = derived_micro_batches(cfg, layout.stages)
     if derived:  # the first start-up line
         log.info("config values derived because they were not set: " + ", ".join(derived))
     backend, device = select_device(cfg, backend)

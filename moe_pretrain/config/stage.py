@@ -101,8 +101,8 @@ def resolve_stages(config) -> tuple[Stage, ...]:
     return tuple(stages)
 
 
-def derived_micro_batches(config) -> list[str]:
-    """The micro-batch counts resolve_stages derived (the config left them at 0), in words.
+def derived_micro_batches(config, stages: tuple[Stage, ...]) -> list[str]:
+    """The micro-batch counts resolve_stages derived for `stages` (the config left them at 0), in words.
 
     The smallest count the schedules accept: 1 without pipeline parallelism, else parallel.pp (schedules
     run whole rounds of pp micro-batches; any valid count is a multiple of pp, and when pp micro-batches do
@@ -112,4 +112,4 @@ def derived_micro_batches(config) -> list[str]:
     why = "no pipeline parallelism" if pp == 1 else f"the smallest count for parallel.pp={pp}: one round"
     configured = [stage.micro_batches for stage in config.stages] or [config.data.micro_batches]
     return [f"{stage.keys.micro_batches}={pp} ({why})"
-            for stage, count in zip(resolve_stages(config), configured, strict=True) if not count]
+            for stage, count in zip(stages, configured, strict=True) if not count]

@@ -147,8 +147,8 @@ class SaveFence(StepHook):
 
 
 def step_hooks(cfg: Config, step: StepContext, saver) -> list[StepHook]:
-    """The training hooks the config turns on, in HOOK_ORDER (the job's own, the straggler check, the run loop
-    adds: Trainer.add_hook). saver: checkpoint.async_save's saver (None without)."""
+    """The training hooks the config turns on, appended in HOOK_ORDER (the job's own, the straggler check, the run
+    loop adds: Trainer.add_hook). saver: checkpoint.async_save's saver (None without)."""
     hooks: list[StepHook] = []
     if saver is not None:
         hooks.append(SaveFence(saver))
@@ -157,7 +157,7 @@ def step_hooks(cfg: Config, step: StepContext, saver) -> list[StepHook]:
     if cfg.precision.fp8 != "off" and RECIPES[cfg.precision.fp8].delayed:  # only delayed scaling keeps histories
         hooks.append(AmaxHistories(step))
     hooks.append(Balancing(step.model))
-    return in_order(hooks)
+    return hooks
 
 
 def in_order(hooks: list[StepHook]) -> list[StepHook]:

@@ -120,9 +120,8 @@ class Trainer:
                                        and self.ctx.distributed)
         """This rank's window of step figures (training/step_telemetry.py), on for the straggler check (a step
         hook the run loop adds: operations/stragglers.py)."""
-        self.hooks = step_hooks(cfg, StepContext(self.model, self.optimizer, self.ctx), self.checkpoints.async_saver)
-        """What each step runs around its update besides it (training/step_hooks.py)."""
-        self.checkpoints.hooks = self.hooks
+        self.checkpoints.hooks = step_hooks(cfg, StepContext(self.model, self.optimizer, self.ctx),
+                                            self.checkpoints.async_saver)
         self.skipped_total = self.skipped_in_a_row = 0
         self.mfu = StepMFU(cfg.model, peak_flops(cfg.logging.peak_tflops, self.device, self.dtype)
                            * self.ctx.layout.world_size)
@@ -132,6 +131,12 @@ class Trainer:
     def model(self) -> torch.nn.Module:
         """This rank's model: the whole model, or its pipeline chunks under their global names."""
         return self.state.model
+
+    @property
+    def hooks(self) -> list[StepHook]:
+        """What each step runs around its update besides it, in HOOK_ORDER (training/step_hooks.py); the run's
+        checkpoints hold the list, as they keep the hooks' states."""
+        return self.checkpoints.hooks
 
     @property
     def evaluates(self) -> bool:
@@ -154,7 +159,7 @@ class Trainer:
     def add_hook(self, hook: StepHook) -> None:
         """Run `hook` with the step's own, in its place in HOOK_ORDER (in place of one of its name); the run's
         checkpoints keep its state."""
-        self.hooks = self.checkpoints.hooks = in_order([*(h for h in self.hooks if h.name != hook.name), hook])
+        self.checkpoints.hooks = in_order([*(h for h in self.hooks if h.name != hook.name), hook])
 
     @property
     def saved_inputs(self) -> SavedInputs | None:

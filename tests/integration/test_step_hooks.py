@@ -22,6 +22,7 @@ def test_every_hook_turned_on_is_assembled_in_the_declared_order(tmp_path):
     ctx, model = ParallelContext.single(), nn.Module()
     step = StepContext(model, None, ctx)
     hooks = step_hooks(cfg, step, saver=object())
+    assert [hook.name for hook in hooks] == [name for name in HOOK_ORDER if name != "straggler_windows"]
     windows = straggler_windows(cfg, ctx, StepTelemetry(ctx, model, on=True))
     assert [hook.name for hook in in_order([windows, *hooks])] == list(HOOK_ORDER)
     assert [hook.name for hook in step_hooks(tiny_config(), step, saver=None)] == ["balancing"]
@@ -58,12 +59,12 @@ def test_a_step_calls_its_hooks_point_by_point_in_order_and_a_resume_gives_back_
     calls: list[str] = []
     overrides = [*RUN, "train.steps=3", "checkpoint.every=1", f"train.run_dir={tmp_path}"]
     trainer = Trainer(tiny_config(*overrides, "train.exit_at_step=2"))
-    trainer.hooks = trainer.checkpoints.hooks = [Recorder("a", calls), Recorder("b", calls)]
+    trainer.checkpoints.hooks = [Recorder("a", calls), Recorder("b", calls)]
     run_training(trainer)
     points = ["before_step", "before_update", "after_update"]
     assert calls == 2 * [f"{name}.{point}" for point in points for name in "ab"]
 
     resumed = Trainer(tiny_config(*overrides))
-    resumed.hooks = resumed.checkpoints.hooks = [Recorder("a", []), Recorder("b", [])]
+    resumed.checkpoints.hooks = [Recorder("a", []), Recorder("b", [])]
     assert len(run_training(resumed)) == 1  # resumed at step 2, one step to go
     assert [hook.updates for hook in resumed.hooks] == [3, 3]

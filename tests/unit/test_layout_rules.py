@@ -73,7 +73,7 @@ def test_staged_runs_are_validated_on_their_stage_shapes():
 def test_micro_batches_are_derived_when_unset(world, layout, batch, expected):
     cfg = load_config("configs/smoke.yaml", [*TINY, *layout, f"data.batch_size={batch}", "model.num_layers=6"])
     assert cfg.data.micro_batches == 0
-    chosen = derived_micro_batches(cfg)
+    chosen = derived_micro_batches(cfg, resolve_stages(cfg))
     assert [stage.micro_batches for stage in resolve_stages(cfg)] == [expected]
     assert chosen and f"data.micro_batches={expected}" in chosen[0]
     assert [stage.micro_batches for stage in resolve_layout(cfg, world).stages] == [expected]  # valid
@@ -83,9 +83,10 @@ def test_micro_batches_are_derived_when_unset(world, layout, batch, expected):
 def test_micro_batches_for_stages_and_when_none_fits():
     stages = "stages=[{tokens: 64, seq_len: 8, batch_tokens: 32}, {tokens: 64, seq_len: 16, batch_tokens: 64}]"
     cfg = load_config("configs/full.yaml", ["parallel.pp=4", stages, "train.steps=3"])
-    assert [stage.micro_batches for stage in resolve_stages(cfg)] == [4, 4]
-    assert derived_micro_batches(cfg) == [f"stages[{i}].micro_batches=4 (the smallest count for parallel.pp=4: one "
-                                          "round)" for i in (0, 1)]
+    resolved = resolve_stages(cfg)
+    assert [stage.micro_batches for stage in resolved] == [4, 4]
+    assert derived_micro_batches(cfg, resolved) == [f"stages[{i}].micro_batches=4 (the smallest count for "
+                                                    "parallel.pp=4: one round)" for i in (0, 1)]
     odd = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.batch_size=3"])
     with pytest.raises(ConfigError, match=r"data.batch_size=3 must be divisible by data-parallel size 1 x "
                                           r"data.micro_batches=2"):
@@ -94,6 +95,6 @@ def test_micro_batches_for_stages_and_when_none_fits():
 
 def test_an_explicit_micro_batch_count_is_kept_and_checked():
     cfg = load_config("configs/smoke.yaml", [*TINY, "parallel.pp=2", "data.micro_batches=1"])
-    assert resolve_stages(cfg)[0].micro_batches == 1 and derived_micro_batches(cfg) == []
+    assert resolve_stages(cfg)[0].micro_batches == 1 and derived_micro_batches(cfg, resolve_stages(cfg)) == []
     with pytest.raises(ConfigError, match=r"data\.micro_batches=1 must be a multiple of parallel\.pp=2"):
         resolve_layout(cfg, 2)
