@@ -23,8 +23,7 @@ from moe_pretrain.fp8.settings import Engine, Fp8Settings
 from moe_pretrain.fp8.transformer_engine import te_unavailable_reason
 from moe_pretrain.model.attn_res import AttnResMix
 from moe_pretrain.model.experts import GroupedExperts
-from moe_pretrain.model.kda import KimiDeltaAttention
-from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.mixers import spec_of_module
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.norm import RMSNorm
@@ -160,11 +159,9 @@ def _module_states(model: nn.Module) -> dict[str, set[str]]:
     states: dict[str, set[str]] = {}
     for module in model.modules():
         found: dict[str, str] = {}
-        if isinstance(module, KimiDeltaAttention):
-            found["KDA"] = "fla chunk_kda (Triton)" if module.fla else off("kda", "PyTorch chunk form")
-        elif isinstance(module, GatedMLA):
-            found["MLA attention"] = ("FlexAttention, one call per layer" if module.attention == "flex"
-                                      else off("attention", "one SDPA per document"))
+        mixer = spec_of_module(module)
+        if mixer is not None:
+            found.update(mixer.fast_paths(module, off))
         elif isinstance(module, GroupedExperts):
             found["FP8"] = _fp8(module.fp8_settings)
             gemm = {"grouped": "torch._grouped_mm, forward and backward",

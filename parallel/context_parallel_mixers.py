@@ -9,16 +9,18 @@ tokens; the two mixers that see across positions hold strategies for the steps t
   latent exchange expands keys and values from the all-gathered latent, a block at a time.
 - MLA under sequence parallelism (tp > 1; its `keys`): the shared rotary key, made by the down projection from
   this rank's sequence shard, is gathered along T.
-place_mixer sets them: parameters, hooks and checkpoints are untouched, and a stage boundary that changes cp
-or the MLA exchange sets them again.
+place_mixer sets them, by the mixer's kind (PLACEMENTS): parameters, hooks and checkpoints are untouched, and a
+stage boundary that changes cp or the MLA exchange sets them again.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_pretrain.config import ConfigError
 from moe_pretrain.model.kda import WHOLE_ROWS, KimiDeltaAttention, WholeRows
 from moe_pretrain.model.layout import DocumentLayout
+from moe_pretrain.model.mixers import spec_of_module
 from moe_pretrain.model.mla import LOCAL_ATTENTION, WHOLE_SEQUENCE, GatedMLA, LocalAttention, WholeSequence, rotate
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.short_conv import ShortConvolution
@@ -134,13 +136,29 @@ class SequenceGather(WholeSequence):
         return self.sequence.gather(x_BT_)
 
 
-def place_mixer(mixer: nn.Module, sequence: NoSequenceParallel, context: NoContextParallel) -> None:
-    """Set a sequence mixer's (KDA's or MLA's) strategies to what the splits ask for."""
-    if isinstance(mixer, KimiDeltaAttention):
-        mixer.split = FragmentRows(context) if context.size > 1 else WHOLE_ROWS
-        return
-    if not isinstance(mixer, GatedMLA):
-        raise TypeError(f"place_mixer: {type(mixer).__name__} is not a sequence mixer")
+def _place_kda(mixer: KimiDeltaAttention, sequence: NoSequenceParallel, context: NoContextParallel) -> None:
+    mixer.split = FragmentRows(context) if context.size > 1 else WHOLE_ROWS
+
+
+def _place_mla(mixer: GatedMLA, sequence: NoSequenceParallel, context: NoContextParallel) -> None:
     mixer.exchange = LatentExchange(context) if context.exchanges_latent \
         else UlyssesExchange(context) if context.size > 1 else LOCAL_ATTENTION
     mixer.keys = SequenceGather(sequence) if sequence.size > 1 else WHOLE_SEQUENCE
+
+
+PLACEMENTS = {"kda": _place_kda, "mla": _place_mla}
+"""By mixer kind (model/mixers.MIXERS): how a mixer's cross-rank strategies follow the splits. A mixer without
+an entry holds none: it sees its rows whole (its projections gather the sequence-parallel shards) and runs only
+where no context parallelism splits them."""
+
+
+def place_mixer(mixer: nn.Module, sequence: NoSequenceParallel, context: NoContextParallel) -> None:
+    """Set a sequence mixer's strategies to what the splits ask for."""
+    spec = spec_of_module(mixer)
+    if spec is None:
+        raise TypeError(f"place_mixer: {type(mixer).__name__} is not a sequence mixer (model/mixers.MIXERS)")
+    if spec.kind in PLACEMENTS:
+        PLACEMENTS[spec.kind](mixer, sequence, context)
+    elif context.size > 1:
+        raise ConfigError(f"parallel.cp={context.size}: the {spec.kind} mixer has no context-parallel strategy "
+                          "(parallel/context_parallel_mixers.PLACEMENTS); set parallel.cp=1 or use another mixer")

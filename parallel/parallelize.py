@@ -161,7 +161,7 @@ def build_model(cfg: Config, ctx: ParallelContext | None = None, plan: ShardingP
     parameters = describe_parameters(model)
     if unplanned := plan.unplanned(list(parameters)):
         raise RuntimeError(f"parameters the sharding plan neither places nor declares replicated "
-                           f"(parallel/plan.py MODEL_PLAN / REPLICATED): {', '.join(unplanned[:8])}")
+                           f"(parallel/plan.py model_plan / replicated_modules): {', '.join(unplanned[:8])}")
     shard_parameters(model, plan, ctx, mla_exchange(cfg.parallel.cp_mla, ctx.layout.cp,
                                                     cfg.model.mla.num_heads // ctx.layout.tp))
     if ctx.layout.pp > 1:

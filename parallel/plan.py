@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from moe_pretrain.config import Config, ConfigError
+from moe_pretrain.model.mixers import MIXERS
 
 
 class Style(StrEnum):
@@ -42,17 +43,7 @@ class Style(StrEnum):
 MODEL_PLAN: tuple[tuple[str, Style], ...] = (
     ("embedding", Style.VOCAB),
     ("head", Style.COLUMN),
-    # KDA (docs/model.md): projections to heads, per-head parameters, output projection.
-    ("layers.*.mixer.q_proj", Style.COLUMN), ("layers.*.mixer.k_proj", Style.COLUMN),
-    ("layers.*.mixer.v_proj", Style.COLUMN), ("layers.*.mixer.f_b_proj", Style.COLUMN),
-    ("layers.*.mixer.b_proj", Style.COLUMN),
-    ("layers.*.mixer.q_conv", Style.HEADS), ("layers.*.mixer.k_conv", Style.HEADS),
-    ("layers.*.mixer.v_conv", Style.HEADS), ("layers.*.mixer.A_log", Style.HEADS),
-    ("layers.*.mixer.dt_bias", Style.HEADS),
-    # Gated MLA: the low-rank down projections stay replicated, the up projections split heads.
-    ("layers.*.mixer.q_up", Style.COLUMN), ("layers.*.mixer.kv_up", Style.COLUMN),
-    # Both mixers: output gate and output projection.
-    ("layers.*.mixer.g_proj", Style.COLUMN), ("layers.*.mixer.o_proj", Style.ROW),
+    # The sequence mixers' rows come from their specs (model_plan).
     # Dense MLP and the MoE's shared experts.
     ("layers.*.mlp.gate_proj", Style.COLUMN), ("layers.*.mlp.up_proj", Style.COLUMN),
     ("layers.*.mlp.down_proj", Style.ROW),
@@ -61,18 +52,15 @@ MODEL_PLAN: tuple[tuple[str, Style], ...] = (
     # Routed experts; router, latent projections, norms and AttnRes mixes are replicated.
     ("layers.*.mlp.experts", Style.EXPERTS),
 )
-"""Pattern -> style. A pattern names a module (its own parameters take the style) or one parameter; `*`
-stands for one path component. The first match wins. A multi-token-prediction block's decoder layer
-(mtp.<k>.layer) is placed as the backbone's layers are (backbone_path)."""
+"""Pattern -> style, but for the sequence mixers' (model_plan). A pattern names a module (its own parameters
+take the style) or one parameter; `*` stands for one path component. The first match wins. A
+multi-token-prediction block's decoder layer (mtp.<k>.layer) is placed as the backbone's layers are
+(backbone_path)."""
 
 REPLICATED: tuple[str, ...] = (
     # The vision tower and projector: every tensor- and context-parallel rank encodes its rows' images whole.
     "vision_tower", "mm_projector", "final_mix", "final_norm",
     "layers.*.attn_mix", "layers.*.mlp_mix", "layers.*.attn_norm", "layers.*.mlp_norm",
-    # KDA's low-rank decay input and its output norm (one weight shared by every head).
-    "layers.*.mixer.f_a_proj", "layers.*.mixer.o_norm_weight",
-    # Gated MLA's low-rank down projections and their norms.
-    "layers.*.mixer.q_down", "layers.*.mixer.q_norm", "layers.*.mixer.kv_down", "layers.*.mixer.kv_norm",
     # The MoE's router and latent projections (every rank routes and projects its own tokens).
     "layers.*.mlp.router.gate", "layers.*.mlp.latent_down", "layers.*.mlp.latent_norm", "layers.*.mlp.latent_up",
 )
@@ -80,7 +68,29 @@ REPLICATED += (
     # A multi-token-prediction block's input norms and projection and its norm before the shared head.
     "mtp.*.hidden_norm", "mtp.*.embedding_norm", "mtp.*.projection", "mtp.*.norm")
 """Modules (with everything below them) or parameters meant to stay whole on every tensor- and expert-parallel
-rank; the same pattern syntax."""
+rank, but for the sequence mixers' (replicated_modules); the same pattern syntax."""
+
+
+def model_plan() -> tuple[tuple[str, Style], ...]:
+    """MODEL_PLAN with the sequence mixers' rows from their specs (model/mixer_spec.MixerSpec.plan: KDA's
+    projections to heads and per-head parameters, gated MLA's up projections; both split the output gate by
+    column and the output projection by row), each once. Rules match by path, so two mixers that name one
+    module must place it alike."""
+    rows: dict[str, Style] = {}
+    for spec in MIXERS.values():
+        for name, style in spec.plan:
+            pattern = f"layers.*.mixer.{name}"
+            if rows.setdefault(pattern, Style(style)) != Style(style):
+                raise ValueError(f"parallel/plan.py: the {spec.kind} mixer places mixer.{name} {style}, another "
+                                 f"mixer {rows[pattern]}")
+    return (*MODEL_PLAN, *rows.items())
+
+
+def replicated_modules() -> tuple[str, ...]:
+    """REPLICATED with the sequence mixers' (their specs' `replicated`: KDA's low-rank decay input and output
+    norm, gated MLA's low-rank down projections and their norms)."""
+    return (*REPLICATED, *dict.fromkeys(f"layers.*.mixer.{name}" for spec in MIXERS.values()
+                                        for name in spec.replicated))
 
 TENSOR_DIM = {Style.COLUMN: 0, Style.ROW: 1, Style.VOCAB: 0, Style.HEADS: 0}
 FIRST_STAGE_MODULES = ("embedding", "vision_tower", "mm_projector")
@@ -158,7 +168,10 @@ def _contains(regex: re.Pattern, name: str) -> bool:
 
 
 class ShardingPlan:
-    def __init__(self, rules: tuple[tuple[str, Style], ...] = MODEL_PLAN, replicated: tuple[str, ...] = REPLICATED):
+    def __init__(self, rules: tuple[tuple[str, Style], ...] | None = None, replicated: tuple[str, ...] | None = None):
+        """rules and replicated: model_plan() and replicated_modules() unless given."""
+        rules = model_plan() if rules is None else rules
+        replicated = replicated_modules() if replicated is None else replicated
         self.rules, self.replicated = rules, replicated
         self._patterns = [(compile_pattern(pattern), style) for pattern, style in rules]
         self._replicated = [compile_pattern(pattern) for pattern in replicated]

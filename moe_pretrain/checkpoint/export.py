@@ -31,6 +31,7 @@ from moe_pretrain.checkpoint.kimi_k3_config import release_config, release_token
 from moe_pretrain.checkpoint.store import read_trainer_state
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.config.loader import build
+from moe_pretrain.config.model import MIXER_LETTERS
 from parallel.flat_shards import BoxedLoadPlanner, BoxedTensor
 
 PREFIX = "model."
@@ -100,7 +101,7 @@ def model_card(config: dict[str, Any]) -> dict[str, Any]:
     return {
         "architecture": "hybrid KDA + gated MLA, AttnRes, Stable LatentMoE (moe-pretrain)",
         "vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"], "num_layers": m["num_layers"],
-        "layer_types": ["kda" if c == "K" else "mla" for c in m["layer_pattern"]],
+        "layer_types": [MIXER_LETTERS[c] for c in m["layer_pattern"]],
         "dense_layers": m["dense_layers"], "dense_intermediate_size": m["dense_intermediate"],
         "rms_norm_eps": m["norm_eps"], "tie_word_embeddings": False,
         "kda": {"num_heads": m["kda"]["num_heads"], "head_dim": m["kda"]["head_dim"],

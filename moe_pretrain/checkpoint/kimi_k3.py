@@ -24,6 +24,7 @@ import torch
 from moe_pretrain.checkpoint import mxfp4
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.meta import meta_model
+from moe_pretrain.model.mixers import mixer_spec
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
@@ -81,39 +82,15 @@ def _pad(n: int) -> int:
     return -(-n // A_LOG_MULTIPLE) * A_LOG_MULTIPLE
 
 
-def _kda(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
-    d, k = m.hidden_size, m.kda
-    proj = k.num_heads * k.head_dim
-    rows = [("q_proj.weight", "q_proj.weight", (proj, d), "same"),
-            ("q_conv.weight", "q_conv1d.weight", (proj, 1, k.conv_size), "conv"),
-            ("k_proj.weight", "k_proj.weight", (proj, d), "same"),
-            ("k_conv.weight", "k_conv1d.weight", (proj, 1, k.conv_size), "conv"),
-            ("v_proj.weight", "v_proj.weight", (proj, d), "same"),
-            ("v_conv.weight", "v_conv1d.weight", (proj, 1, k.conv_size), "conv"),
-            ("f_a_proj.weight", "f_a_proj.weight", (k.head_dim, d), "same"),
-            ("f_b_proj.weight", "f_b_proj.weight", (proj, k.head_dim), "same"),
-            ("A_log", "A_log", (_pad(k.num_heads),), "a_log"),
-            ("dt_bias", "dt_bias", (proj,), "same"),
-            ("b_proj.weight", "b_proj.weight", (k.num_heads, d), "same"),
-            ("g_proj.weight", "g_proj.weight", (proj, d), "same"),
-            ("o_norm_weight", "o_norm.weight", (k.head_dim,), "same"),
-            ("o_proj.weight", "o_proj.weight", (d, proj), "same")]
-    return [HFTensor(f"{theirs}.self_attn.{hf}", f"{ours}.mixer.{name}", None, shape, kind)
-            for name, hf, shape, kind in rows]
-
-
-def _mla(m: ModelConfig, ours: str, theirs: str) -> list[HFTensor]:
-    d, a = m.hidden_size, m.mla
-    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    rows = [("q_down.weight", "q_a_proj.weight", (a.q_lora_rank, d)),
-            ("q_norm.weight", "q_a_layernorm.weight", (a.q_lora_rank,)),
-            ("q_up.weight", "q_b_proj.weight", (a.num_heads * qk, a.q_lora_rank)),
-            ("kv_down.weight", "kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, d)),
-            ("kv_norm.weight", "kv_a_layernorm.weight", (a.kv_lora_rank,)),
-            ("kv_up.weight", "kv_b_proj.weight", (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)),
-            ("g_proj.weight", "g_proj.weight", (a.num_heads * a.v_head_dim, d)),
-            ("o_proj.weight", "o_proj.weight", (d, a.num_heads * a.v_head_dim))]
-    return [HFTensor(f"{theirs}.self_attn.{hf}", f"{ours}.mixer.{name}", None, shape) for name, hf, shape in rows]
+def _mixer(m: ModelConfig, index: int, ours: str, theirs: str) -> list[HFTensor]:
+    """Layer `index`'s sequence mixer's tensors, named by its spec (release_tensors); A_log zero-padded."""
+    spec = mixer_spec(m, index)
+    if spec.release_layers is None:
+        raise ValueError(f"model.layer_pattern: layer {index} is a {spec.kind} layer, which the release format "
+                         "does not hold")
+    return [HFTensor(f"{theirs}.self_attn.{t.theirs}", f"{ours}.mixer.{t.ours}", None,
+                     (_pad(t.shape[0]),) if t.kind == "a_log" else t.shape, t.kind)
+            for t in spec.release_tensors(m)]
 
 
 def _glu(ours: str, theirs: str, d: int, intermediate: int) -> list[HFTensor]:
@@ -164,7 +141,7 @@ def layer_tensors(m: ModelConfig, index: int, experts: str = "mxfp4") -> list[HF
     d, ours, theirs = m.hidden_size, f"layers.{index}", f"{PREFIX}layers.{index}"
     tensors = [*_mix(f"{ours}.attn_mix", f"{theirs}.self_attention_res", d),
                HFTensor(f"{theirs}.input_layernorm.weight", f"{ours}.attn_norm.weight", None, (d,))]
-    tensors += (_kda if m.layer_kind(index) == "kda" else _mla)(m, ours, theirs)
+    tensors += _mixer(m, index, ours, theirs)
     tensors += [*_mix(f"{ours}.mlp_mix", f"{theirs}.mlp_res", d),
                 HFTensor(f"{theirs}.post_attention_layernorm.weight", f"{ours}.mlp_norm.weight", None, (d,))]
     if m.is_moe_layer(index):

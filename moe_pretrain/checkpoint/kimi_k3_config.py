@@ -15,6 +15,7 @@ of the import, never silently dropped.
 from typing import Any
 
 from moe_pretrain.config import ConfigError, ModelConfig
+from moe_pretrain.model.mixers import mixer_spec
 
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
 MODEL_TYPE = "kimi_k3"
@@ -38,9 +39,16 @@ def quantization_config() -> dict[str, Any]:
 
 
 def _layer_lists(m: ModelConfig) -> tuple[list[int], list[int]]:
-    """(KDA layers, full-attention layers), 1-based as the release lists them."""
-    return ([i + 1 for i in range(m.num_layers) if m.layer_kind(i) == "kda"],
-            [i + 1 for i in range(m.num_layers) if m.layer_kind(i) == "mla"])
+    """(KDA layers, full-attention layers), 1-based as the release lists them (each mixer's spec names its
+    list: release_layers)."""
+    lists: dict[str | None, list[int]] = {"kda_layers": [], "full_attn_layers": []}
+    for i in range(m.num_layers):
+        spec = mixer_spec(m, i)
+        if spec.release_layers not in lists:
+            raise ConfigError(f"model.layer_pattern: layer {i} is a {spec.kind} layer, which the release's config "
+                              "cannot name")
+        lists[spec.release_layers].append(i + 1)
+    return lists["kda_layers"], lists["full_attn_layers"]
 
 
 def text_config(m: ModelConfig, quantized: bool) -> dict[str, Any]:

@@ -211,6 +211,10 @@ class MTPConfig:
 # The full-size stack: MLA at 1-based positions 4, 8, ..., 92 and 93 (docs/model.md).
 FULL_LAYER_PATTERN = "KKKM" * 23 + "M"
 
+MIXER_LETTERS: dict[str, str] = {"K": "kda", "M": "mla"}
+"""model.layer_pattern's letters and the sequence mixer each names: K Kimi Delta Attention, M gated MLA. Each
+kind has its spec in model/mixers.MIXERS (docs/extension.md, "A sequence mixer")."""
+
 
 @dataclass
 class ModelConfig:
@@ -244,17 +248,18 @@ class ModelConfig:
                   num_layers=self.num_layers, norm_eps=self.norm_eps, init_std=self.init_std)
         require(len(self.layer_pattern) == self.num_layers,
                  f"model.layer_pattern has {len(self.layer_pattern)} letters but model.num_layers={self.num_layers}")
-        bad = sorted(set(self.layer_pattern) - {"K", "M"})
-        require(not bad, f"model.layer_pattern may hold only K (KDA) and M (MLA), found {bad}")
+        bad = sorted(set(self.layer_pattern) - set(MIXER_LETTERS))
+        known = ", ".join(f"{letter} ({kind})" for letter, kind in MIXER_LETTERS.items())
+        require(not bad, f"model.layer_pattern may hold only {known}, found {bad}")
         require(0 <= self.dense_layers <= self.num_layers,
                  f"model.dense_layers={self.dense_layers} must be in [0, model.num_layers={self.num_layers}]")
         require(self.dense_layers == 0 or self.dense_intermediate > 0,
                  "model.dense_intermediate must be > 0 when model.dense_layers > 0")
 
-    def layer_kind(self, index: int) -> Literal["kda", "mla"]:
-        """Layer index's mixer; indices from num_layers on are the multi-token-prediction blocks' layers, which
-        mirror the backbone's last."""
-        return "kda" if self.layer_pattern[min(index, self.num_layers - 1)] == "K" else "mla"
+    def layer_kind(self, index: int) -> str:
+        """Layer index's mixer (MIXER_LETTERS); indices from num_layers on are the multi-token-prediction blocks'
+        layers, which mirror the backbone's last."""
+        return MIXER_LETTERS[self.layer_pattern[min(index, self.num_layers - 1)]]
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.dense_layers

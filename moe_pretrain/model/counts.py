@@ -9,9 +9,7 @@ active_params: parameters touched per token = total minus the routed experts a t
 flops_per_token (training, forward + backward = 3 x forward): 6 per active parameter that multiplies
 activations (all but the input embedding lookup and the vision tower and projector, which act on image
 patches, not on text tokens; norm and bias vectors are counted too, which is < 0.01%), plus sequence mixing
-at the configured sequence length:
-gated MLA, causal attention over T/2 keys on average, 3 * 2 * H * (d_qk + d_v) * T/2;
-KDA, the chunked algorithm per head, 3 * (2 C K + C (K + V) + C V + 6 K V) for chunk C.
+at the configured sequence length, by each mixer's spec (model/kda_spec.py, model/mla_spec.py).
 """
 
 import dataclasses
@@ -19,34 +17,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from moe_pretrain.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionEncoderConfig
-
-
-def kda_params(d: int, c: KDAConfig) -> int:
-    H, K = c.num_heads, c.head_dim
-    inner = H * K
-    return (
-        3 * d * inner            # q, k, v projections
-        + 3 * inner * c.conv_size  # short convolutions
-        + d * K + K * inner      # low-rank decay logits W_fa, W_fb
-        + H + inner              # A_log, dt_bias
-        + d * H                  # beta
-        + d * inner              # output gate
-        + K                      # per-head output RMSNorm weight (shared by heads)
-        + inner * d              # output projection
-    )
-
-
-def mla_params(d: int, c: MLAConfig) -> int:
-    H = c.num_heads
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    return (
-        d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * qk
-        + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
-        + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
-        + d * H * c.v_head_dim   # output gate
-        + H * c.v_head_dim * d   # output projection
-    )
+from moe_pretrain.config import ModelConfig, MoEConfig, VisionEncoderConfig
+from moe_pretrain.model.mixers import MIXERS, mixer_spec
 
 
 def vision_tower_params(c: VisionEncoderConfig, patch_size: int, channels: int) -> int:
@@ -84,13 +56,7 @@ def mixing_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: flo
     """Training FLOPs per token of layer `index`'s sequence mixing beyond its projections (module docstring).
     keys: the keys a query attends to on average (attention stays inside a document: planning/documents.py
     measures it from the data); None: seq_len / 2, one document per row (the bound)."""
-    if cfg.layer_kind(index) == "mla":
-        m = cfg.mla
-        keys = seq_len / 2 if keys is None else keys
-        return 3 * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * keys
-    k = cfg.kda
-    C, K, V = k.chunk_size, k.head_dim, k.head_dim
-    return 3 * k.num_heads * (2 * C * K + C * (K + V) + C * V + 6 * K * V)
+    return mixer_spec(cfg, index).mixing_flops(cfg, seq_len, keys)
 
 
 def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: float | None = None) -> float:
@@ -98,7 +64,7 @@ def layer_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, keys: floa
     6 per parameter a token multiplies (of the routed experts, its top_k), its norms and AttnRes mixes
     included, plus its sequence mixing."""
     d = cfg.hidden_size
-    params = 3 * 2 * d + (kda_params(d, cfg.kda) if cfg.layer_kind(index) == "kda" else mla_params(d, cfg.mla))
+    params = 3 * 2 * d + mixer_spec(cfg, index).params(cfg)
     if cfg.is_moe_layer(index):
         moe = moe_params(d, cfg.moe)
         params += moe["router"] + moe["latent_projections"] + moe["shared_experts"]
@@ -144,7 +110,7 @@ def count(cfg: ModelConfig, seq_len: int, keys: float | None = None) -> dict:
         "head": d * cfg.vocab_size,
         "final_mix_and_norm": 3 * d,
         "layer_norms_and_mixes": (cfg.num_layers + cfg.mtp.layers) * per_layer_vectors,
-        "kda": 0, "mla": 0, "dense_mlp": 0,
+        **dict.fromkeys(MIXERS, 0), "dense_mlp": 0,
         "router": 0, "latent_projections": 0, "routed_experts": 0, "shared_experts": 0,
         # Each multi-token-prediction block: two input norms, the projection, the norm before the shared head;
         # its decoder layer is counted with the backbone's (indices num_layers on).
@@ -153,10 +119,7 @@ def count(cfg: ModelConfig, seq_len: int, keys: float | None = None) -> dict:
     moe_layers = 0
     layers = range(cfg.num_layers + cfg.mtp.layers)
     for i in layers:
-        if cfg.layer_kind(i) == "kda":
-            breakdown["kda"] += kda_params(d, cfg.kda)
-        else:
-            breakdown["mla"] += mla_params(d, cfg.mla)
+        breakdown[cfg.layer_kind(i)] += mixer_spec(cfg, i).params(cfg)
         if cfg.is_moe_layer(i):
             moe_layers += 1
             for key, value in moe_params(d, cfg.moe).items():
@@ -170,7 +133,9 @@ def count(cfg: ModelConfig, seq_len: int, keys: float | None = None) -> dict:
     layer_flops = [layer_flops_per_token(cfg, i, seq_len, keys) for i in layers]
     mixing = [mixing_flops_per_token(cfg, i, seq_len, keys) for i in layers]
     flops = sum(layer_flops) + 6 * ends_params(cfg, last=True)
-    kda = sum(f for i, f in zip(layers, mixing) if cfg.layer_kind(i) == "kda")
+    by_mixer = dict.fromkeys(MIXERS, 0.0)
+    for i, f in zip(layers, mixing):
+        by_mixer[cfg.layer_kind(i)] += f
     return {
         "total_params": total,
         "active_params": active,
@@ -180,8 +145,7 @@ def count(cfg: ModelConfig, seq_len: int, keys: float | None = None) -> dict:
         "breakdown": breakdown,
         "flops_breakdown": {
             "dense_matmuls": flops - sum(mixing),
-            "mla_attention": sum(mixing) - kda,
-            "kda_mixing": kda,
+            **{f"{kind}_mixing": f for kind, f in by_mixer.items()},
         },
     }
 

@@ -1,5 +1,5 @@
-"""One decoder layer of the backbone (docs/model.md): AttnRes mix, norm and sequence mixer (KDA or gated MLA by the
-layer's kind), AttnRes mix, norm and MLP (LatentMoE, or the dense SiTU-GLU MLP in the first dense_layers).
+"""One decoder layer of the backbone (docs/model.md): AttnRes mix, norm and sequence mixer (the layer's kind's:
+model/mixers.py), AttnRes mix, norm and MLP (LatentMoE, or the dense SiTU-GLU MLP in the first dense_layers).
 
 The layer reads the AttnRes state (the bank of block sums and the running partial sum of the current block,
 model/transformer.py) and returns the partial sum with its two sublayer outputs added.
@@ -11,9 +11,8 @@ from torch import nn
 from gpu_kernels.choice import REFERENCES, Kernels
 from moe_pretrain.config import ModelConfig
 from moe_pretrain.model.attn_res import AttnResMix
-from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
-from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.mixers import mixer_spec
 from moe_pretrain.model.mlp import SiTUGLUMLP
 from moe_pretrain.model.moe import LatentMoE
 from moe_pretrain.model.norm import RMSNorm
@@ -32,11 +31,7 @@ class DecoderLayer(nn.Module):
         # released tensor one to one; they cost 2d parameters.
         self.attn_mix = AttnResMix(d, cfg.norm_eps, kernels)
         self.attn_norm = RMSNorm(d, cfg.norm_eps, kernels)
-        if cfg.layer_kind(index) == "kda":
-            self.mixer = KimiDeltaAttention(d, cfg.kda, norm_eps=cfg.norm_eps, init_std=std, out_std=out_std,
-                                            kernels=kernels)
-        else:
-            self.mixer = GatedMLA(d, cfg.mla, init_std=std, out_std=out_std, kernels=kernels)
+        self.mixer = mixer_spec(cfg, index).build(d, cfg, init_std=std, out_std=out_std, kernels=kernels)
         self.mlp_mix = AttnResMix(d, cfg.norm_eps, kernels)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps, kernels)
         moe = cfg.moe

@@ -20,6 +20,7 @@ from moe_pretrain.config import KDAConfig
 from moe_pretrain.model.init import Constant, InverseSoftplusLogUniform, LogUniform
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
+from moe_pretrain.model.mixer_spec import SequenceMixer
 from moe_pretrain.model.recompute import maybe_recompute
 from moe_pretrain.model.short_conv import ShortConvolution
 from moe_pretrain.ops import kda, l2_norm, rms_norm
@@ -71,7 +72,7 @@ class WholeRows:
 WHOLE_ROWS = WholeRows()
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(SequenceMixer):
     def __init__(self, dim: int, cfg: KDAConfig, *, norm_eps: float, init_std: float, out_std: float,
                  kernels: Kernels = REFERENCES):
         super().__init__()
@@ -105,6 +106,9 @@ class KimiDeltaAttention(nn.Module):
         """Recompute the pre-ops from the projections to the op's inputs (train.recompute lists kda_pre)."""
         self.split: WholeRows = WHOLE_ROWS
         """How the steps that see across positions run over this rank's rows (set by the activation plan)."""
+
+    def set_recompute(self, modules: frozenset[str]) -> None:
+        self.recompute_core, self.recompute_pre = "core" in modules, "kda_pre" in modules
 
     def decay(self, f: torch.Tensor) -> torch.Tensor:
         """Log decay g [B, T, H, K] from the low-rank logits f, in >= fp32."""

@@ -17,13 +17,13 @@ parallel.cp_mla). The defaults, LocalAttention and WholeSequence, are a rank hol
 """
 
 import torch
-from torch import nn
 
 from gpu_kernels.choice import REFERENCES, Kernels
 from gpu_kernels.flex_attention import flex_document_attention
 from moe_pretrain.config import MLAConfig
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
+from moe_pretrain.model.mixer_spec import SequenceMixer
 from moe_pretrain.model.norm import RMSNorm
 from moe_pretrain.model.qk_clip import MaxLogitRecord, document_max_logits
 from moe_pretrain.model.recompute import maybe_recompute, recomputing
@@ -75,7 +75,7 @@ class WholeSequence:
 LOCAL_ATTENTION, WHOLE_SEQUENCE = LocalAttention(), WholeSequence()
 
 
-class GatedMLA(nn.Module):
+class GatedMLA(SequenceMixer):
     def __init__(self, dim: int, cfg: MLAConfig, *, init_std: float, out_std: float, kernels: Kernels = REFERENCES):
         super().__init__()
         self.cfg = cfg
@@ -105,6 +105,9 @@ class GatedMLA(nn.Module):
         """How the layer attends across the ranks that split its rows (set by the activation plan)."""
         self.keys: WholeSequence = WHOLE_SEQUENCE
         """How the shared rotary key is made whole along T (set by the activation plan)."""
+
+    def set_recompute(self, modules: frozenset[str]) -> None:
+        self.recompute_core, self.recompute_up = "core" in modules, "mla_up" in modules
 
     def forward(self, x: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         B, T = self._positions(layout).shape  # the positions this rank attends from, whatever shard x holds

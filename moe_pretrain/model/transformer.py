@@ -23,7 +23,6 @@ from moe_pretrain.model.decoder_layer import DecoderLayer
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.image_merge import ImageMerge
 from moe_pretrain.model.init import Normal
-from moe_pretrain.model.kda import KimiDeltaAttention
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.linear import make_linear
 from moe_pretrain.model.mlp import SiTUGLUMLP
@@ -192,11 +191,7 @@ class MoETransformer(nn.Module):
             layer.saved_inputs = store
             layer.recompute = mode == "full"
             layer.recompute_modules = modules & {"attn_res", "norms"}
-            layer.mixer.recompute_core = "core" in modules
-            if isinstance(layer.mixer, KimiDeltaAttention):
-                layer.mixer.recompute_pre = "kda_pre" in modules
-            else:
-                layer.mixer.recompute_up = "mla_up" in modules
+            layer.mixer.set_recompute(modules)
             if isinstance(layer.mlp, LatentMoE):
                 layer.mlp.recompute_experts = "experts" in modules
                 layer.mlp.recompute_around_exchanges = mode == "full" and not exchanges

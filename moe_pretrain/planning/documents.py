@@ -16,7 +16,8 @@ import torch
 from moe_pretrain.config import Config
 from moe_pretrain.data.batch import PretrainingData
 from moe_pretrain.model.layout import document_starts
-from moe_pretrain.planning.sizing import LATENT_KEY_BLOCK, ExchangeSpan
+from moe_pretrain.planning.context_parallel_costs import LATENT_KEY_BLOCK
+from moe_pretrain.planning.sizing import ExchangeSpan
 from parallel.latent_route import LatentRoute
 
 SAMPLE_ROWS = 64

@@ -17,14 +17,16 @@ from moe_pretrain.config import (
     load_config_or_exit,
 )
 from moe_pretrain.config.recompute import recompute_modules
+from moe_pretrain.config.stage import Stage
 from moe_pretrain.model.counts import (
     count,
     ends_params,
     layer_flops_per_token,
-    mixing_flops_per_token,
     routed_expert_params,
     total_parts,
 )
+from moe_pretrain.model.mixers import mixer_spec
+from moe_pretrain.planning.context_parallel_costs import context_parallel_cost
 
 
 def final_projection_params(cfg: ModelConfig, index: int) -> int:
@@ -36,10 +38,6 @@ def final_projection_params(cfg: ModelConfig, index: int) -> int:
     if cfg.moe.num_shared_experts:
         return cfg.moe.num_shared_experts * cfg.moe.shared_intermediate * d
     return cfg.moe.latent_size * d
-
-
-LATENT_KEY_BLOCK = 1024
-"""ops.latent_attention's key block (and query tile): a tile meets each key block it may see whole."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,77 +71,39 @@ class StageDocuments:
         return ExchangeSpan(*(max(values) for values in zip(*(dataclasses.astuple(s) for s in self.spans))))
 
 
-def latent_exchange_flops_per_token(cfg: ModelConfig, seq_len: int, cp: int, recompute: str, rows: int,
-                                    documents: StageDocuments | None = None) -> float:
-    """What MLA's latent exchange (context parallelism by the latent, ops/latent_attention.py) adds per local
-    token over the plain layer: each rank expands the keys and values of the blocks its queries may see (the
-    kv up-projection: forward, again in the backward, and its two gradient products; once more for full
-    recomputation) instead of its own positions', and its score tiles are whole key blocks, so a query meets
-    more keys than the plain layer's attention is priced at. documents with a span: both from the stage's
-    documents; otherwise one document per row (all cp x its positions expanded; the causal half plus half a
-    block, or every key of the micro-batch's `rows` rows when one block holds them all)."""
-    a = cfg.mla
-    up = a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
-    passes = 10 if recompute == "full" else 8
-    span = documents.span() if documents else None
-    expanded = span.expanded_keys if span else cp
-    expand = passes * expanded * up - (8 if recompute == "full" else 6) * up
-    if span:
-        extra = span.tile_keys - documents.keys
-    elif rows * seq_len <= LATENT_KEY_BLOCK:
-        extra = rows * seq_len - seq_len / 2
-    else:
-        extra = min(seq_len, (seq_len + LATENT_KEY_BLOCK) / 2) - seq_len / 2
-    tiles = 3.5 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * extra
-    return expand + tiles * (4.5 / 3.5 if recompute == "full" else 1.0)  # recomputation: a forward more
-
-
 def module_recompute_flops_per_token(cfg: ModelConfig, index: int, seq_len: int, modules: frozenset[str],
                                      mla: str = "ulysses", keys: float | None = None) -> float:
-    """The FLOPs train.recompute's modules (model/recompute.py) run again per token of layer `index`: the
-    forward of a recomputed attention core (none under MLA's latent exchange, which recomputes nothing more),
-    MLA's up-projections that the backward needs again, the routed experts' three GEMMs; the mixes, norms,
-    KDA's pre-ops and the SiTU-GLU activation are elementwise (their time is the dry run's, not a FLOP count)."""
-    a, flops = cfg.mla, 0.0
-    latent = cfg.layer_kind(index) == "mla" and mla == "latent"
-    if "core" in modules and not latent:
-        flops += mixing_flops_per_token(cfg, index, seq_len, keys) / 3
-    if "mla_up" in modules and cfg.layer_kind(index) == "mla":
-        # A region's recomputation stops once it has what the backward needs (torch.utils.checkpoint): on its
-        # own, mla_up's query region re-runs the up-projection only where the rotary reads it, the key-value
-        # region never.
-        with_core = "core" in modules and not latent
-        if with_core or (a.position == "rope" and a.qk_rope_head_dim > 0):
-            flops += 2 * a.q_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
-        if with_core:
-            flops += 2 * a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    """The FLOPs train.recompute's modules (model/recompute.py) run again per token of layer `index`: its sequence
+    mixer's (its spec's recompute_flops: a recomputed core's forward, MLA's up-projections), the routed experts'
+    three GEMMs; the mixes, norms, KDA's pre-ops and the SiTU-GLU activation are elementwise (their time is the
+    dry run's, not a FLOP count). mla: MLA's context-parallel exchange in force."""
+    flops = mixer_spec(cfg, index).recompute_flops(cfg, seq_len, modules, mla, keys)
     if "experts" in modules and cfg.is_moe_layer(index):
         flops += 2 * cfg.moe.top_k * routed_expert_params(cfg.moe)
     return flops
 
 
-def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, seq_len: int, recompute: str,
-                          cp: int = 1, mla: str = "ulysses", rows: int = 1,
+def stage_flops_per_token(cfg: ModelConfig, layers: list[int], last: bool, stage: Stage, rows: int = 1,
                           documents: StageDocuments | None = None) -> float:
-    """FLOPs a pipeline stage spends per token of its micro-batches: its layers', and the last stage's ends.
-    Full recomputation runs each layer's forward again up to its last saved input (torch.utils.checkpoint
-    stops early), i.e. all but the last matmul; recomputation by module (selective too) adds
-    module_recompute_flops_per_token. Under
-    context parallelism by the latent (mla="latent", cp > 1) MLA layers add latent_exchange_flops_per_token
-    (`rows`: the micro-batch's sequences). documents: MLA priced by the stage's documents (None: one per row)."""
+    """FLOPs a pipeline stage spends per token of its micro-batches under `stage`: its layers', and the last
+    stage's ends. Full recomputation runs each layer's forward again up to its last saved input
+    (torch.utils.checkpoint stops early), i.e. all but the last matmul; recomputation by module (selective too)
+    adds module_recompute_flops_per_token; a mixer's backward may recompute what its forward did not keep (its
+    spec's rescoring_flops), and its context-parallel strategy may add FLOPs (planning/context_parallel_costs.py;
+    `rows`: the micro-batch's sequences). documents: attention priced by the stage's documents (None: one per
+    row)."""
     keys = documents.keys if documents else None
+    seq_len, recompute = stage.seq_len, stage.recompute
     flops = sum(layer_flops_per_token(cfg, i, seq_len, keys) for i in layers)
     if recompute == "full":
         flops += sum(layer_flops_per_token(cfg, i, seq_len, keys) / 3 - 2 * final_projection_params(cfg, i)
                      for i in layers)
     else:
         modules = recompute_modules(recompute)
-        flops += sum(module_recompute_flops_per_token(cfg, i, seq_len, modules, mla, keys) for i in layers)
-    mla_layers = [i for i in layers if cfg.layer_kind(i) == "mla"]
-    # Attention's backward recomputes the scores: 2.5 forwards, not 2 (torch's FLOP formulas count it so).
-    flops += sum(mixing_flops_per_token(cfg, i, seq_len, keys) / 6 for i in mla_layers)
-    if cp > 1 and mla == "latent":
-        flops += len(mla_layers) * latent_exchange_flops_per_token(cfg, seq_len, cp, recompute, rows, documents)
+        flops += sum(module_recompute_flops_per_token(cfg, i, seq_len, modules, stage.cp_mla, keys) for i in layers)
+    flops += sum(mixer_spec(cfg, i).rescoring_flops(cfg, seq_len, keys) for i in layers)
+    if stage.cp > 1:
+        flops += sum(context_parallel_cost(cfg, i).flops(cfg, stage, rows, documents) for i in layers)
     return flops + 6 * ends_params(cfg, last)
 
 

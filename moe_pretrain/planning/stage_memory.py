@@ -29,6 +29,7 @@ from moe_pretrain.config.stage import Stage, StageKeys, mla_exchange, resolve_st
 from moe_pretrain.data.image_size import run_max_pixels
 from moe_pretrain.dtypes import compute_bytes, parameter_bytes
 from moe_pretrain.planning.balancing_state import balancing_bytes, reduced_bytes
+from moe_pretrain.planning.context_parallel_costs import context_parallel_cost
 from moe_pretrain.planning.expert_traffic import exchange_buffer_rows, expert_exchange_bytes
 from moe_pretrain.planning.pipeline_traffic import pipeline_bytes
 from moe_pretrain.planning.rank_state import parameter_shapes, stage_state_bytes
@@ -41,7 +42,6 @@ from moe_pretrain.planning.step_activations import (
     vision_activations,
 )
 from moe_pretrain.planning.tensor_parallel_traffic import ring_share, tensor_parallel_bytes
-from parallel.context_parallel import SCAN_FROM_CP
 from parallel.layout_rules import layout_problems
 from parallel.muon import BATCH_ELEMENTS
 from parallel.plan import chunks_of_rank, pipeline_chunks
@@ -50,7 +50,6 @@ from parallel.state import ParallelLayout
 HEADROOM = 0.10
 HOST_BYTES_PER_GPU = 2e12 / 8
 """Host memory for one GPU's offloaded layer inputs: an 8-GPU H100 / H200 node (DGX) has about 2 TB."""
-LATENT_BLOCK = 1024
 MUON_STEP_BYTES = 8 * BATCH_ELEMENTS * 4
 """Muon's step beyond its direction and exchange buffers (3 x its momentum): a batch's stacked matrices, Newton-
 Schulz's float32 iterate, Gram matrix and products (parallel/muon.py's BATCH_ELEMENTS), a few copies."""
@@ -149,14 +148,9 @@ class MemoryPlanner:
             buffers = 0.0
             if run.ep > 1 and moe_layers:
                 buffers += exchange_buffer_rows(cfg, run.ep, tokens / run.tp) * m.moe.latent_size * act_bytes
-            if stage.cp > 1 and any(m.layer_kind(i) == "mla" for i in layers):
-                a = m.mla
-                qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads / run.tp
-                if stage.cp_mla == "latent":  # one key block expanded, one tile's scores (fp32, x3 in backward)
-                    buffers += LATENT_BLOCK * heads * (qk + a.v_head_dim) * 4 * 2 \
-                        + LATENT_BLOCK * heads * LATENT_BLOCK * 4 * 3
-                else:
-                    buffers += 4 * tokens * heads * qk * act_bytes
+            if stage.cp > 1:  # one layer's exchange buffers at a time, the largest of the stage's mixers'
+                buffers += max((context_parallel_cost(m, i).buffers(m, stage, tokens, run.tp, act_bytes)
+                                for i in layers), default=0.0)
             # Routers see this tensor rank's sequence-parallel share of the positions.
             balancing = balancing_bytes(m.moe, len(moe_layers), tokens / run.tp, stage.micro_batches)
             vision = self.vision_bytes(stage, rows, in_flight, act_bytes, run.tp) if p == 0 else 0.0
@@ -182,8 +176,7 @@ class MemoryPlanner:
                    "communication": self.communication(cfg, run, stage, tokens, state, documents),
                    # The step's FLOPs: its micro-batches' forward and backward, and Muon's Newton-Schulz.
                    "flops": stage.micro_batches * tokens / run.tp * stage_flops_per_token(
-                       m, layers, p == run.pp - 1, stage.seq_len, stage.recompute, stage.cp, stage.cp_mla, rows,
-                       documents)
+                       m, layers, p == run.pp - 1, stage, rows, documents)
                    + state["muon_flops"]}
             most_host = max(most_host, act.host)
             ranks.append(row)
@@ -233,30 +226,9 @@ class MemoryPlanner:
         chunks = pipeline_chunks(cfg)
         pp = M * pipeline_bytes(m, chunks, chunks_of_rank(len(chunks), run.pp, p), tokens / run.tp,
                                 parameter_bytes(cfg.train.dtype), b)
-        mla = sum(m.layer_kind(i) == "mla" for i in layers)
-        kda = len(layers) - mla
-        a, k = m.mla, m.kda
-        head_dims = 3 * (a.qk_nope_head_dim + a.qk_rope_head_dim) + a.v_head_dim
-        # Under recomputation by module an exchange inside a recomputed region runs again in the backward: KDA's
-        # halos inside kda_pre, its entry states and Ulysses' head exchanges inside core; MLA's latent gather
-        # sits in none.
         modules = recompute_modules(stage.recompute)
-        core_passes, pre_passes = (3 if name in modules else passes for name in ("core", "kda_pre"))
-        if stage.cp_mla == "latent":  # the fragments seen, sent forward (and re-forward), their gradients back
-            span = documents.span() if documents else None
-            sent, received = (span.sent_keys, span.received_keys) if span else (stage.cp - 1, stage.cp - 1)
-            mla_bytes = ring_share(stage.cp, ((passes - 1) * sent + received) * tokens
-                                   * (a.kv_lora_rank + a.qk_rope_head_dim) * b)
-        else:
-            mla_bytes = core_passes * 2 * ring_share(stage.cp, tokens * a.num_heads / run.tp * head_dims * b)
-        # KDA: the entry states' scan of fp32 state summaries [H, K, K + V], and the halos of its q, k, v
-        # convolutions.
-        rows = tokens * stage.cp / stage.seq_len
-        inner = k.num_heads / run.tp * k.head_dim
-        sent, received = scan_summaries(stage.cp, documents.cp_rank if documents else None)
-        kda_bytes = ring_share(stage.cp, ((core_passes - 1) * sent + received) * rows * inner * 2 * k.head_dim * 4) \
-            + pre_passes * ring_share(stage.cp, 3 * 2 * stage.cp * rows * (k.conv_size - 1) * inner * b)
-        cp = M * (mla * mla_bytes + kda * kda_bytes)
+        cp = M * sum(context_parallel_cost(m, i).sent_bytes(m, stage, tokens, run.tp, b, passes, modules, documents)
+                     for i in layers)
         # ZeRO-1: each reduce group's gradients reduce-scattered and its parameters all-gathered once a step; the
         # balancers' statistics all-reduced over tensor x data x context parallel.
         dp = sum(ring_share(size, scattered) + ring_share(size, gathered)
@@ -347,24 +319,6 @@ SAVED_INPUTS_ORDER = ["device", "host", "fp8"]
 """Exact before lossy: host offload changes no number (it costs host memory and PCIe traffic), FP8 does."""
 EP_CANDIDATES = 6
 """The search tries the largest few expert-parallel sizes (smaller ones only add expert memory per GPU)."""
-
-
-def scan_summaries(cp: int, rank: int | None = None) -> tuple[float, float]:
-    """(sent, received): the state summaries cp rank `rank` hands its collectives for KDA's entry states, and those
-    it receives (parallel/context_parallel.entry_states), in one pass; rank None: the average over the ranks.
-    Below SCAN_FROM_CP the all-gather's 2 cp each way. From it the scan's: over 2 cp fragments, a shift by one,
-    then rounds at distance 1, 2, 4, ... below 2 cp, each fragment sending to the one `distance` after it where
-    there is one (rank r's fragments r and 2 cp - 1 - r)."""
-    n = 2 * cp
-    if cp < SCAN_FROM_CP:
-        return n, n
-    distances = [1, *(2**i for i in range((n - 1).bit_length()))]
-    if rank is None:
-        each = sum(n - d for d in distances) / cp
-        return each, each
-    fragments = (rank, n - 1 - rank)
-    return (sum(j + d < n for d in distances for j in fragments),
-            sum(j - d >= 0 for d in distances for j in fragments))
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -8,11 +8,8 @@ hooks over the tiny model while one dimension at a time was varied, at T = 1024,
 within 0.5% for KDA and the MLPs, 3.4% for MLA) and rounded; recomputing regions keep their inputs only.
 They are checked against the live tensor bytes of a step at several lengths (tests/unit/test_activation_memory.py).
 What they count, by component:
-- KDA, none: the projections, short convolutions and gates (~29 H K) and the chunked op's intermediates:
-  ~13 H K, the per-chunk C x C products and solves (3 H C) and the chunk chain's K x K / K x V states
-  (3 H K^2 / C, about K V / C each); selective keeps the op's inputs instead of its intermediates.
-- MLA: the low-rank projections, heads (q, k, v zero-padded to one width, output) and the gate; the
-  attention core itself saves q, k, v, output and the log-sum-exp (flash), never L x L.
+- The sequence mixer: its spec's activations and regions (model/kda_spec.py, model/mla_spec.py: KDA's chunked
+  op keeps fp32 intermediates in any dtype, its `fp32_core`).
 - MoE: router scores (fp32, E), k routed copies of the latent rows and of the experts' gate / up /
   activation (3 F each; selective recomputes the experts' MLP), latent norm, shared experts (3 S).
 - Each AttnRes mix over n >= 2 entries: 3 d + 2 per entry; each pre-norm 2 d + 1.
@@ -20,9 +17,8 @@ What they count, by component:
   over 12 shapes of the tiny model, every coefficient exact to 0.5 elements): what each region no longer keeps
   per token (module_savings): attn_res, each mix over n >= 2 entries (3 d + 2) n - d (the region keeps its
   newest entry, the partial sum, alive); norms, each pre-norm d + 1 (it keeps its input); both, one region,
-  (3 d + 2) n + d + 1 (and d + 1 for a one-entry mix's norm); kda_pre 15 H K + 2 H + 8.5, with core also the
-  op's inputs, 4 H K; mla_up 2 r_q + 2 r_kv + 1 (the latent norms' and up-projections' inputs), with core also the
-  expanded heads, H (3 Dn + 2 Dr + Dv); core as selective; experts as selective; expert_act the SiTU-GLU outputs,
+  (3 d + 2) n + d + 1 (and d + 1 for a one-entry mix's norm); the mixer's regions (kda_pre, mla_up, core) its
+  spec's; experts as selective; expert_act the SiTU-GLU outputs,
   k F + n_s S per MoE layer (n_s S inside experts), the dense MLP's intermediate. One region at a time is
   re-materialised in backward (the transient: the largest).
 - Full recomputation: each layer keeps its inputs, d per token: the partial block sum, or at a block's
@@ -38,7 +34,7 @@ What they count, by component:
   add the patch itself (C p^2, the patch embedding keeps its input for its weight gradient; the rank copies it
   to the device for its images only, data.Batch.to).
 Under bf16 autocast the KDA op's intermediates stay fp32 (ops.norms.compute_dtype) while the rest is bf16:
-kda_core elements are 4 bytes, the others the activation dtype's (not yet measured on a GPU).
+fp32_core elements are 4 bytes, the others the activation dtype's (not yet measured on a GPU).
 """
 
 from collections.abc import Callable
@@ -46,6 +42,8 @@ from dataclasses import dataclass
 
 from moe_pretrain.config import ModelConfig, VisionConfig
 from moe_pretrain.config.recompute import recompute_modules
+from moe_pretrain.model.mixer_spec import Region
+from moe_pretrain.model.mixers import mixer_spec
 from moe_pretrain.model.saved_inputs import PREFETCH_LAYERS, SavedInputsPolicy, saved_input_bytes
 
 Recompute = str
@@ -57,53 +55,19 @@ class LayerActivations:
     """Saved elements per token of one layer: the sequence mixer's fp32 core (KDA's chunked op), the mixer's
     other elements, everything else; and what one recomputation re-materialises at a time in backward."""
 
-    kda_core: float
+    fp32_core: float
     mixer: float
     other: float
     transient: float
     transient_core: float = 0.0
-    """Of the transient, KDA's fp32 core (4 bytes an element; the rest in the activation dtype)."""
+    """Of the transient, the mixer's fp32 core (4 bytes an element; the rest in the activation dtype)."""
     exchanges_kept: float = 0.0
     """Under full recomputation that does not repeat the expert exchanges, what the MoE layer keeps on the
     device beside the layer's inputs (exchanges_kept)."""
 
     @property
     def total(self) -> float:
-        return self.kda_core + self.mixer + self.other
-
-
-def _kda(m: ModelConfig) -> tuple[float, float]:
-    """(core, rest) for recompute none."""
-    k, d = m.kda, m.hidden_size
-    H, K, C = k.num_heads, k.head_dim, k.chunk_size
-    rest = 28.87 * H * K + 1.18 * d + 13
-    core = 13.08 * H * K + 2.98 * H * C + 2.89 * H * K * K / C + 17
-    return core, rest
-
-
-def _mla(m: ModelConfig, recompute: Recompute) -> float:
-    a, d = m.mla, m.hidden_size
-    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    if recompute == "selective":
-        return 3.66 * a.num_heads * qk + 3.38 * a.num_heads * a.v_head_dim + 3.06 * a.q_lora_rank \
-            + 3.04 * a.kv_lora_rank + 1.05 * d + 2
-    return 4.15 * a.num_heads * qk + 4.03 * a.num_heads * a.v_head_dim + 3.02 * a.q_lora_rank \
-        + 2.96 * a.kv_lora_rank + 2.52 * a.qk_rope_head_dim + 1.04 * d
-
-
-def _mla_by_latent(m: ModelConfig, cp: int, tp: int) -> tuple[float, float]:
-    """(fp32 elements, activation-dtype elements) per local token of an MLA layer under the latent exchange
-    (ops.latent_attention). Measured against the document-attention path with saved-tensor hooks (d 64,
-    H 2 / 8, kv_lora_rank 32 / 64, at one rank): it saves (2 qk + 2 Dv) H + 2 r fewer elements (no expanded
-    keys and values, no normed latent; within 5 elements of the fit), and then the gathered latent of the
-    other cp - 1 ranks' positions (r + Dr per position), the log-sum-exp (fp32, H) and three int64 index
-    vectors (counted as 2 fp32 elements per entry: 2 + cp entries per local token). The latent is not split
-    over tensor parallel (every tp rank gathers all of it): its share is multiplied by tp here, because
-    activation_bytes divides every count by tp."""
-    a = m.mla
-    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-    kept = _mla(m, "none") - (2 * qk + 2 * a.v_head_dim) * a.num_heads - 2 * a.kv_lora_rank
-    return a.num_heads + 2 * (2 + cp) * tp, kept + (cp - 1) * (a.kv_lora_rank + a.qk_rope_head_dim) * tp
+        return self.fp32_core + self.mixer + self.other
 
 
 def _mlp(m: ModelConfig, index: int, recompute: Recompute) -> float:
@@ -143,18 +107,12 @@ def exchanges_kept(m: ModelConfig) -> float:
 def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exchange: str = "ulysses",
                       cp: int = 1, tp: int = 1, exchanges: bool = True) -> LayerActivations:
     """Saved elements per token of layer `index` (all heads: divide by tp for a tensor-parallel rank);
-    mla_exchange: how an MLA layer attends across cp ranks (latent: _mla_by_latent); exchanges: whether full
+    mla_exchange: how an MLA layer attends across cp ranks (the spec's activations); exchanges: whether full
     recomputation repeats the MoE layer's expert exchanges (train.recompute_exchanges)."""
     d = m.hidden_size
     attn_entries, mlp_entries = mix_entries(m, index)
     norms_and_mixes = 2 * (2 * d + 1) + _mix(d, attn_entries) + _mix(d, mlp_entries)
-    latent = m.layer_kind(index) == "mla" and mla_exchange == "latent"
-    if m.layer_kind(index) == "kda":
-        core, mixer = _kda(m)
-    elif latent:
-        core, mixer = _mla_by_latent(m, cp, tp)
-    else:
-        core, mixer = 0.0, _mla(m, "none")
+    core, mixer = mixer_spec(m, index).activations(m, mla_exchange, cp, tp)
     other = norms_and_mixes + _mlp(m, index, "none")
     if recompute == "none":
         return LayerActivations(core, mixer, other, 0.0)
@@ -163,8 +121,8 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
         # closes: d per token per layer) and backward re-runs it whole, one layer at a time.
         kept = 0.0 if exchanges or not m.is_moe_layer(index) else exchanges_kept(m)
         return LayerActivations(0.0, 0.0, d, core + mixer + other, core, kept)
-    regions = module_savings(m, index, recompute_modules(recompute), latent, core)
-    # A region's transient is what it no longer keeps; the largest is picked by its bytes at bf16 (KDA's core
+    regions = module_savings(m, index, recompute_modules(recompute), mla_exchange, core)
+    # A region's transient is what it no longer keeps; the largest is picked by its bytes at bf16 (core
     # elements are fp32 in any dtype), the training dtype at full size.
     saved_core = core - sum(r.core for r in regions)
     largest = max(regions, key=lambda r: r.core * 4 + r.rest * 2, default=Region())
@@ -172,22 +130,11 @@ def layer_activations(m: ModelConfig, index: int, recompute: Recompute, mla_exch
                             other - sum(r.rest - r.mixer for r in regions), largest.core + largest.rest, largest.core)
 
 
-@dataclass(frozen=True)
-class Region:
-    """What one recomputed region no longer keeps per token: KDA's fp32 core elements, and the rest (of which
-    `mixer` are the sequence mixer's)."""
-
-    core: float = 0.0
-    rest: float = 0.0
-    mixer: float = 0.0
-
-
-def module_savings(m: ModelConfig, index: int, modules: frozenset[str], latent: bool = False,
-                   kda_core: float = 0.0) -> list[Region]:
+def module_savings(m: ModelConfig, index: int, modules: frozenset[str], mla_exchange: str = "ulysses",
+                   core: float = 0.0) -> list[Region]:
     """The regions train.recompute's modules make in layer `index` (model/recompute.py), each with what it no
-    longer keeps (the module docstring's measured counts); latent: MLA under the latent exchange, whose core
-    keeps only what its backward needs (core adds nothing) and whose keys are expanded by the exchange
-    (mla_up recomputes the queries' side only: 2 r_q + 1, counted, not measured)."""
+    longer keeps (the module docstring's measured counts; the mixer's from its spec, with `core` its fp32 core
+    elements and mla_exchange MLA's context-parallel exchange)."""
     d, regions = m.hidden_size, []
     for entries in mix_entries(m, index):
         mixes, norms = "attn_res" in modules and entries >= 2, "norms" in modules
@@ -197,27 +144,7 @@ def module_savings(m: ModelConfig, index: int, modules: frozenset[str], latent: 
             regions.append(Region(rest=_mix(d, entries) - d))
         elif norms:
             regions.append(Region(rest=d + 1))
-    if m.layer_kind(index) == "kda":
-        k = m.kda
-        HK = k.num_heads * k.head_dim
-        pre = 15 * HK + 2 * k.num_heads + 8.5 if "kda_pre" in modules else 0.0
-        if "core" in modules:
-            inputs = 4 * HK if pre else 0.0
-            regions.append(Region(core=kda_core, rest=pre + inputs, mixer=pre + inputs))
-        elif pre:
-            regions.append(Region(rest=pre, mixer=pre))
-    else:
-        a = m.mla
-        if latent:
-            up = 2 * a.q_lora_rank + 1 if "mla_up" in modules else 0.0
-            core = 0.0
-        else:
-            up = 2 * a.q_lora_rank + 2 * a.kv_lora_rank + 1 if "mla_up" in modules else 0.0
-            core = _mla(m, "none") - _mla(m, "selective") if "core" in modules else 0.0
-            if up and core:
-                core += a.num_heads * (3 * a.qk_nope_head_dim + 2 * a.qk_rope_head_dim + a.v_head_dim)
-        if up + core:
-            regions.append(Region(rest=up + core, mixer=up + core))
+    regions += mixer_spec(m, index).regions(m, modules, mla_exchange, core)
     if "experts" in modules and m.is_moe_layer(index):
         regions.append(Region(rest=_mlp(m, index, "none") - _mlp(m, index, "selective")))
     if "expert_act" in modules:
@@ -309,7 +236,7 @@ def activation_bytes(m: ModelConfig, layers: list[int], recompute: Recompute, to
     per_layer = [(layer_of or (lambda i, r: layer_activations(m, i, r, exchanges=exchanges)))(i, recompute)
                  for i in layers]
     scale = tokens / tp * in_flight
-    mixers = sum(a.kda_core * 4 + a.mixer * act_bytes for a in per_layer) * scale
+    mixers = sum(a.fp32_core * 4 + a.mixer * act_bytes for a in per_layer) * scale
     other = sum(a.other for a in per_layer) * act_bytes * scale
     host = 0.0
     if recompute == "full":

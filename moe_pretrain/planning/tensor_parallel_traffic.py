@@ -3,10 +3,7 @@ them (parallel/tensor_parallel.py, parallel/sequence.py, megatron-core's VocabPa
 
 Per layer and pass (the forward; the backward sends each collective's dual, the same bytes; full
 recomputation sends the forward's again), in the activation dtype:
-- KDA: the normed input gathered once for its five column projections (InputGather), the low-rank decay
-  input (K wide) gathered for f_b, the output reduce-scattered;
-- gated MLA: the normed input gathered for the gate, the query and key-value latents (after their norms)
-  and the shared rotary key gathered, the output reduce-scattered;
+- the sequence mixer: what its spec's tp_widths says (model/kda_spec.py, model/mla_spec.py);
 - a dense MLP or the MoE's shared experts: the input gathered, the output reduce-scattered (the routed
   experts exchange over expert parallelism instead). Full recomputation's second forward stops at the layer's
   last saved input (torch.utils.checkpoint's early stop), before that reduce-scatter.
@@ -18,6 +15,7 @@ are left out.
 """
 
 from moe_pretrain.config import ModelConfig
+from moe_pretrain.model.mixers import mixer_spec
 from moe_pretrain.planning.step_time import sent_share
 
 EMBEDDING_BYTES = 4
@@ -33,11 +31,7 @@ def ring_share(size: int, nbytes: float) -> float:
 
 def layer_widths_of_mixer(m: ModelConfig, index: int) -> int:
     """Per position, the values a layer's sequence mixer gathers or reduce-scatters over tensor parallelism."""
-    d = m.hidden_size
-    if m.layer_kind(index) == "kda":
-        return 2 * d + m.kda.head_dim
-    a = m.mla
-    return 2 * d + a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim
+    return mixer_spec(m, index).tp_widths(m)
 
 
 def layer_widths(m: ModelConfig, index: int) -> int:

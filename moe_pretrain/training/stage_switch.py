@@ -11,7 +11,7 @@ the batch a rank takes change.
 from torch import nn
 
 from moe_pretrain.config.stage import Stage
-from moe_pretrain.model.mla import GatedMLA
+from moe_pretrain.model.mixer_spec import SequenceMixer
 from moe_pretrain.model.saved_inputs import SavedInputs
 from parallel.activation_plan import apply_activation_plan, splits_of
 from parallel.state import ParallelContext
@@ -37,6 +37,6 @@ class StageSwitch:
             self.saved_inputs = self.model.set_recompute(stage.recompute, stage.saved_inputs, self.exchanges)
         if now is None or now.rope_theta != stage.rope_theta:
             for module in self.model.modules():
-                if isinstance(module, GatedMLA):
+                if isinstance(module, SequenceMixer):
                     module.rope_theta = stage.rope_theta
         self.applied = stage

@@ -119,7 +119,7 @@ def test_entry_state_scan_matches_the_fold_and_sends_what_the_plan_counts():
     round d of the shift (1) and the scan (1, 2, 4, 8), two rows each: 64 summaries a pass, against the
     all-gather's 8 x 16 x 7 / 8 = 112 sent (the plan's scan_summaries is this count over the ranks); each rank
     sends what its fragments pass on forward and what they received backward (scan_summaries of that rank)."""
-    from moe_pretrain.planning.stage_memory import scan_summaries
+    from moe_pretrain.planning.context_parallel_costs import scan_summaries
 
     cp = 8
     results = run_distributed(scan_worker, cp)

@@ -47,16 +47,16 @@ def saved_bytes_worker(rank, world_size, overrides):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overrides", [[], ["model.mla.num_heads=8"], ["model.mla.kv_lora_rank=64"]])
 def test_the_plan_counts_what_the_latent_exchange_saves(overrides):
-    """planning/step_activations: what the latent exchange saves less than document attention, per token,
+    """model/mla_spec.py: what the latent exchange saves less than document attention, per token,
     against the hooks' count at one rank: measured 1516 / 5356 / 1772 bytes (fp32) for the plan's 1504 /
-    5320 / 1760, within 3%. The plan's document-attention base (_mla) is checked on the whole model by
+    5320 / 1760, within 3%. The plan's document-attention base (saved_elements) is checked on the whole model by
     tests/unit/test_activation_memory.py; the latent figure is that base minus this drop, plus the other ranks'
     gathered latent (cp - 1) x (kv_lora_rank + rope dims), which is arithmetic."""
     from launch.local import run_distributed
     from moe_pretrain.config import load_config
-    from moe_pretrain.planning.step_activations import _mla, _mla_by_latent
+    from moe_pretrain.model.mla_spec import saved_by_latent, saved_elements
 
     measured = run_distributed(saved_bytes_worker, 1, overrides)
     m = load_config("configs/smoke.yaml", overrides).model
     drop = measured["document"] - measured["latent"]
-    assert drop == pytest.approx(4 * (_mla(m, "none") - sum(_mla_by_latent(m, cp=1, tp=1))), rel=0.03), measured
+    assert drop == pytest.approx(4 * (saved_elements(m) - sum(saved_by_latent(m, cp=1, tp=1))), rel=0.03), measured

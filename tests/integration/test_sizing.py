@@ -66,7 +66,7 @@ def test_the_total_says_what_it_counts():
 def test_flops_grow_with_sequence_length():
     cfg = load_config("configs/full.yaml")
     short, long = count(cfg.model, 8192), count(cfg.model, 1 << 20)
-    assert long["flops_breakdown"]["mla_attention"] == pytest.approx(128 * short["flops_breakdown"]["mla_attention"])
+    assert long["flops_breakdown"]["mla_mixing"] == pytest.approx(128 * short["flops_breakdown"]["mla_mixing"])
     assert long["flops_breakdown"]["kda_mixing"] == short["flops_breakdown"]["kda_mixing"]  # linear attention
 
 

@@ -52,7 +52,7 @@ def test_an_unknown_key_or_a_mistyped_value_names_the_layer_it_came_from(tmp_pat
     ("model.moe.balancing=foo", "model.moe.balancing='foo' must be one of 'qb', 'aux_free', 'aux_loss'"),
     ("model.moe.top_k=16", "model.moe.top_k=16 must be < model.moe.num_experts=16"),
     ("model.num_layers=7", "model.layer_pattern has 8 letters but model.num_layers=7"),
-    ("model.layer_pattern=KKKXKKKM", "model.layer_pattern may hold only K (KDA) and M (MLA)"),
+    ("model.layer_pattern=KKKXKKKM", "model.layer_pattern may hold only K (kda), M (mla), found ['X']"),
     ("model.attn_res.block_size=0", "model.attn_res.block_size=0 must be >= 1"),
     ("data.batch_size=6", "data.batch_size=6 must be divisible by data.micro_batches=4"),
     ("data.image_size=30", "data.image_size=30 must be a multiple of 2 x model.vision.patch_size x "

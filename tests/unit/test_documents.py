@@ -2,10 +2,13 @@
 (planning/documents.py, sizing.mixing_flops_per_token); what MLA's latent exchange expands and meets under
 the same documents (documents.exchange_spans against ops/latent_attention.py's own tiling)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from moe_pretrain.config import load_config
+from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.model.counts import attended_keys
 from moe_pretrain.model.layout import document_starts
 from moe_pretrain.ops.latent_attention import _Visibility
@@ -29,11 +32,12 @@ def test_the_plan_prices_mla_attention_at_the_keys_the_stages_data_gives():
     mla = [i for i in layers if m.layer_kind(i) == "mla"]
     a = m.mla
     per_key = 3 * 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
-    whole_row = stage_flops_per_token(m, layers, True, seq_len, "full")
-    assert stage_flops_per_token(m, layers, True, seq_len, "full", documents=StageDocuments(seq_len / 2)) == whole_row
+    stage = dataclasses.replace(resolve_stages(cfg)[2], recompute="full", cp=1)
+    whole_row = stage_flops_per_token(m, layers, True, stage)
+    assert stage_flops_per_token(m, layers, True, stage, documents=StageDocuments(seq_len / 2)) == whole_row
     # forward and backward, the re-forward of full recomputation (1/3) and the backward's recomputed scores (1/6)
     saved = len(mla) * per_key * (seq_len / 2 - keys) * (1 + 1 / 3 + 1 / 6)
-    priced = stage_flops_per_token(m, layers, True, seq_len, "full", documents=StageDocuments(keys))
+    priced = stage_flops_per_token(m, layers, True, stage, documents=StageDocuments(keys))
     assert priced == pytest.approx(whole_row - saved, rel=1e-12)
 
 

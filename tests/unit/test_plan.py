@@ -6,7 +6,7 @@ import pytest
 from moe_pretrain.config import load_config
 from moe_pretrain.model.meta import meta_model
 from parallel.parallelize import build_model, describe_parameters
-from parallel.plan import MODEL_PLAN, REPLICATED, ShardingPlan
+from parallel.plan import ShardingPlan, model_plan, replicated_modules
 from tests.models import tiny_config
 
 
@@ -40,7 +40,7 @@ def test_a_renamed_module_fails_the_check(full_size_names):
 
 
 def test_building_a_model_refuses_unplanned_parameters():
-    plan = ShardingPlan(MODEL_PLAN, tuple(p for p in REPLICATED if p != "layers.*.mlp.router.gate"))
+    plan = ShardingPlan(model_plan(), tuple(p for p in replicated_modules() if p != "layers.*.mlp.router.gate"))
     with pytest.raises(RuntimeError, match=r"neither places nor declares replicated .*layers\.1\.mlp\.router\.gate"
                                            r"\.weight"):
         build_model(tiny_config(), plan=plan)
