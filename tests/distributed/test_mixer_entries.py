@@ -1,6 +1,7 @@
 """docs/extension.md's worked example end to end: the tiny model with plain attention layers
-(tests/plain_attention.py) trains under tensor parallelism as one process does (its sharding-plan rows), and the
-plan prices its layers as a dry run of the layout counts them (its FLOPs and its tensor-parallel traffic)."""
+(tests/plain_attention.py) beside KDA and MLA trains under tensor parallelism as one process does (its
+sharding-plan rows; this is also the layout tests' tp 2 alone), and the plan prices its layers as a dry run of the
+layout counts them (its FLOPs and its tensor-parallel traffic)."""
 
 import dataclasses
 import multiprocessing

@@ -81,7 +81,7 @@ def single_process(tmp_path, dtype):
     (4, ["parallel.ep=4", "parallel.expert_dispatch=node", "parallel.ranks_per_node=2", "parallel.dispatch_chunks=2"]),
     (4, ["parallel.ep=2"]),
     (2, ["parallel.ep=2", "data.micro_batches=2", "model.moe.balancing=aux_free"]),
-    (2, ["parallel.tp=2"]),
+    # tp 2 alone: tests/distributed/test_mixer_entries.py, with KDA, MLA and a third mixer in one model.
     (2, ["parallel.pp=2", "data.micro_batches=2"]),
     (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=interleaved_1f1b", "data.micro_batches=4"]),
     (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=zero_bubble", "data.micro_batches=2"]),
@@ -97,7 +97,7 @@ def single_process(tmp_path, dtype):
     (2, ["parallel.pp=2", "data.micro_batches=2", *IMAGES]),
     (2, ["parallel.cp=2", *IMAGES]),
     (4, ["parallel.cp=2", "parallel.tp=2", "model.mla.num_heads=4", *IMAGES]),
-], ids=["ep4-by-node-2x2-2-chunks", "dp4xep2-folded", "ep2-microbatches-auxfree", "tp2", "pp2",
+], ids=["ep4-by-node-2x2-2-chunks", "dp4xep2-folded", "ep2-microbatches-auxfree", "pp2",
         "pp2-vpp2-interleaved", "pp2-vpp2-zero-bubble", "pp2-dense-first-stage", "pp2xtp2",
         "cp2xtp2xep2", "cp2xpp2xep2-latent", "cp4xep2-latent",
         "images-dp2", "images-tp2xep2", "images-pp2", "images-cp2", "images-cp2xtp2"])
