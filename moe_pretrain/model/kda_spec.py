@@ -22,7 +22,6 @@ from moe_pretrain.model.mixer_spec import MixerSpec, Region, ReleaseTensor
 class KDASpec(MixerSpec):
     kind = "kda"
     module = KimiDeltaAttention
-    recompute_modules = frozenset({"core", "kda_pre"})
     plan = (("q_proj", "column"), ("k_proj", "column"), ("v_proj", "column"), ("f_b_proj", "column"),
             ("b_proj", "column"), ("g_proj", "column"), ("o_proj", "row"),
             # Per-head decay parameters and short convolutions: the heads a rank holds.

@@ -68,8 +68,6 @@ class MixerSpec:
     kind: str
     """Its name: model.layer_pattern's letter maps to it (config/model.MIXER_LETTERS)."""
     module: type[SequenceMixer]
-    recompute_modules: frozenset[str] = frozenset({"core"})
-    """train.recompute's module names this mixer has regions for."""
     plan: tuple[tuple[str, str], ...] = ()
     """Sharding-plan rows (parallel/plan.py): (module or parameter under the mixer, style: column, row, heads)."""
     replicated: tuple[str, ...] = ()

@@ -50,7 +50,6 @@ def saved_by_latent(m: ModelConfig, cp: int, tp: int) -> tuple[float, float]:
 class MLASpec(MixerSpec):
     kind = "mla"
     module = GatedMLA
-    recompute_modules = frozenset({"core", "mla_up"})
     plan = (("q_up", "column"), ("kv_up", "column"), ("g_proj", "column"), ("o_proj", "row"))
     replicated = ("q_down", "q_norm", "kv_down", "kv_norm")  # the low-rank down projections and their norms
     release_layers = "full_attn_layers"
