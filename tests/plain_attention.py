@@ -3,8 +3,8 @@ attention inside each document, with its spec. Layers with the letter A in model
 `registered()` has put it in the tables (tests only; a mixer of the product lives in moe_pretrain/model/).
 
 It takes its heads from model.mla (num_heads heads of v_head_dim), so it needs no config section of its own; a
-mixer of the product adds one ("A config key"). It has no context-parallel strategy: under parallel.cp > 1 the
-model refuses to build (parallel/context_parallel_mixers.place_mixer).
+mixer of the product adds one ("A config key"). It has no context-parallel strategy: the layout check refuses
+parallel.cp > 1 for it (parallel/layout_rules.py, which the planner's search reads too).
 """
 
 import contextlib

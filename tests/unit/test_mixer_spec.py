@@ -3,6 +3,7 @@ built modules, and docs/extension.md's worked example, a plain attention added a
 (tests/plain_attention.py), through everything a spec feeds: the build, the counts, the sharding plan, Muon's
 rules, the saved activations, the refusals where it has no entry (context parallelism, the release format)."""
 
+import dataclasses
 import types
 
 import pytest
@@ -11,15 +12,18 @@ import torch
 from gpu_kernels.choice import REFERENCES
 from moe_pretrain.checkpoint.kimi_k3 import kimi_k3_tensors
 from moe_pretrain.config import ConfigError
+from moe_pretrain.config.stage import resolve_stages
 from moe_pretrain.model.counts import count
 from moe_pretrain.model.layout import DocumentLayout
 from moe_pretrain.model.mixers import MIXERS, mixer_spec, spec_of_module
 from moe_pretrain.model.transformer import MoETransformer
+from moe_pretrain.planning.stage_memory import MemoryPlanner, RunLayout
 from moe_pretrain.planning.step_activations import layer_activations
 from moe_pretrain.training.muon_params import muon_rule
 from parallel.context_parallel_mixers import place_mixer
 from parallel.plan import ShardingPlan
 from parallel.sequence import NoSequenceParallel
+from parallel.state import resolve_layout
 from tests.models import tiny_config
 from tests.plain_attention import PlainAttention, registered
 
@@ -113,8 +117,17 @@ def test_the_new_mixers_saved_activations_are_its_specs(shape):
 
 
 def test_where_the_new_mixer_has_no_entry_it_is_refused_by_name():
+    """Context parallelism at start-up (the layout check, which the planner's search reads too) and at the build;
+    the release export."""
     with registered():
-        m = tiny_config(PATTERN).model
+        with pytest.raises(ConfigError, match=r"parallel.cp=2: model.layer_pattern's mha layers have no "
+                                              r"context-parallel strategy"):
+            resolve_layout(tiny_config(PATTERN, "parallel.cp=2"), 2)
+        cfg = tiny_config(PATTERN)
+        at_cp2 = dataclasses.replace(resolve_stages(cfg)[0], cp=2)
+        assert any("mha layers have no context-parallel strategy" in problem
+                   for problem in MemoryPlanner(cfg).problems(RunLayout(2, 1, 1, 1), at_cp2))
+        m = cfg.model
         mixer = MIXERS["mha"].build(m.hidden_size, m, init_std=0.02, out_std=0.02, kernels=REFERENCES)
         place_mixer(mixer, NoSequenceParallel(), types.SimpleNamespace(size=1, exchanges_latent=False))
         with pytest.raises(ConfigError, match=r"parallel.cp=2: the mha mixer has no context-parallel strategy"):
