@@ -30,14 +30,22 @@ from parallel.context_parallel import ContextParallel, NoContextParallel
 from parallel.sequence import NoSequenceParallel, SequenceParallel
 
 
-class FragmentRows(WholeRows):
-    """KDA over a rank's two fragments of every row (load-balanced: fragments r and 2 cp - 1 - r)."""
+class HeldPositions:
+    """A strategy over the positions its rank holds of every row, holding the split that chose them (the first
+    base of each context-parallel strategy: its `positions` replace the whole-row default)."""
 
-    def __init__(self, context: ContextParallel):
+    def __init__(self, context: NoContextParallel):
+        """context: ContextParallel, or the identity for a one-rank reference of what the latent exchange saves."""
         self.context = context
 
     def positions(self, layout: DocumentLayout) -> torch.Tensor:
         return layout.positions_held_by(self.context.local)
+
+
+class FragmentRows(HeldPositions, WholeRows):
+    """KDA over a rank's two fragments of every row (load-balanced: fragments r and 2 cp - 1 - r)."""
+
+    context: ContextParallel
 
     def rows(self, x_BT_: torch.Tensor, layout: DocumentLayout) -> torch.Tensor:
         return self.context.pieces(x_BT_)
@@ -53,14 +61,10 @@ class FragmentRows(WholeRows):
                                      chunk_size=layer.cfg.chunk_size, lower_bound=layer.gate_floor)
 
 
-class UlyssesExchange(LocalAttention):
+class UlyssesExchange(HeldPositions, LocalAttention):
     """MLA attending over every position with H / cp of its heads (heads on a tp rank divisible by cp)."""
 
-    def __init__(self, context: ContextParallel):
-        self.context = context
-
-    def positions(self, layout: DocumentLayout) -> torch.Tensor:
-        return layout.positions_held_by(self.context.local)
+    context: ContextParallel
 
     def core(self, mla: GatedMLA, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocumentLayout
              ) -> torch.Tensor:
@@ -77,16 +81,9 @@ class UlyssesExchange(LocalAttention):
         return placed
 
 
-class LatentExchange(LocalAttention):
+class LatentExchange(HeldPositions, LocalAttention):
     """MLA whose queries attend over every position's gathered latent, keys and values expanded a block at a
     time (ops.latent_attention): any cp, no rank holds the expanded K / V of the whole sequence."""
-
-    def __init__(self, context: NoContextParallel):
-        """context: ContextParallel, or the identity for a one-rank reference of what the exchange saves."""
-        self.context = context
-
-    def positions(self, layout: DocumentLayout) -> torch.Tensor:
-        return layout.positions_held_by(self.context.local)
 
     def attend(self, mla: GatedMLA, q_latent: torch.Tensor, latent: torch.Tensor, layout: DocumentLayout
                ) -> torch.Tensor:

@@ -18,12 +18,13 @@ def layout_problems(model: ModelConfig, world_size: int, tp: int, pp: int, ep: i
     """Why tp x pp x ep (vpp chunks per pipeline rank) over world_size ranks cannot run these stages; empty
     when it can."""
     problems = []
-    without_cp = sorted({model.layer_kind(i) for i in range(model.num_layers)} - set(PLACEMENTS))
     for stage in stages:
         if world_size % (tp * pp * stage.cp):
             problems.append(f"world size {world_size} is not divisible by parallel.tp x parallel.pp x "
                             f"{stage.keys.cp} = {tp} x {pp} x {stage.cp}")
-        if stage.cp > 1 and without_cp:
+        without_cp = sorted({model.layer_kind(i) for i in range(model.num_layers)} - set(PLACEMENTS)) \
+            if stage.cp > 1 else []
+        if without_cp:
             problems.append(f"{stage.keys.cp}={stage.cp}: model.layer_pattern's {', '.join(without_cp)} layers have "
                             "no context-parallel strategy (parallel/context_parallel_mixers.PLACEMENTS)")
     problems = list(dict.fromkeys(problems))  # stages taking parallel.cp name it once

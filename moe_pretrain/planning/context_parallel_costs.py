@@ -121,7 +121,8 @@ class MLAContextParallel(ContextParallelCost):
 
 CONTEXT_PARALLEL_COSTS: dict[str, ContextParallelCost] = {"kda": KDAContextParallel(), "mla": MLAContextParallel()}
 """By mixer kind (model/mixers.MIXERS); a kind without an entry has no context-parallel strategy."""
+NO_CONTEXT_PARALLEL = ContextParallelCost()
 
 
 def context_parallel_cost(m: ModelConfig, index: int) -> ContextParallelCost:
-    return CONTEXT_PARALLEL_COSTS.get(m.layer_kind(index), ContextParallelCost())
+    return CONTEXT_PARALLEL_COSTS.get(m.layer_kind(index), NO_CONTEXT_PARALLEL)
