@@ -8,7 +8,10 @@ By default one rank of each pipeline role (first stage: embeddings and the visio
 last: logits and the multi-token-prediction blocks), each in its own process. Routing that the model's
 arithmetic would decide is assumed (config key dry_run.expert_load: balanced, or a load factor per expert); the data's
 document boundaries are the real loader's (moe_pretrain/planning/dry_run.py says what is real and what is
-assumed). What it cannot tell: numerics and kernel speed.
+assumed). Each step is priced twice: the roofline bound (every GEMM at the dense peak, links at line rate, launches
+free) and the estimate beside it, from the GPU's calibration table (configs/calibration/<gpu>.yaml, or
+--calibration FILE: moe_pretrain/planning/calibration.py). What it cannot tell: numerics, and kernel speed
+beyond what the table says.
 """
 
 import argparse
@@ -20,29 +23,31 @@ import traceback
 
 from moe_pretrain.config import EX_CONFIG, Config, ConfigError, add_config_arguments, load_config_or_exit
 from moe_pretrain.gpus import GPUS
+from moe_pretrain.planning.calibration import Calibration, calibration_for
 
 GB = 1e9
 
 
 def _play(args: tuple) -> dict:
-    cfg, gpus, rank, stage, gpu, kernels = args
+    cfg, gpus, rank, stage, gpu, kernels, calibration = args
     from moe_pretrain.log import setup_logging
     from moe_pretrain.planning.dry_run import dry_run
 
     setup_logging(0)
 
     try:
-        return dataclasses.asdict(dry_run(cfg, gpus, rank, stage, GPUS[gpu], kernels == "gpu"))
+        return dataclasses.asdict(dry_run(cfg, gpus, rank, stage, GPUS[gpu], kernels == "gpu", calibration))
     except Exception as err:  # torch's errors may not pickle back to the parent: send the text
         raise RuntimeError(f"rank {rank}: {traceback.format_exc()}") from err
 
 
-def play(cfg: Config, gpus: int, ranks: list[int], stage: int, gpu: str = "h200", kernels: str = "gpu"
-         ) -> list[dict]:
+def play(cfg: Config, gpus: int, ranks: list[int], stage: int, gpu: str = "h200", kernels: str = "gpu",
+         calibration: Calibration | None = None) -> list[dict]:
     """The traces (planning/dry_run.StepTrace as dicts) of `ranks` of a `gpus`-GPU job running the first step of
-    stage index `stage`, each rank in a fresh process: the fake world is a process's default group."""
+    stage index `stage`, each rank in a fresh process: the fake world is a process's default group. calibration:
+    the table the estimate is priced by (None: the bound alone)."""
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        return pool.map(_play, [(cfg, gpus, rank, stage, gpu, kernels) for rank in ranks])
+        return pool.map(_play, [(cfg, gpus, rank, stage, gpu, kernels, calibration) for rank in ranks])
 
 
 def print_trace(trace: dict) -> None:
@@ -63,13 +68,24 @@ def print_trace(trace: dict) -> None:
         print(f"    {size / GB:8.3f} GB by {site}")
     for name, size in list(trace["bytes_by_op"].items())[:8]:
         print(f"    {size / GB:8.1f} GB read and written by {name}")
-    print("  compute by component (launches, GB read and written, roofline s):")
-    for name, (launches, size, seconds) in trace["compute_by_component"].items():
-        print(f"    {launches:8d} {size / GB:10.1f} {seconds:8.4f}  {name}")
-    print(f"  predicted step: {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
+    print("  compute by component (launches, GB read and written, bound s, estimate s):")
+    for name, (launches, size, seconds, estimated) in trace["compute_by_component"].items():
+        print(f"    {launches:8d} {size / GB:10.1f} {seconds:8.4f} {estimated:8.4f}  {name}")
+    print(f"  bound: step {trace['step_s']:.4g} s (compute {trace['compute_s']:.4g} s at the roofline, "
           f"{trace['compute_once_s']:.4g} s of it once a step, {trace['bytes_moved'] / GB:.4g} GB moved; collectives "
           f"the compute waits for {sum(trace['exposed_s'].values()):.4g} s), MFU {trace['mfu']:.1%} (attention "
           f"over the step's documents: {trace['attended_keys']:.0f} keys a query)")
+    estimate = trace["estimate"]
+    if estimate:
+        print(f"  estimate ({estimate['calibration']}): step {estimate['step_s']:.4g} s (kernels "
+              f"{estimate['kernels_s']:.4g} s, {estimate['compute_once_s']:.4g} s of them once a step; the stream "
+              f"idle for the host {estimate['host_wait_s']:.4g} s, slowed beside collectives "
+              f"{estimate['contention_s']:.4g} s; collectives the compute waits for "
+              f"{sum(estimate['exposed_s'].values()):.4g} s), MFU {estimate['mfu']:.1%}")
+        for group in sorted(set(trace["exposed_s"]) | set(estimate["exposed_s"])):
+            bound_s, estimate_s = trace["exposed_s"].get(group, 0.0), estimate["exposed_s"].get(group, 0.0)
+            print(f"    exposed {group:>8s}: bound {bound_s:.4g} s, estimate {estimate_s:.4g} s (on the links: "
+                  f"{trace['collective_s'].get(group, 0.0):.4g} / {estimate['collective_s'].get(group, 0.0):.4g} s)")
     for site, n in trace["host_reads"].items():
         print(f"  host read: {n} x {site}")
 
@@ -80,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, required=True, help="world size of the job to play")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h200",
                         help="the target whose roofline and peak the step time is predicted for")
+    parser.add_argument("--calibration", default="",
+                        help="the calibration table the estimate is priced by (default configs/calibration/<gpu>.yaml, "
+                             "where the project ships one; a GPU's measured one: bench/gpu_check.sh writes it)")
     parser.add_argument("--kernels", choices=["gpu", "here"], default="gpu",
                         help="the kernels the model is built with: those a CUDA GPU resolves (default), or this "
                              "machine's (to compare with a real run here)")
@@ -117,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return EX_CONFIG
+    try:
+        calibration = calibration_for(args.gpu, args.calibration or None)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return EX_CONFIG
     ranks = args.rank or role_ranks(args.gpus, cfg.parallel.pp)
     bad = [r for r in ranks if not 0 <= r < args.gpus]
     if bad:
         print(f"--rank {bad[0]} is not a rank of {args.gpus} GPUs", file=sys.stderr)
         return 2
-    traces = play(cfg, args.gpus, ranks, stage, args.gpu, args.kernels)
+    traces = play(cfg, args.gpus, ranks, stage, args.gpu, args.kernels, calibration)
     for trace in traces:
         print_trace(trace)
     if args.json:

@@ -13,7 +13,10 @@ sends per step per group; then each stage's step time, MFU and days from the pla
 by bench/dry_run.py --traces DIR) beside the plan's, and takes its step time too. --propose searches layouts
 and prints the smallest that fits every stage with 10% headroom, and the three fastest by the plan's model;
 --trace N then plays the first N of those and the configured layout with the dry run on one stage (at each of
---dispatch-chunks) and ranks them by the traced step (planning/traced_ranking.py).
+--dispatch-chunks) and ranks them by the traced step (planning/traced_ranking.py). A traced step is given twice:
+its roofline bound and its estimate from the GPU's calibration table (configs/calibration/<gpu>.yaml, or
+--calibration FILE); the ranking takes the estimate. --json FILE writes the step times (plan, and each traced
+rank's bound and estimate) and the traced ranking, so that scripts need not parse the tables.
 """
 
 import argparse
@@ -25,14 +28,16 @@ from functools import partial
 from pathlib import Path
 
 from launch.dryrun import play
-from moe_pretrain.config import EX_CONFIG, add_config_arguments, load_config_or_exit
+from moe_pretrain.config import EX_CONFIG, ConfigError, add_config_arguments, load_config_or_exit
 from moe_pretrain.config.stage import Stage, resolve_stages
 from moe_pretrain.gpus import GPUS, GpuSpec
 from moe_pretrain.model.counts import count, total_parts
+from moe_pretrain.planning.calibration import Calibration, calibration_for
 from moe_pretrain.planning.collective_traffic import PLAN_COLUMNS, plan_columns
 from moe_pretrain.planning.fastest_layouts import fastest_layouts
 from moe_pretrain.planning.plan_step_time import (
     TRACE_KEYS,
+    PlannedStep,
     column_links,
     plan_groups,
     planned_step,
@@ -75,10 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-json", type=Path, default=None, metavar="FILE",
                         help="write the traced ranking to FILE: each layout's config layer (its \"config\": "
                              "layer it last to take it), figures and traces")
+    parser.add_argument("--calibration", default="",
+                        help="the calibration table traced steps are estimated by (default: configs/calibration/"
+                             "<gpu>.yaml where the project ships one)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="also write the step times and the traced ranking to FILE (JSON)")
     args = parser.parse_intermixed_args(argv)
     if args.trace and not args.propose:
         parser.error("--trace needs --propose")
     cfg = load_config_or_exit(args)
+    try:
+        calibration = calibration_for(args.gpu, args.calibration or None)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return EX_CONFIG
     if not cfg.stages:
         print("config error: the config has no stages section", file=sys.stderr)
         return EX_CONFIG
@@ -105,12 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_tflops:
         gpu = dataclasses.replace(gpu, peak_flops=args.peak_tflops * 1e12)
     capacity = args.gpu_gb * 1e9 or GPUS[args.gpu].memory_bytes
-    print_step_times(cfg, args.gpus, planned, gpu, args.traces, capacity)
+    report = {"gpus": args.gpus, "gpu": gpu.name, "calibration": calibration.path if calibration else None,
+              "stages": print_step_times(cfg, args.gpus, planned, gpu, args.traces, capacity)}
     print(verdict(planner, args.gpus, planned, capacity))
     if args.propose:
         ranked = print_fastest(planner, args.gpus, capacity, gpu, max(3, args.trace))
         if args.trace:
-            print_traced(planner, args, ranked[:args.trace], gpu, capacity, *traced_choices)
+            report["traced_ranking"] = print_traced(planner, args, ranked[:args.trace], gpu, capacity, calibration,
+                                                    *traced_choices)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
     return code
 
 
@@ -156,10 +175,15 @@ def verdict(planner: MemoryPlanner, gpus: int, planned: dict, capacity: float) -
     return f"verdict: does not fit: {'; '.join(problems)}; {nearest} (--propose)"
 
 
-def print_traced(planner: MemoryPlanner, args, ranked: list, gpu: GpuSpec, capacity: float, stage: int | None,
-                 chunks: list[int]) -> None:
+def _step(step: PlannedStep) -> dict:
+    return {"step_s": step.step_s, "mfu": step.mfu, "days": step.days}
+
+
+def print_traced(planner: MemoryPlanner, args, ranked: list, gpu: GpuSpec, capacity: float,
+                 calibration: Calibration | None, stage: int | None, chunks: list[int]) -> list[dict]:
     """The first of the plan's ranking and the configured layout played by the dry run on `stage` (None: the
-    one the plan's winner spends the most days on), fastest traced step first (planning/traced_ranking.py)."""
+    one the plan's winner spends the most days on), fastest traced step (the estimate, where there is a
+    calibration) first (planning/traced_ranking.py); returned as launch.plan --json writes it."""
     cfg = planner.cfg
     names = [s.name for s in cfg.stages]
     if stage is None:
@@ -168,26 +192,32 @@ def print_traced(planner: MemoryPlanner, args, ranked: list, gpu: GpuSpec, capac
     rank_note = "one rank of each pipeline role" if args.trace_roles else "the middle pipeline rank"
     print(f"\nthe stage {names[stage]} traced ({rank_note} of each layout, the stage's first micro-batches scaled "
           f"to its step), fitting with {TRACED_HEADROOM:.0%} headroom first, then by the traced step:")
-    traced, refused = traced_ranking(cfg, args.gpus, stage, found, partial(play, gpu=args.gpu), gpu, capacity,
+    traced, refused = traced_ranking(cfg, args.gpus, stage, found,
+                                     partial(play, gpu=args.gpu, calibration=calibration), gpu, capacity,
                                      args.trace_roles)
     refused = left_out + refused
     width = max([len(t.candidate.describe(stage)) for t in traced] + [6])
     print(f"   {'layout':{width}s} {'from':>10s} | plan: {'step s':>7s} {'MFU':>6s} | traced: {'cut':>3s} "
-          f"{'compute':>8s} {'exposed':>8s} {'peak GB':>8s} {'fits':>4s} {'step s':>7s} {'MFU':>6s} {'days':>7s}")
+          f"{'compute':>8s} {'exposed':>8s} {'peak GB':>8s} {'fits':>4s} | bound: {'step s':>7s} {'MFU':>6s} | "
+          f"estimate: {'step s':>7s} {'MFU':>6s} {'days':>7s}")
     for place, t in enumerate(traced, start=1):
         slowest = max(t.traces, key=lambda trace: trace["step_s"])
         print(f"{place:2d}. {t.candidate.describe(stage):{width}s} {t.candidate.source:>10s} | "
               f"{t.candidate.planned.step_s:13.4g} {t.candidate.planned.mfu:6.1%} | {t.cut_micro_batches:11d} "
               f"{slowest['compute_s']:8.4g} {sum(slowest['exposed_s'].values()):8.4g} {t.peak_bytes / 1e9:8.2f} "
-              f"{'yes' if t.fits(capacity) else 'NO':>4s} {t.step.step_s:7.4g} {t.step.mfu:6.1%} {t.step.days:7.4g}")
+              f"{'yes' if t.fits(capacity) else 'NO':>4s} | {t.bound.step_s:14.4g} {t.bound.mfu:6.1%} | "
+              f"{t.step.step_s:17.4g} {t.step.mfu:6.1%} {t.step.days:7.4g}")
     for line in refused:
         print(f"    refused by the start-up checks: {line}")
+    ranking = [{"layout": t.candidate.describe(stage), "source": t.candidate.source, "stage": names[stage],
+                "config": layout_overlay(cfg, t.candidate), "cut_micro_batches": t.cut_micro_batches,
+                "fits": t.fits(capacity), "peak_bytes": t.peak_bytes, "plan": _step(t.candidate.planned),
+                "bound": _step(t.bound), "estimate": _step(t.step) if t.step is not t.bound else None}
+               for t in traced]
     if args.trace_json:
-        args.trace_json.write_text(json.dumps([{
-            "layout": t.candidate.describe(stage), "source": t.candidate.source, "stage": names[stage],
-            "config": layout_overlay(cfg, t.candidate), "cut_micro_batches": t.cut_micro_batches,
-            "fits": t.fits(capacity), "step_s": t.step.step_s, "mfu": t.step.mfu, "days": t.step.days,
-            "traces": t.traces} for t in traced], indent=1))
+        args.trace_json.write_text(json.dumps([{**row, **row["estimate" if row["estimate"] else "bound"],
+                                                "traces": t.traces} for row, t in zip(ranking, traced)], indent=1))
+    return ranking
 
 
 def print_fastest(planner: MemoryPlanner, gpus: int, capacity: float, gpu: GpuSpec, count: int = 3) -> list:
@@ -272,29 +302,47 @@ def print_stages(planner: MemoryPlanner, run: RunLayout, stages: list[Stage | No
     return all_fit, planned
 
 
-def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path | None, capacity: float) -> None:
+def _traced_ranks(traces: list[dict]) -> list[dict]:
+    """Each traced rank's own cut step, bound and (where it has one) estimate, for launch.plan --json."""
+    def priced(view: dict) -> dict:
+        return {"step_s": view["step_s"], "mfu": view["mfu"], "compute_s": view["compute_s"],
+                "exposed_s": view["exposed_s"]}
+
+    return [{"rank": trace["rank"], "role": trace["role"], "micro_batches": trace["micro_batches"],
+             "peak_bytes": trace["peak_bytes"], "bound": priced(trace),
+             "estimate": priced(trace["estimate"]) if trace["estimate"] else None} for trace in traces]
+
+
+def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path | None, capacity: float
+                     ) -> list[dict]:
     """Each stage's step time, MFU and days on the config's layout: the plan's model (on planned, each valid
     stage's plan by name), and with traces the dry run's (its predicted rank times scaled to the stage's
-    micro-batches, with the same bubble). A stage that does not fit in `capacity` bytes says so on its line, and
-    the total says how many."""
+    micro-batches, with the same bubble), on the roofline bound and on the calibrated estimate where the traces
+    carry one. A stage that does not fit in `capacity` bytes says so on its line, and the total says how many.
+    Returned as launch.plan --json writes it."""
     p = cfg.parallel
     run = RunLayout(gpus, p.tp, p.pp, p.ep, p.vpp)
     print(f"\nstep time on {gpus} x {gpu.name} ({gpu.peak_flops / 1e12:.0f} TFLOP/s dense peak), layout "
           f"{run.describe()}: the plan's FLOPs at the peak (a bound: memory-bound ops are the dry run's to count), "
           f"its communication on the links it crosses, the 1F1B bubble; MFU counts MLA's attention at one document "
-          f"per row in the plan's columns, at the documents the traced step ran in the dry run's")
-    print(f"{'stage':8s} {'step s':>8s} {'MFU':>6s} {'days':>7s}" + (f" | dry run: {'step s':>8s} {'MFU':>6s} "
-                                                                       f"{'days':>7s}" if traces else ""))
-    days = {"plan": 0.0, "dry run": 0.0}
+          f"per row in the plan's columns, at the documents the traced step ran in the dry run's; the dry run's "
+          f"step on the roofline bound and on the calibrated estimate")
+    print(f"{'stage':8s} {'step s':>8s} {'MFU':>6s} {'days':>7s}" + (
+        f" | dry run, bound: {'step s':>8s} {'MFU':>6s} {'days':>7s} | estimate: {'step s':>8s} {'MFU':>6s} "
+        f"{'days':>7s}" if traces else ""))
+    days = {"plan": 0.0, "bound": 0.0, "estimate": 0.0}
+    rows = []
     traced_stages = []
     for index, stage in enumerate(resolve_stages(cfg)):
         if stage.name not in planned:
             print(f"{stage.name:8s} {'-':>8s} (no valid layout)")
+            rows.append({"stage": stage.name, "plan": None})
             continue
         step = planned_step(cfg, run, stage, planned[stage.name]["ranks"], gpu, cfg.cluster)
         days["plan"] += step.days
+        row = {"stage": stage.name, "plan": _step(step), "fits": within(planned[stage.name], capacity)}
         line = f"{stage.name:8s} {step.step_s:8.2f} {step.mfu:6.1%} {step.days:7.1f}"
-        if not within(planned[stage.name], capacity):
+        if not row["fits"]:
             line += " (does not fit)"
         found = traces / f"{stage.name}.json" if traces else None
         if found and found.exists():
@@ -303,21 +351,28 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
                 print(f"{found}: a trace without {', '.join(sorted(missing))} (made by an older dry run): trace "
                       f"the stage again (bench/dry_run.py --stage {stage.name} --traces {traces})", file=sys.stderr)
                 sys.exit(os.EX_DATAERR)
-            dry = traced_stage_step(cfg, run, stage, traced, gpu)
-            days["dry run"] += dry.days
+            bound = traced_stage_step(cfg, run, stage, traced, gpu)
+            days["bound"] += bound.days
+            row["bound"], row["ranks"] = _step(bound), _traced_ranks(traced)
+            line += f" |                 {bound.step_s:8.2f} {bound.mfu:6.1%} {bound.days:7.1f}"
+            if all(trace["estimate"] for trace in traced):
+                estimate = traced_stage_step(cfg, run, stage, traced, gpu, "estimate")
+                days["estimate"] += estimate.days
+                row["estimate"] = _step(estimate)
+                line += f" |           {estimate.step_s:8.2f} {estimate.mfu:6.1%} {estimate.days:7.1f}"
             traced_stages.append((index, traced))
-            line += f" |          {dry.step_s:8.2f} {dry.mfu:6.1%} {dry.days:7.1f}"
+        rows.append(row)
         print(line)
     if not planned:
         print("total days: - (no stage has a valid layout)")
-        return
+        return rows
     summary = f"total days: {days['plan']:.1f} (plan)"
     unfit = len(cfg.stages) - sum(within(result, capacity) for result in planned.values())
     if unfit:
         summary += f", though {unfit} of {len(cfg.stages)} stages do not fit or have no valid layout"
     if traced_stages:
         names = ", ".join(cfg.stages[i].name for i, _ in traced_stages)
-        summary += f", {days['dry run']:.1f} (dry run, stages {names})"
+        summary += f", {days['bound']:.1f} (dry run, bound), {days['estimate']:.1f} (dry run, estimate; stages {names})"
     print(summary)
     if traced_stages:
         print("\nthe plan beside the dry run (ratios traced / plan; the plan of the traced step's micro-batches)")
@@ -327,6 +382,7 @@ def print_step_times(cfg, gpus: int, planned: dict, gpu: GpuSpec, traces: Path |
                                                  [(trace["cp_rank"], trace["dp_rank"]) for trace in traced])
             print("\n".join(comparison_lines(cfg.stages[index].name, ranks, traced)))
             print(f"  ({pricing})")
+    return rows
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_pretrain.config import ClusterConfig
+from moe_pretrain.planning.calibration import Calibration
+from moe_pretrain.planning.collective_estimate import collective_estimate
 from moe_pretrain.planning.host_reads import project_site
 from moe_pretrain.planning.op_census import tensor_bytes as _bytes
 from moe_pretrain.planning.step_time import collective_seconds, sent_share
@@ -43,10 +45,13 @@ class CollectiveTraffic(TorchDispatchMode):
     keyed by (group name, op). A group not named is listed by its size ('world of 8', 'group of 2')."""
 
     def __init__(self, groups: dict[str, dist.ProcessGroup | None], cluster: ClusterConfig | None = None,
-                 timeline: Timeline | None = None):
-        """cluster, timeline: each collective's time on the cluster's links told to the timeline as issued."""
+                 timeline: Timeline | None = None, calibration: Calibration | None = None,
+                 estimate: Timeline | None = None):
+        """cluster, timeline: each collective's time on the cluster's links told to the timeline as issued;
+        calibration, estimate: its estimate (planning/collective_estimate.py) told to the estimate's timeline."""
         super().__init__()
         self.cluster, self.timeline = cluster, timeline
+        self.calibration, self.estimate = calibration, estimate
         self._names: dict[str, str] = {}
         self.ranks: dict[str, list[int]] = {}
         """Each group's global ranks, by name."""
@@ -95,9 +100,12 @@ class CollectiveTraffic(TorchDispatchMode):
             self.calls[key] += 1
             self.bytes[key] += payload
             self.bytes_by_site[(*key, project_site((_PLANNING, _COLLECTIVES)))] += payload
+            ranks = self.ranks.get(key[0], [])
             if self.timeline is not None:
-                self.timeline.issue(key[0], collective_seconds(name, payload, self.ranks.get(key[0], []),
-                                                               self.cluster))
+                self.timeline.issue(key[0], collective_seconds(name, payload, ranks, self.cluster))
+            if self.estimate is not None:
+                self.estimate.issue(key[0], *collective_estimate(self.calibration, name, payload, ranks,
+                                                                 self.cluster))
         return func(*args, **(kwargs or {}))
 
 

@@ -19,9 +19,11 @@ from torch.utils._pytree import tree_leaves
 from moe_pretrain.planning.host_reads import project_site
 
 _ROOT = Path(__file__).resolve().parents[2]
-_PASSED_OVER = (str(_ROOT / "moe_pretrain" / "planning") + "/", str(_ROOT / "moe_pretrain" / "ops" / "norms.py"))
-"""Frames never a site: the meters' own (planning/), and math every component calls (ops/norms.py: a norm is
-filed under the module that normalises, RMSNorm's model/norm.py or a mixer's own line)."""
+_PASSED_OVER = (str(_ROOT / "moe_pretrain" / "planning") + "/", str(_ROOT / "moe_pretrain" / "ops" / "norms.py"),
+                str(_ROOT / "moe_pretrain" / "model" / "linear.py"))
+"""Frames never a site: the meters' own (planning/), and code every component calls (ops/norms.py: a norm is
+filed under the module that normalises, RMSNorm's model/norm.py or a mixer's own line; model/linear.py: a
+projection's product under the module that projects; its weight's cast stays step_reuse.py's)."""
 BACKWARD_CALLERS = ("moe_pretrain/training/", "parallel/torch_compat.py")
 """Where a backward is started: a backward op whose innermost line is here takes its node's forward line."""
 
@@ -43,7 +45,7 @@ COMPONENTS = {
                                  "moe_pretrain/fp8/", "parallel/node_dispatch.py", "parallel/all_to_all_dispatch.py",
                                  "parallel/fp8_dispatch.py", "parallel/chunk_pipeline.py"),
     "MLPs (SiTU-GLU)": ("moe_pretrain/model/mlp.py", "moe_pretrain/ops/situ.py", "gpu_kernels/situ_glu.py"),
-    "weight casts and their gradients": ("moe_pretrain/step_reuse.py", "moe_pretrain/model/linear.py"),
+    "weight casts and their gradients": ("moe_pretrain/step_reuse.py",),
     "tensor-parallel layers": ("parallel/tensor_parallel.py", "parallel/sequence.py", "parallel/collectives.py"),
     "embedding, head and loss": ("moe_pretrain/model/transformer.py", "moe_pretrain/model/mtp.py",
                                  "parallel/vocab_parallel_loss.py", "moe_pretrain/training/step_runner.py"),
@@ -66,11 +68,11 @@ def component(site: str) -> str:
 
 class ComputeSites(TorchFunctionMode):
     """with ComputeSites() as sites, OpCensus(gpu, sites=sites): ... ; sites.by_site and sites.by_component:
-    {name: [launches, bytes, roofline seconds]}."""
+    {name: [launches, bytes, roofline seconds, estimated seconds]}."""
 
     def __init__(self):
         super().__init__()
-        self.by_site: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0])
+        self.by_site: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,8 +90,8 @@ class ComputeSites(TorchFunctionMode):
                     untagged.extend(n for n, _ in node.next_functions if n is not None and "site" not in n.metadata)
         return out
 
-    def launched(self, moved: int, seconds: float) -> None:
-        """A launch the op census counted, now: its bytes and roofline time to its site."""
+    def launched(self, moved: int, seconds: float, estimate: float = 0.0) -> None:
+        """A launch the op census counted, now: its bytes, roofline time and estimate to its site."""
         site = project_site(_PASSED_OVER)
         node = torch._C._current_autograd_node()
         if node is not None and site.startswith((*BACKWARD_CALLERS, "?")):
@@ -98,12 +100,12 @@ class ComputeSites(TorchFunctionMode):
         row[0] += 1
         row[1] += moved
         row[2] += seconds
+        row[3] += estimate
 
     def by_component(self) -> dict[str, list]:
-        totals: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0])
-        for site, (launches, moved, seconds) in self.by_site.items():
+        totals: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
+        for site, counts in self.by_site.items():
             row = totals[component(site)]
-            row[0] += launches
-            row[1] += moved
-            row[2] += seconds
+            for i, value in enumerate(counts):
+                row[i] += value
         return dict(sorted(totals.items(), key=lambda item: -item[1][2]))

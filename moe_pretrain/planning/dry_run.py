@@ -35,6 +35,7 @@ from moe_pretrain.gpus import GPUS, GpuSpec
 from moe_pretrain.model.counts import count
 from moe_pretrain.ops.host_values import AssumedHostValues
 from moe_pretrain.planning.assumed_values import AssumedValues
+from moe_pretrain.planning.calibration import Calibration
 from moe_pretrain.planning.collective_traffic import CollectiveTraffic
 from moe_pretrain.planning.compute_sites import ComputeSites
 from moe_pretrain.planning.expert_traffic import plan_ranks_per_node
@@ -125,7 +126,8 @@ class StepTrace:
     exposed_s: dict[str, float] = field(default_factory=dict)
     """Per group, the time the compute waited for its collectives on the step's timeline (planning/timeline.py)."""
     exposed_paired_s: dict[str, float] = field(default_factory=dict)
-    """Of exposed_s, the waits inside pairs of a forward and a backward (parallel.overlap_micro_batches)."""
+    """Of exposed_s, the waits inside pairs of a forward and a backward (parallel.overlap_micro_batches) and between
+    one pair and the next: the steady state's, which scale with the pairs."""
     pairs: int = 0
     """Pairs of a forward and a backward the step ran (0 without parallel.overlap_micro_batches)."""
     step_s: float = 0.0
@@ -133,6 +135,12 @@ class StepTrace:
     mfu: float = 0.0
     """Model FLOPs per GPU (model/counts.py's for the step's documents, without recomputation) over step_s x the
     GPU's peak."""
+    estimate: dict = field(default_factory=dict)
+    """The same step priced by the GPU's calibration table (planning/calibration.py; empty without one): its
+    `calibration` (the file), `compute_s` (the kernels, and the stream's stalls for the host and beside collectives:
+    `kernels_s`, `host_wait_s`, `contention_s`), `compute_once_s`, `collective_s`, `exposed_s`,
+    `exposed_paired_s`, `step_s`, `mfu` (over the same model FLOPs and peak), and `compute_by_component` (seconds).
+    The fields above are the roofline bound."""
     seconds: float = 0.0
     """How long the dry run took here."""
 
@@ -172,11 +180,11 @@ def pipeline_role(trainer: Trainer) -> str:
 
 def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None = None,
                 assumptions: AssumedValues | None = None, stage: int = 0, gpu: GpuSpec = GPUS["h200"],
-                kernels: Kernels | None = None) -> StepTrace:
+                kernels: Kernels | None = None, calibration: Calibration | None = None) -> StepTrace:
     """Build this rank's trainer and run the first step of stage `stage` (an index into cfg.stages) under the
     meters. fake: the dry run's mode (None: a real run); assumptions: the routing and host values assumed
     (a real run under them routes as the dry run assumes, to compare the two); kernels: the model's (None:
-    this machine's)."""
+    this machine's); calibration: the table the estimate beside the bound prices by (None: the bound alone)."""
     start = time.perf_counter()
     if assumptions is not None:  # every host read of the trainer and its model answered by them
         kernels = dataclasses.replace(kernels or resolve_kernels(cfg, ctx.device, DTYPES[cfg.train.dtype]),
@@ -190,9 +198,12 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                  f"({played.micro_batches} micro-batches of {played.rows // played.micro_batches} x {played.seq_len} "
                  "tokens)")
         timeline = Timeline()
-        with fake or contextlib.nullcontext(), ComputeSites() as sites, OpCensus(gpu, timeline, sites) as ops, \
-                CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline) as traffic, HostReads() as reads, \
-                observing(timeline):
+        estimate = Timeline(calibration.launch_host_s, calibration.collective_sm_share) if calibration else None
+        with fake or contextlib.nullcontext(), ComputeSites() as sites, \
+                OpCensus(gpu, timeline, sites, calibration, estimate) as ops, \
+                CollectiveTraffic(ctx.named_groups(), cfg.cluster, timeline, calibration, estimate) as traffic, \
+                HostReads(estimate.host_read if estimate else None) as reads, observing(timeline), \
+                observing(estimate) if estimate else contextlib.nullcontext():
             pairs_before = pairs_run()
             result = trainer.train_step()
         trainer.close()
@@ -200,6 +211,19 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
     model_flops = (count(cfg.model, played.seq_len, result.attended_keys)["flops_per_token"] * played.batch_tokens
                    / ctx.layout.world_size)
     step_s = timeline.finish(played.micro_batches)
+    by_component = sites.by_component()
+    priced = {}
+    if estimate is not None:
+        estimated_s = estimate.finish(played.micro_batches)
+        priced = {"calibration": calibration.path, "compute_s": estimate.busy_s + estimate.host_wait_s
+                  + estimate.contention_s, "kernels_s": ops.estimate_s, "host_wait_s": estimate.host_wait_s,
+                  "contention_s": estimate.contention_s, "compute_once_s": ops.estimate_once_s,
+                  "collective_s": dict(sorted(estimate.link_s.items())),
+                  "exposed_s": dict(sorted(estimate.exposed_s.items())),
+                  "exposed_paired_s": dict(sorted(estimate.exposed_paired_s.items())), "step_s": estimated_s,
+                  "mfu": model_flops / (estimated_s * gpu.peak_flops),
+                  "compute_by_component": {name: row[3] for name, row in
+                                           sorted(by_component.items(), key=lambda item: -item[1][3])}}
     context = ctx.context(played.cp)
     return StepTrace(ctx.rank, ctx.layout.describe(), pipeline_role(trainer), ctx.pp_rank,
                      context.rank, context.dp_rank, fast_paths(trainer.model),
@@ -213,21 +237,21 @@ def traced_step(cfg: Config, ctx: ParallelContext, fake: FakeTensorMode | None =
                      {f"{group} {op} at {site}": size
                       for (group, op, site), size in traffic.bytes_by_site.most_common(PEAK_SITES)},
                      {f"{kind} at {site}": n for (kind, site), n in sorted(reads.by_site.items())},
-                     sites.by_component(),
+                     by_component,
                      dict(sorted(sites.by_site.items(), key=lambda item: -item[1][2])[:COMPUTE_SITES]),
                      ops.bytes_moved, ops.roofline_s, ops.once_s, result.attended_keys,
                      dict(sorted(timeline.link_s.items())),
                      dict(sorted(timeline.exposed_s.items())),
                      dict(sorted(timeline.exposed_paired_s.items())), pairs_run() - pairs_before,
-                     step_s, model_flops / (step_s * gpu.peak_flops), time.perf_counter() - start)
+                     step_s, model_flops / (step_s * gpu.peak_flops), priced, time.perf_counter() - start)
 
 
 def dry_run(cfg: Config, world_size: int, rank: int, stage: int = 0, gpu: GpuSpec = GPUS["h200"],
-            gpu_kernels: bool = True) -> StepTrace:
+            gpu_kernels: bool = True, calibration: Calibration | None = None) -> StepTrace:
     """Play `rank` of a `world_size`-GPU job of cfg, the first step of stage `stage`, in this process (the
     fake world is the process's default group while it runs), routing by dry_run.expert_load. gpu_kernels:
     the kernels a CUDA GPU resolves (gpu_kernels/fast_paths.resolve_for_gpu), else this machine's (to
-    compare with a real run here)."""
+    compare with a real run here); calibration: the GPU's table, for the estimate beside the bound."""
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group (it makes the fake world)")
     if not 0 <= rank < world_size:
@@ -241,6 +265,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, stage: int = 0, gpu: GpuSpe
         ctx = init_parallel(cfg)
         kernels = resolve_for_gpu(cfg, DTYPES[cfg.train.dtype]) if gpu_kernels else None
         assumed = AssumedValues(cfg.dry_run.expert_load or None)
-        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), assumed, stage, gpu, kernels)
+        return traced_step(cfg, ctx, FakeTensorMode(allow_non_fake_inputs=True), assumed, stage, gpu, kernels,
+                           calibration)
     finally:
         destroy_parallel()

@@ -11,6 +11,7 @@ calls, so they are exact and the same on every machine.
 import collections
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,8 +63,10 @@ def project_site(skip: tuple[str, ...] = _READERS) -> str:
 class HostReads(TorchFunctionMode):
     """with HostReads() as reads: ... ; reads.total, reads.by_kind, reads.by_site (Counters)."""
 
-    def __init__(self):
+    def __init__(self, on_read: Callable[[], None] | None = None):
+        """on_read: told of each read as it happens (the estimate's timeline drains its queue there)."""
         super().__init__()
+        self.on_read = on_read
         self.by_kind: collections.Counter = collections.Counter()
         self.by_site: collections.Counter = collections.Counter()
 
@@ -87,4 +90,6 @@ class HostReads(TorchFunctionMode):
         if kind is not None:
             self.by_kind[kind] += 1
             self.by_site[kind, project_site()] += 1
+            if self.on_read is not None:
+                self.on_read()
         return func(*args, **kwargs)

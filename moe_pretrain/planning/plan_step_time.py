@@ -95,9 +95,22 @@ def planned_step(cfg: Config, run: RunLayout, stage: Stage, ranks: list[dict],
 
 
 TRACE_KEYS = frozenset({"micro_batches", "compute_s", "compute_once_s", "attended_keys", "exposed_s",
-                        "exposed_paired_s", "pairs", "cp_rank", "dp_rank"})
+                        "exposed_paired_s", "pairs", "cp_rank", "dp_rank", "estimate"})
 """What launch.plan reads of a trace (planning/dry_run.StepTrace's fields): traced_stage_step's, and the cp and dp
 ranks whose rows and exchange the plan beside it prices (plan_vs_dry_run.py)."""
+BASES = ("bound", "estimate")
+"""How a trace's step is priced: the roofline bound, or the calibrated estimate (planning/calibration.py)."""
+
+
+def traced_view(trace: dict, basis: str) -> dict:
+    """A trace's figures on `basis`: its own (the bound), or its estimate's in their place; a trace played without
+    a calibration table has no estimate, which is refused."""
+    if basis == "bound":
+        return trace
+    if not trace.get("estimate"):
+        raise ValueError(f"rank {trace['rank']}'s trace has no estimate (played without a calibration table for "
+                         "its GPU: launch.dryrun --calibration FILE)")
+    return {**trace, **trace["estimate"]}
 
 
 def _scaled_waits(trace: dict, micro_batches: int) -> float:
@@ -117,15 +130,15 @@ def _scaled_waits(trace: dict, micro_batches: int) -> float:
 
 
 def traced_stage_step(cfg: Config, run: RunLayout, stage: Stage, traces: list[dict],
-                      gpu: GpuSpec) -> PlannedStep:
+                      gpu: GpuSpec, basis: str = "bound") -> PlannedStep:
     """The stage's step from dry-run traces of some of its ranks (launch.dryrun's JSON; each of the step's
-    first trace["micro_batches"]): each rank's compute done per micro-batch scales to the stage's
-    micro-batches, and so do its waits for per-micro-batch collectives (_scaled_waits); its compute done
-    once a step (compute_once_s: the optimizer, the hooks, the weights' casts) does not; the slowest traced
+    first trace["micro_batches"]), priced on `basis` (BASES): each rank's compute done per micro-batch scales to
+    the stage's micro-batches, and so do its waits for per-micro-batch collectives (_scaled_waits); its compute
+    done once a step (compute_once_s: the optimizer, the hooks, the weights' casts) does not; the slowest traced
     rank sets the pace. The MFU prices attention at the keys the traced documents' queries saw (their mean
     over the traces)."""
     times = []
-    for trace in traces:
+    for trace in (traced_view(trace, basis) for trace in traces):
         scale = stage.micro_batches / trace["micro_batches"]
         once = trace["compute_once_s"]
         times.append((trace["compute_s"] - once) * scale + once + _scaled_waits(trace, stage.micro_batches))

@@ -7,7 +7,8 @@ some, context parallelism's chunk forms add launches. Only the dry run sees thos
 lost to the configured layout before (docs/planning.md). So the plan's first N for one stage, and the config's own
 layout beside them, each at every dispatch chunk count asked, are played by the dry run on the stage's first
 micro-batches and scaled to its whole step as `launch.plan --traces` does (plan_step_time.traced_stage_step).
-They are ranked by that step, those whose traced peak leaves TRACED_HEADROOM of the GPU first.
+They are ranked by that step on the calibrated estimate (planning/calibration.py; the roofline bound where the
+traces carry none), those whose traced peak leaves TRACED_HEADROOM of the GPU first.
 
 What it cannot tell is what the dry run cannot: kernels' real speed, numerics. One rank per candidate by default
 (the middle pipeline rank, a step's usual slowest); the first and last ranks hold more or less state and may
@@ -55,7 +56,9 @@ class TracedCandidate:
     candidate: Candidate
     traces: list[dict]
     step: PlannedStep
-    """The stage's step from the traces (traced_stage_step)."""
+    """The stage's step from the traces (traced_stage_step) on the estimate, where they carry one."""
+    bound: PlannedStep
+    """The same on the roofline bound."""
     cut_micro_batches: int
 
     @property
@@ -136,7 +139,9 @@ def traced_ranking(cfg: Config, gpus: int, stage: int, found: list[Candidate], p
         if not roles:
             ranks = [gpus // candidate.run.pp * (candidate.run.pp // 2)]
         traces = play(played, gpus, ranks, stage)
-        step = traced_stage_step(cfg, candidate.run, chosen, traces, gpu)
-        traced.append(TracedCandidate(candidate, traces, step, cut))
+        bound = traced_stage_step(cfg, candidate.run, chosen, traces, gpu)
+        estimated = all(trace["estimate"] for trace in traces)
+        step = traced_stage_step(cfg, candidate.run, chosen, traces, gpu, "estimate") if estimated else bound
+        traced.append(TracedCandidate(candidate, traces, step, bound, cut))
     traced.sort(key=lambda t: (not t.fits(gpu_bytes), t.step.step_s))
     return traced, refused

@@ -1,5 +1,6 @@
 """launch.plan --propose --trace (planning/traced_ranking.py): the layouts it plays are the plan's fastest and the
-configured one, each played as the config layer it writes out says, and they are ranked by the traced step.
+configured one, each played as the config layer it writes out says, and they are ranked by the traced step (the
+estimate from the GPU's calibration table, the bound beside it).
 
 The smoke schedule (configs/stages/tiny.yaml) on 8 GPUs of 0.2 GB, as tests/unit/test_fastest_layouts.py. The
 winner's config layer is then layered over the same files by hand and its stage played by launch.dryrun on its
@@ -58,10 +59,12 @@ def test_the_traced_ranking_plays_the_plans_fastest_as_their_config_layers_say(t
     chosen = load_config(["configs/smoke.yaml", "configs/stages/tiny.yaml", str(layer)])
     stage = [s.name for s in chosen.stages].index(winner["stage"])
     p = chosen.parallel
-    step = traced_stage_step(chosen, RunLayout(8, p.tp, p.pp, p.ep, p.vpp), resolve_stages(chosen)[stage], alone,
-                             GPUS["h200"])
+    run, played = RunLayout(8, p.tp, p.pp, p.ep, p.vpp), resolve_stages(chosen)[stage]
+    step = traced_stage_step(chosen, run, played, alone, GPUS["h200"], "estimate")  # the ranking's: H200's table
     assert step.step_s == pytest.approx(winner["step_s"], rel=1e-12)
     assert step.mfu == pytest.approx(winner["mfu"], rel=1e-12)
+    bound = traced_stage_step(chosen, run, played, alone, GPUS["h200"])
+    assert bound.step_s == pytest.approx(winner["bound"]["step_s"], rel=1e-12) and bound.step_s < step.step_s
 
 
 @pytest.mark.timeout(120)

@@ -15,10 +15,13 @@ from gpu_kernels.kda.fla_backend import fla_unavailable_reason, safe_gate_reason
 from moe_pretrain.config import ConfigError
 from moe_pretrain.fp8 import RECIPES
 from moe_pretrain.fp8.scaled_grouped_mm import scaled_grouped_mm_unavailable_reason
+from moe_pretrain.gpus import GPUS
 from moe_pretrain.model.experts import GroupedExperts
 from moe_pretrain.model.init import initialize
 from moe_pretrain.ops.host_values import AssumedHostValues
 from moe_pretrain.planning.assumed_values import AssumedValues
+from moe_pretrain.planning.calibration import calibration_for
+from moe_pretrain.planning.compute_sites import ComputeSites
 from moe_pretrain.planning.host_reads import HostReads
 from moe_pretrain.planning.op_census import OpCensus
 from parallel.parallelize import build_model
@@ -128,10 +131,15 @@ def test_a_dry_run_builds_the_gpu_kernels_and_counts_each_as_one_launch():
                                                                          "RMSNorm", "short convolution"))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     doc_ids = torch.zeros_like(tokens)  # real, as the data loader's are in a dry run: one document a row
-    with FakeTensorMode(allow_non_fake_inputs=True), OpCensus() as ops, \
+    with FakeTensorMode(allow_non_fake_inputs=True), ComputeSites() as sites, \
+            OpCensus(GPUS["h200"], sites=sites, calibration=calibration_for("h200")) as ops, \
             torch.autocast("cpu", torch.bfloat16):
         logits, balance = model(tokens, doc_ids)
         (logits.float().logsumexp(-1).mean() + balance).backward()
+    # Priced both ways: no component's estimate under its roofline bound, and none under the GPU's floor a launch.
+    assert all(estimate >= max(bound, launches * 1e-6) * (1 - 1e-9) for launches, _, bound, estimate in
+               sites.by_component().values())
+    assert ops.estimate_s >= ops.roofline_s > 0
     moe_layers = cfg.model.num_layers - cfg.model.dense_layers
     launched = ops.launches_by_op
     # One dispatch and one combine per MoE layer; permute's backward is an unweighted unpermute.

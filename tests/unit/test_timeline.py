@@ -75,3 +75,68 @@ def test_waits_inside_a_pair_of_passes_are_filed_apart():
     timeline.compute(1.0)
     assert timeline.finish(micro_batches=1) == 5.0
     assert timeline.exposed_s == {"ep": 2.0} and timeline.exposed_paired_s == {"ep": 1.0}
+
+
+def test_the_estimates_stream_idles_while_the_host_issues_short_kernels_and_a_host_read_drains_it():
+    """Hand-worked: the host issues a launch every 5 us; kernels of 1 us run one per issue (the stream idles 4 us
+    of each 5 after the first); kernels of 100 us run back to back ahead of the host until a host read makes it
+    wait for the stream, after which the next kernel waits for its issue again."""
+    host_bound = Timeline(host_issue_s=5e-6)
+    for _ in range(10):
+        host_bound.compute(1e-6)
+    assert host_bound.finish(micro_batches=1) == pytest.approx(51e-6)
+    assert host_bound.host_wait_s == pytest.approx(41e-6)
+    gpu_bound = Timeline(host_issue_s=1e-6)
+    for _ in range(3):
+        gpu_bound.compute(100e-6)
+    gpu_bound.host_read()  # the host now stands at 301 us: the stream's end
+    gpu_bound.compute(1e-6)  # issued at 302 us
+    assert gpu_bound.finish(micro_batches=1) == pytest.approx(303e-6)
+    assert gpu_bound.host_wait_s == pytest.approx(2e-6)  # 1 us before the first kernel, 1 us after the read
+
+
+def test_the_estimates_collectives_queue_on_the_physical_link_whatever_their_group():
+    """Two asynchronous collectives of different groups on the NIC: the second starts when the first ends; the
+    bound's queues are per group, so there they run side by side."""
+    for queues, step in (((), 2.0), (("nic",), 4.0)):
+        timeline = Timeline()
+        tokens = []
+        for group in ("ep", "dp"):
+            timeline.issue(group, 2.0, queues)
+            tokens.append(timeline.started())
+        timeline.compute(1.0)
+        for token in tokens:
+            timeline.waited(token)
+        assert timeline.finish(micro_batches=1) == step
+
+
+def test_compute_beside_a_collective_in_flight_runs_slower_by_the_sms_it_holds():
+    timeline = Timeline(collective_sm_share=0.1)
+    timeline.issue("ep", 0.9, ("nic",))
+    token = timeline.started()
+    timeline.compute(1.8)  # 0.9 s of it beside the exchange: 0.1 s slower
+    timeline.waited(token)
+    assert timeline.contention_s == pytest.approx(0.1)
+    assert timeline.finish(micro_batches=1) == pytest.approx(1.9)
+
+
+def test_waits_between_two_pairs_are_the_steady_states_and_filed_with_the_pairs():
+    """A send waited for after the first pair and before the second (the pipeline passing a pair's results on)
+    happens once a pair, as the whole step's steady state does: it is filed with the pairs' waits. The warm-up's
+    and the cool-down's are not."""
+    timeline = Timeline()
+
+    def wait_for(seconds: float) -> None:
+        timeline.issue("pp", seconds)
+        timeline.compute(0.0)
+
+    def pair() -> None:
+        run_paired(lambda: hand_over(), lambda: (timeline.compute(1.0), hand_over()), torch.device("cpu"))
+
+    wait_for(1.0)  # warm-up
+    pair()
+    wait_for(2.0)  # between the pairs
+    pair()
+    wait_for(4.0)  # cool-down
+    assert timeline.finish(micro_batches=3) == 9.0
+    assert timeline.exposed_s == {"pp": 7.0} and timeline.exposed_paired_s == {"pp": 2.0}
