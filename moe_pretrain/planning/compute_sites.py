@@ -90,13 +90,19 @@ class ComputeSites(TorchFunctionMode):
                     untagged.extend(n for n, _ in node.next_functions if n is not None and "site" not in n.metadata)
         return out
 
-    def launched(self, moved: int, seconds: float, estimate: float = 0.0) -> None:
-        """A launch the op census counted, now: its bytes, roofline time and estimate to its site."""
+    @staticmethod
+    def current_site() -> str:
+        """The site of the op running now: its innermost project line, or in a backward started by the training
+        loop the forward line that made its autograd node."""
         site = project_site(_PASSED_OVER)
         node = torch._C._current_autograd_node()
         if node is not None and site.startswith((*BACKWARD_CALLERS, "?")):
             site = node.metadata.get("site", f"backward of {type(node).__name__}")
-        row = self.by_site[site]
+        return site
+
+    def launched(self, moved: int, seconds: float, estimate: float = 0.0) -> None:
+        """A launch the op census counted, now: its bytes, roofline time and estimate to its site."""
+        row = self.by_site[self.current_site()]
         row[0] += 1
         row[1] += moved
         row[2] += seconds

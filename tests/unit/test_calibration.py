@@ -145,3 +145,21 @@ def test_a_figure_without_a_source_or_another_gpus_table_is_refused_in_one_line(
         calibration_for("h200", CALIBRATIONS / "h100.yaml")
     with pytest.raises(ConfigError, match=r"--calibration .*missing.yaml: No such file"):
         calibration_for("h100", tmp_path / "missing.yaml")
+
+
+def test_a_measured_table_loads_with_every_figure_sourced_and_the_unmeasured_ones_carried_over(tmp_path):
+    """bench/calibrate.py's table: the measured figures in place (their source names the device), the rest of the
+    shipped table carried over, each saying so; launch.dryrun --calibration loads it."""
+    import yaml
+
+    from bench.calibrate import measured_table
+
+    tree = measured_table(CALIBRATIONS / "h100.yaml", "NVIDIA H100 80GB HBM3", {"bf16": 0.75, "fp8": 0.6}, 0.87,
+                          (1.5e-6, 6e-6), 2.5e-6, dry=False)
+    (tmp_path / "calibration.yaml").write_text(yaml.safe_dump(tree, sort_keys=False, width=1000))
+    table = calibration_for("h100", tmp_path / "calibration.yaml")
+    assert (table.gemm_ceiling["bf16"], table.gemm_ceiling["fp8"], table.memory_fraction) == (0.75, 0.6, 0.87)
+    assert (table.launch_gpu_s, table.launch_host_s, table.gemm_fixed_s) == (1.5e-6, 6e-6, 2.5e-6)
+    assert table.gemm_ceiling["fp32"] == H100.gemm_ceiling["fp32"] and table.links == H100.links
+    assert "measured by bench/calibrate.py on NVIDIA H100 80GB HBM3" in table.sources["memory.fraction"]
+    assert table.sources["links.nic.step_latency_s"].startswith("carried over from h100.yaml")
