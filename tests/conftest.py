@@ -4,6 +4,7 @@ under pytest-xdist each worker takes its share of the cores."""
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ if not torch.cuda.is_available():
     # Our Triton kernels run on CPU tensors only in Triton's interpreter, which is chosen when a kernel is
     # defined (gpu_kernels/ import triton lazily, so setting it here, before any test runs, is early enough).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # fla's autotuned kernels cannot autotune there: each reads its pinned config (read when fla is imported;
+    # tests/fla_interpreter.py shims the rest).
+    os.environ.setdefault("FLA_CACHE_MODE", "default")
+    os.environ.setdefault("FLA_CONFIG_DIR", str(Path(__file__).resolve().parents[1] / "gpu_kernels" / "kda" /
+                                                "fla_configs"))
 
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

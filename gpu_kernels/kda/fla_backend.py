@@ -1,8 +1,11 @@
 """Whether fla's (flash-linear-attention) chunk KDA can run here; a model takes it where Kernels.kda says fla.
 
-fla's Triton kernels do not run on CPU (not even under TRITON_INTERPRET), so the PyTorch chunk form
-in moe_pretrain.ops.kda is the reference and the only path exercised on CPU machines. tests/gpu/test_fla_kda.py
-compares the two on a GPU (bench/gpu_check.sh); see docs/gpu.md, for whether that has run yet.
+fla's Triton kernels run on CUDA, and on a CPU under Triton's interpreter (TRITON_INTERPRET=1) once each
+autotuned kernel reads a pinned config (gpu_kernels/kda/fla_configs/) and four gaps of the interpreter are
+shimmed: the tests do both (tests/conftest.py, tests/fla_interpreter.py) and compare fla's path with the PyTorch
+chunk form of moe_pretrain.ops.kda, the reference, there (tests/unit/test_fla_cpu.py); on a GPU
+tests/gpu/test_fla_kda.py does (bench/gpu_check.sh; docs/gpu.md says whether that has run yet). auto keeps the
+reference on a CPU: only kernels.kda=fla asks for fla there.
 Context parallelism (cp > 1) runs KDA through parallel/context_parallel.py's own chunk form, not fla. The
 custom ops that call fla are in gpu_kernels/kda/fla_ops.py.
 """
@@ -11,6 +14,8 @@ import functools
 import importlib.util
 
 import torch
+
+from gpu_kernels.triton_support import triton_interpreted
 
 
 @functools.cache
@@ -57,8 +62,8 @@ def fla_unavailable_reason(device: torch.device, lower_bound: float | None = Non
     None when it can."""
     if reason := safe_gate_reason(lower_bound):  # a config fault on any machine: said first
         return reason
-    if device.type != "cuda":
-        return f"fla's Triton kernels need CUDA; device {device.type}"
+    if device.type != "cuda" and not triton_interpreted():
+        return f"fla's Triton kernels need CUDA (or TRITON_INTERPRET=1 and pinned configs); device {device.type}"
     if not _fla_installed():
         return "fla is not installed: pip install 'moe-pretrain[gpu]'"
     return fla_config_reason(lower_bound, head_dim, chunk_size)

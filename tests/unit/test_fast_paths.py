@@ -33,8 +33,8 @@ CPU = torch.device("cpu")
 def test_forced_fast_paths_that_cannot_run_are_refused_naming_the_key(monkeypatch):
     with pytest.raises(ConfigError, match=r"kernels\.grouped_gemm=grouped cannot run here: .*float64"):
         resolve(tiny_config("kernels.grouped_gemm=grouped", "train.dtype=float64"), CPU, torch.float64)
-    with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's Triton kernels need CUDA"):
-        resolve(tiny_config("kernels.kda=fla"), CPU, torch.float32)
+    with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's chunk_kda takes model.kda.head"):
+        resolve(tiny_config("kernels.kda=fla"), CPU, torch.float32)  # the interpreter runs fla here (tests)
     with pytest.raises(ConfigError, match=r"kernels\.attention=flex cannot run here: FlexAttention has no backward"):
         resolve(tiny_config("kernels.attention=flex"), CPU, torch.float32)
     with pytest.raises(ConfigError, match=r"kernels\.fp8_gemm=transformer_engine cannot run precision\.fp8="
@@ -43,6 +43,9 @@ def test_forced_fast_paths_that_cannot_run_are_refused_naming_the_key(monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match=r"kernels\.triton=triton cannot run here: device cpu needs TRITON_INTERPRET"):
         resolve(tiny_config("kernels.triton=triton"), CPU, torch.float32)
+    with pytest.raises(ConfigError, match=r"kernels\.kda=fla cannot run here: fla's Triton kernels need CUDA \(or "
+                                          r"TRITON_INTERPRET=1 and pinned configs\); device cpu"):
+        resolve(tiny_config("kernels.kda=fla", "model.kda.head_dim=16", "model.kda.chunk_size=32"), CPU, torch.float32)
 
 
 def test_the_fp8_engines_take_the_recipes_and_machines_they_run():
@@ -72,7 +75,7 @@ def test_the_report_reads_each_fast_path_from_the_built_model_and_says_why_it_is
     assert "Triton short convolution: off: PyTorch reference (kernels.triton=torch)" in text
     loop = describe(build_model(tiny_config("kernels.grouped_gemm=loop")))
     assert "grouped GEMM: one matmul per expert (kernels.grouped_gemm=loop)" in loop
-    assert "KDA: PyTorch chunk form (fla's Triton kernels need CUDA; device cpu)" in loop
+    assert "KDA: PyTorch chunk form (fla's chunk_kda takes model.kda.head_dim >= 16 (its tl.dot tiles), not 8)" in loop
     assert "MLA attention: one SDPA per document (FlexAttention has no backward on cpu)" in loop
 
 

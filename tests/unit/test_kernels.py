@@ -263,8 +263,8 @@ def kernel_samples() -> dict[str, tuple]:
 
 
 LIBRARY_OPS = {"fla_chunk_kda", "fla_chunk_kda_backward"}
-"""Ops around a library's kernels that cannot run on a CPU (fla's): their fakes and launches are checked against
-the library's own code on fake tensors instead (tests/unit/test_fla_ops.py)."""
+"""Ops around a library's kernels (fla's), which run here only with the interpreter's shims: their opcheck is in
+tests/unit/test_fla_cpu.py, their fakes and launches against fla's own code in tests/unit/test_fla_ops.py."""
 
 
 def test_every_gpu_kernel_op_has_a_sample_here():
