@@ -101,7 +101,8 @@ class DataConfig:
     hf:<tokenizer.json> or tiktoken:<file>; a blend entry's own tokenizer wins."""
     long_doc_share: float | None = None
     """Share of tokens drawn from long documents (see long_doc_tokens), in every dataset of the blend;
-    None = the datasets' natural mixture. A stage may set its own."""
+    None = the datasets' natural mixture. A stage may set its own. The embedded corpus then holds synthetic
+    documents of that stage's sequence length in its text (its images stay short)."""
     long_doc_tokens: int = 0
     """Documents of at least this many tokens count as long; 0 = half the sequence length in force."""
     cache_dir: str = ""

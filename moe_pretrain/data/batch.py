@@ -196,8 +196,9 @@ class PretrainingData:
     def _blend(self, plan: MixturePlan) -> tuple[list[BlendConfig], bool]:
         if plan.blend:
             return plan.blend, False
-        if self._embedded is None:
-            self._embedded = embedded_blend(self.cfg.data, self.cfg.model.vision.channels)
+        if self._embedded is None:  # with long documents of each stage's length that draws from long ones
+            long_lengths = tuple(sorted({p.seq_len for p in self.plans if not p.blend and p.long_share}))
+            self._embedded = embedded_blend(self.cfg.data, self.cfg.model.vision.channels, long_lengths)
         return self._embedded, True
 
     def _mixture(self, plan: MixturePlan) -> DocumentMixture:
@@ -216,7 +217,9 @@ class PretrainingData:
             # Cached corpora are named by content, so their pools keep their position if the cache moves.
             name = Path(entry.path).name if embedded else entry.path
             self.names[entry.path] = name
-            shares += split_pools(name, dataset, lengths, entry.weight, plan.long_share, long_tokens,
+            # The embedded images are short documents: a long share draws from the embedded text.
+            long_share = None if embedded and with_images.size else plan.long_share
+            shares += split_pools(name, dataset, lengths, entry.weight, long_share, long_tokens,
                                   self.cfg.data.seed, plan.where, self._trainable(entry.path, name, len(dataset)))
         return DocumentMixture(shares)
 

@@ -1,7 +1,10 @@
 """The embedded default corpus, built into indexed datasets on first use and cached.
 
 Two datasets: the Python standard library's source files cut into documents (stdlib_corpus.py), and
-rendered synthetic captioned images (synthetic_images.py). Their names carry everything they are made
+rendered synthetic captioned images (synthetic_images.py). Where a stage draws a share of its tokens from long
+documents (long_doc_share), the text also holds LONG_DOCUMENTS documents of that stage's sequence length, the
+library's text run on from file to file: the stage then packs documents that fill its rows, as a real blend's
+long documents would, rather than 2 KB pieces. Their names carry everything they are made
 from, so a cached copy is reused only when it is the same data; concurrent builders (every rank of a
 node starts at once) serialise on a file lock and the first one's result is shared.
 """
@@ -71,16 +74,38 @@ def _build_once(prefix: Path, write) -> Path:
     return prefix
 
 
-def stdlib_text_dataset(cfg: DataConfig) -> Path:
+LONG_DOCUMENTS = 8
+"""Synthetic long documents of each length asked for (a pool revisits its documents every epoch)."""
+
+
+def long_text(files: tuple[Path, ...], length: int, index: int) -> bytes:
+    """The index-th document of `length` bytes: the library's files run on from one to the next (from the index-th
+    file), cycling."""
+    pieces, size, at = [], 0, index
+    while size < length:
+        piece = read_document(files[at % len(files)])
+        pieces.append(piece[:length - size])
+        size += len(pieces[-1])
+        at += 1
+    return b"".join(pieces)
+
+
+def stdlib_text_dataset(cfg: DataConfig, long_lengths: tuple[int, ...] = ()) -> Path:
+    """The stdlib text cut into documents of at most data.text_doc_bytes, and LONG_DOCUMENTS documents of each of
+    long_lengths tokens."""
     files = stdlib_source_files()
     identity = f"{sys.version}|{files[0].parent}|{len(files)}|{sum(f.stat().st_size for f in files)}"
     digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
-    prefix = cache_root(cfg) / f"stdlib-text-{cfg.text_doc_bytes}-{digest}"
+    longs = "".join(f"-long{length}" for length in long_lengths)
+    prefix = cache_root(cfg) / f"stdlib-text-{cfg.text_doc_bytes}-{digest}{longs}"
 
     def write(writer: DatasetWriter) -> None:
         for i, path in enumerate(files):
             for piece in split_text(read_document(path), cfg.text_doc_bytes):
                 writer.add(encode(piece), where=f"{path} (file {i})")
+        for length in long_lengths:
+            for index in range(LONG_DOCUMENTS):
+                writer.add(encode(long_text(files, length, index * 97)), where=f"long document {index} of {length}")
 
     return _build_once(prefix, write)
 
@@ -102,11 +127,12 @@ def synthetic_image_dataset(cfg: DataConfig, channels: int) -> Path:
     return _build_once(prefix, write)
 
 
-def embedded_blend(cfg: DataConfig, channels: int) -> list[BlendConfig]:
-    """data.blend for the embedded corpus: stdlib text and, by token share image_fraction, images."""
+def embedded_blend(cfg: DataConfig, channels: int, long_lengths: tuple[int, ...] = ()) -> list[BlendConfig]:
+    """data.blend for the embedded corpus: stdlib text (with long documents of each of long_lengths tokens) and,
+    by token share image_fraction, images."""
     blend = []
     if cfg.image_fraction < 1:
-        blend.append(BlendConfig(str(stdlib_text_dataset(cfg)), 1.0 - cfg.image_fraction))
+        blend.append(BlendConfig(str(stdlib_text_dataset(cfg, long_lengths)), 1.0 - cfg.image_fraction))
     if cfg.image_fraction > 0:
         blend.append(BlendConfig(str(synthetic_image_dataset(cfg, channels)), cfg.image_fraction))
     return blend

@@ -183,6 +183,30 @@ def test_long_document_share_per_stage(tmp_path):
         PretrainingData(bad)
 
 
+def test_the_embedded_corpus_holds_documents_of_each_long_stages_length():
+    """A stage that draws from long documents on the embedded corpus: its text then holds documents of the stage's
+    sequence length (the images stay short), drawn for half the text's tokens (the images hold 10% of all: 45% of
+    the stage's); a stage without a long share draws the 2 KB pieces as before."""
+    from moe_pretrain.data.embedded import LONG_DOCUMENTS
+
+    stages = ("stages=[{name: short, tokens: 768, seq_len: 96, batch_tokens: 384}, "
+              "{name: long, tokens: 6144, seq_len: 3072, batch_tokens: 3072, long_doc_share: 0.5, "
+              "long_doc_tokens: 2500}]")
+    data = PretrainingData(tiny_config(stages, "train.steps=4"))
+    text = next(path for path in data.lengths if "stdlib-text" in path)
+    assert path_suffix(text) == "-long3072"
+    assert int((data.lengths[text] >= 3072).sum()) == LONG_DOCUMENTS  # the 2 KB pieces are all shorter
+    assert max(d.length for d in drawn_tokens(data, 300)) < 2500
+    data.set_stage(1)
+    drawn = drawn_tokens(data, 300)
+    share = sum(d.length for d in drawn if d.length >= 2500) / sum(d.length for d in drawn)
+    assert abs(share - 0.45) < 0.02, share
+
+
+def path_suffix(path: str) -> str:
+    return path[path.rindex("-long"):]
+
+
 def test_a_blend_must_share_one_tokenizer_and_fit_the_model(tmp_path):
     byte = lettered_dataset(tmp_path, "bytes", "a", [10, 20])
     source = write_jsonl(tmp_path / "hf.jsonl", [{"text": t} for t in TEXTS])

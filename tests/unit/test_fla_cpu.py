@@ -135,3 +135,41 @@ def test_a_short_training_run_with_fla_follows_the_reference(tmp_path):
         assert any(getattr(module, "fla", False) for module in trainer.model.modules()) == (choice == "fla")
         losses[choice] = [h["loss"] for h in run_training(trainer)]
     assert losses["fla"] == pytest.approx(losses["torch"], rel=1e-5)
+
+
+def test_the_profiles_flops_are_what_flas_kernels_multiply_bar_the_masked_halves():
+    """The dry run prices fla's launches by its profile's FLOPs (gpu_kernels/kda/fla_launches.py: the chunked
+    form's products, intra-chunk ones over their causal half). Counted independently, as the products fla's
+    kernels hand tl.dot under the interpreter, at the model's head width (128) and chunk (64): the profile is
+    never above that count, and under it by no more than the masked halves of the intra-chunk tiles (1.22x
+    forward, 1.25x backward seen here)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from gpu_kernels.launch_profile import PROFILES
+
+    multiplied = [0]
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def counted(self, a, b, d, input_precision, max_num_imprecise_acc):
+        multiplied[0] += 2 * a.data.shape[-2] * a.data.shape[-1] * b.data.shape[-1] * int(np.prod(a.data.shape[:-2]))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    gen = torch.Generator().manual_seed(3)
+    T, H, K, V, C = 128, 1, 128, 128, 64
+    q, v = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, V, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    g, beta = -torch.rand(1, T, H, K, generator=gen), torch.rand(1, T, H, generator=gen)
+    forward_op, backward_op = torch.ops.moe_pretrain.fla_chunk_kda, torch.ops.moe_pretrain.fla_chunk_kda_backward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", counted)
+        forward = (q, k, v, g, beta, None, None, None, None, K**-0.5, C, -5.0, False)
+        out = forward_op(*forward)
+        forward_run, multiplied[0] = multiplied[0], 0
+        backward = (q, k, v, beta, *out[2:], None, torch.randn_like(out[0]), None, None, None, None, K**-0.5, C, -5.0)
+        grads = backward_op(*backward)
+        backward_run = multiplied[0]
+    profiled = [sum(launch.flops for launch in PROFILES[op](*args, out=result))
+                for op, args, result in ((forward_op, forward, out), (backward_op, backward, grads))]
+    assert profiled[0] <= forward_run <= 1.3 * profiled[0], (forward_run, profiled[0])
+    assert profiled[1] <= backward_run <= 1.3 * profiled[1], (backward_run, profiled[1])
