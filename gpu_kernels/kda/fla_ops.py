@@ -9,9 +9,11 @@ disable_recompute=False (q, k, v, beta, the gate's chunk cumsum, Aqk, Akk and th
 recomputes w, u and the chunk states h, as fla's does. The gate, the q / k L2 norm and beta's sigmoid stay in the
 model (use_gate_in_kernel and its kin off), so this path computes exactly the reference's inputs.
 
-The real implementations call fla's functions on CUDA only; nothing here has run on a GPU yet (docs/gpu.md):
-tests/gpu/test_fla_kda.py compares it with the PyTorch chunk form there, and tests/unit/test_fla_ops.py checks the
-fakes and the launch profile against fla's own code on fake tensors, with its Triton launches intercepted.
+The real implementations call fla's functions on the tensors' device: CUDA, or in the tests the CPU under Triton's
+interpreter (pinned configs and shims: tests/unit/test_fla_cpu.py holds them against the PyTorch chunk form and a
+float64 recurrence there). Nothing here has run on a GPU yet (docs/gpu.md): tests/gpu/test_fla_kda.py compares it
+with the chunk form there, and tests/unit/test_fla_ops.py checks the fakes and the launch profile against fla's own
+code on fake tensors, with its Triton launches intercepted.
 """
 
 import itertools
@@ -68,7 +70,7 @@ def _states(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -
 
 def fla_forward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, scale, chunk_size,
                 lower_bound, output_final_state) -> tuple[torch.Tensor, ...]:
-    """The forward op's implementation: fla's chunk_kda_fwd on tensors of the current CUDA device (the trainer
+    """The forward op's implementation: fla's chunk_kda_fwd on the tensors' device (the current CUDA device: the trainer
     sets each rank's), taking what fla's own Function would keep for the backward."""
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
