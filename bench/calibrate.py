@@ -20,16 +20,18 @@ table is no measurement of a GPU, and every figure's source says so.
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is run as a script: its package from the root
+from bench.fast_paths import median_time
 from moe_pretrain.gpus import GPUS, gpu_of_device
 from moe_pretrain.planning.calibration import CALIBRATIONS, Calibration, load_calibration
 from moe_pretrain.planning.kernel_estimate import gemm_seconds
@@ -42,26 +44,6 @@ EXPERT_ROWS = (128, 256, 512, 1024, 2048)
 """Rows an expert for the grouped GEMM: 7 local experts, latent 3584 to 2 x 3072 (the gate and up rows)."""
 DRY_SCALE = 32
 """--dry divides every size by this (a CPU at these shapes takes seconds, not hours)."""
-
-
-def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
-    def median_seconds(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                began = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - began)
-        return statistics.median(times)
-    return median_seconds
 
 
 def gemm_points(device: torch.device, seconds_of, scale: int) -> list[dict]:
@@ -191,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = load_calibration(shipped)
     scale, repeats = (DRY_SCALE, min(args.repeats, 3)) if args.dry else (1, args.repeats)
-    seconds_of = timer(device, repeats)
+    seconds_of = functools.partial(median_time, device=device, repeats=repeats)
     points = gemm_points(device, seconds_of, scale) + grouped_points(device, seconds_of, scale)
     fraction, copy = memory_fraction(device, seconds_of, scale, table.memory_bytes_s)
     *launch, launch_point = launch_times(device, seconds_of)

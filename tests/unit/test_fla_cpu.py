@@ -19,6 +19,7 @@ import torch
 from gpu_kernels.triton_support import triton_interpreted
 from moe_pretrain.ops.kda import kda, kda_recurrent
 from tests import fla_interpreter
+from tests.helpers import rel_rms
 
 pytestmark = pytest.mark.skipif(not triton_interpreted(), reason="the interpreter runs fla on CPU tensors "
                                 "(a GPU runs tests/gpu/test_fla_kda.py)")
@@ -27,10 +28,6 @@ pytestmark = pytest.mark.skipif(not triton_interpreted(), reason="the interprete
 @pytest.fixture(scope="module", autouse=True)
 def interpreted_fla():
     fla_interpreter.install()
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).square().mean().sqrt() / b.double().square().mean().sqrt()).item()
 
 
 CASES = {  # B, T, H, K, V, document bounds, initial and final states, gate floor, chunk
